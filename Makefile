@@ -1,0 +1,26 @@
+# `make test` and `make bench` each create .venv if missing and install everything.
+# On a machine without a GPU, torch comes from the CPU wheel (never the CUDA ones).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_SPEC)" "numpy<2.3"
+	$(PY) -m pip install --quiet -e ".[test,bench]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 --dist loadgroup tests
+
+bench: $(STAMP)
+	$(PY) -m bench.report
+
+clean:
+	rm -rf $(VENV) .pytest_cache .benchmarks

@@ -1,0 +1,1 @@
+"""Kernel and layer benchmarks (pytest-benchmark) and the report CLI: ``python -m bench.report``."""

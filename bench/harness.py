@@ -1,0 +1,116 @@
+"""What every benchmark in bench/ shares: the device, its name, and how a step is timed.
+
+A benchmark builds a *step*, a no-argument callable (one forward, one backward or both),
+and hands it to ``measure``. pytest-benchmark times a round by reading its timer before
+and after the target; the timer here is ``CLOCK``, which advances only by the time
+measured around the step (test modules opt in with
+``pytestmark = pytest.mark.benchmark(timer=CLOCK)``):
+
+- CUDA: each round first writes a 1 GiB buffer, which evicts L2 (so inputs come from
+  HBM, as in a model) and keeps the GPU busy while the host queues the step, then
+  brackets the step with CUDA events and waits for them. The round's time is GPU time,
+  free of host synchronisation and, while the host queues faster than the GPU clears
+  the buffer, of launch overhead, as in ``triton.testing.do_bench``.
+- CPU: the host time of the step.
+
+Nothing here touches the GPU at import time.
+"""
+
+import platform
+import time
+from collections.abc import Callable
+
+import torch
+
+ROUNDS = 100
+WARMUP = 5
+_FLUSH_BYTES = 1 << 30
+
+
+def bench_device() -> torch.device:
+    """The device benchmarks run on: the current CUDA device when there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (``NVIDIA H100 80GB HBM3``) or the CPU model (``AMD EPYC``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class StepClock:
+    """A pytest-benchmark timer that advances only by the measured time of ``timed`` steps."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+    def __repr__(self) -> str:
+        return "bench.harness.CLOCK"
+
+    def timed(self, step: Callable[[], object], device: torch.device) -> Callable[[], None]:
+        """The target of one round: runs ``step`` once and adds its time to the clock."""
+        if device.type != "cuda":
+
+            def host_timed() -> None:
+                start = time.perf_counter()
+                step()
+                self.seconds += time.perf_counter() - start
+
+            return host_timed
+
+        flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device=device)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+
+        def gpu_timed() -> None:
+            flush.zero_()
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
+
+        return gpu_timed
+
+
+CLOCK = StepClock()
+
+
+def warm_up(step: Callable[[], object], device: torch.device, times: int = WARMUP) -> None:
+    """Run ``step`` a few times so compilation, autotuning and allocation happen before timing."""
+    for _ in range(times):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mib(step: Callable[[], object], device: torch.device) -> float | None:
+    """Memory one run of ``step`` allocates at its peak beyond what was allocated before (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def measure(benchmark, step: Callable[[], object], device: torch.device, rounds: int = ROUNDS) -> None:
+    """Record ``step``'s peak memory in ``benchmark.extra_info``, then time ``rounds`` rounds of it.
+
+    ``step`` must be warmed up already (``warm_up``), so no round pays for compilation.
+    """
+    benchmark.extra_info["peak_memory_mib"] = peak_memory_mib(step, device)
+    benchmark.pedantic(CLOCK.timed(step, device), rounds=rounds, warmup_rounds=1)

@@ -1,0 +1,399 @@
+"""Run the benchmarks in bench/ and report them: ``python -m bench.report [pytest args]``.
+
+Runs pytest on bench/ in a subprocess with ``--benchmark-json`` (which keeps every
+round's time; extra arguments such as ``-k add_layer_norm`` are passed on), then
+prints one table per family/op/mode with rich and writes
+
+    bench/results/<device-slug>.md            header, tables, targets, skipped benchmarks
+    bench/results/<device-slug>-<family>.png  metric vs the swept size, per op and mode
+
+The report knows no family: each benchmark's ``extra_info`` names its ``family``,
+``op``, ``mode``, ``provider``, ``implementation``, the swept parameter (``sweep``, e.g.
+"hidden") and its value, and the ``work`` one call does in terms of its metric's
+``unit`` ("GB/s": bytes, "TFLOP/s": FLOPs), so the metric is work / median time. On a
+GPU it also checks the norm targets (``TARGET``) and the attention targets
+(``ATTENTION_TARGETS``).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.markdown import Markdown  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+import torch  # noqa: E402
+from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+UNIT_SCALE = {"GB/s": 1e9, "TFLOP/s": 1e12}
+# A table gets a "vs X" column for each of these providers that it has.
+BASELINES = ("torch", "torch.compile", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
+# Peak HBM bandwidth in bytes/s, by a substring of torch.cuda.get_device_name (first match).
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 80GB HBM3": 3.35e12, "H100 SXM": 3.35e12}
+# Fused add + LayerNorm, forward + backward: >= 1.5x torch eager and >= 80% of peak bandwidth.
+TARGET = {"family": "norm", "op": "add_layer_norm", "mode": "full", "provider": "slimformer"}
+TARGET_SIZES = (768, 8192)
+TARGET_SPEEDUP = 1.5
+TARGET_PEAK_FRACTION = 0.8
+# slimformer attention at head dim 128 and seq >= 4096, causal or not, on an H100/H200:
+# mode -> (least ratio to the fastest baseline (SDPA backend) of the same size, least TFLOP/s).
+ATTENTION_TARGETS = {"fwd": (1.0, 350.0), "bwd": (0.8, None)}
+ATTENTION_TARGET_OPS = ("d128 non-causal", "d128 causal")
+ATTENTION_TARGET_MIN_SEQ = 4096
+ATTENTION_TARGET_DEVICES = ("H100", "H200")
+
+
+@dataclass
+class Result:
+    """One benchmark: what ran, its 20/50/80th percentile times (s) and its metric."""
+
+    family: str
+    op: str
+    mode: str
+    provider: str
+    implementation: str
+    sweep: str
+    size: int
+    p20: float
+    p50: float
+    p80: float
+    unit: str
+    metric: float
+    peak_memory_mib: float | None
+    ratio: dict[str, float] = field(default_factory=dict)  # baseline median / this median
+
+    @property
+    def table_key(self) -> tuple[str, str, str]:
+        return self.family, self.op, self.mode
+
+
+def run_benchmarks(json_path: Path, pytest_args: list[str]) -> list[str]:
+    """Run pytest on bench/, streaming its output; return the reasons of skipped benchmarks.
+
+    TRITON_INTERPRET is dropped: the interpreter is for tests, and timing it means nothing.
+    """
+    command = [sys.executable, "-m", "pytest", "bench", "-p", "no:xdist", "-p", "no:cacheprovider", "-rs"]
+    command += ["--benchmark-quiet", f"--benchmark-json={json_path}", *pytest_args]
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    skipped = []
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    with subprocess.Popen(command, cwd=ROOT, env=env, **output) as proc:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if match := re.match(r"SKIPPED \[\d+\] (.*)", line):
+                skipped.append(match.group(1).strip())
+    if proc.returncode != 0:
+        sys.exit(f"pytest failed (exit code {proc.returncode}); no report written")
+    return skipped
+
+
+def load_results(benchmarks: list[dict]) -> list[Result]:
+    """Results from pytest-benchmark's JSON, with ratios against the baselines of the same run."""
+    results = []
+    for bench in benchmarks:
+        info = bench["extra_info"]
+        p20, p50, p80 = np.percentile(bench["stats"]["data"], [20, 50, 80])
+        results.append(
+            Result(
+                family=info["family"],
+                op=info["op"],
+                mode=info["mode"],
+                provider=info["provider"],
+                implementation=info["implementation"],
+                sweep=info["sweep"],
+                size=info[info["sweep"]],
+                p20=p20,
+                p50=p50,
+                p80=p80,
+                unit=info["unit"],
+                metric=info["work"] / p50 / UNIT_SCALE[info["unit"]],
+                peak_memory_mib=info.get("peak_memory_mib"),
+            )
+        )
+    medians = {(*r.table_key, r.size, r.provider): r.p50 for r in results}
+    for r in results:
+        for baseline in BASELINES:
+            if (base := medians.get((*r.table_key, r.size, baseline))) is not None:
+                r.ratio[baseline] = base / r.p50
+    return results
+
+
+def group_by(results: list[Result], key) -> dict:
+    """Results grouped by ``key(result)``, groups and members in run order."""
+    groups = defaultdict(list)
+    for r in results:
+        groups[key(r)].append(r)
+    return groups
+
+
+def table(results: list[Result]) -> tuple[list[str], list[list[str]]]:
+    """Column names and cells of one family/op/mode table, rows by size then provider."""
+    first = results[0]
+    show_memory = any(r.peak_memory_mib is not None for r in results)
+    baselines = [b for b in BASELINES if any(r.provider == b for r in results)]
+    columns = [first.sweep, "provider", "p20 ms", "p50 ms", "p80 ms", first.unit]
+    columns += [f"vs {b}" for b in baselines] + (["peak MiB"] if show_memory else [])
+    rows = []
+    for r in sorted(results, key=lambda r: r.size):  # stable: providers stay in run order
+        ratios = [f"{r.ratio[b]:.2f}x" if b in r.ratio else "-" for b in baselines]
+        row = [str(r.size), r.provider, *(f"{t * 1e3:.3g}" for t in (r.p20, r.p50, r.p80))]
+        row += [f"{r.metric:.1f}" if r.metric >= 0.1 else f"{r.metric:.2g}", *ratios]  # tiny: CPU runs
+        if show_memory:
+            row.append("-" if r.peak_memory_mib is None else f"{r.peak_memory_mib:.1f}")
+        rows.append(row)
+    return columns, rows
+
+
+def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def peak_bandwidth(device: str) -> float | None:
+    """Peak memory bandwidth (bytes/s) of a known GPU, else None."""
+    return next((bw for name, bw in PEAK_BANDWIDTH.items() if name in device), None)
+
+
+def target_lines(results: list[Result], device: str) -> list[str]:
+    """Whether fused add + LayerNorm forward + backward meets its speed and bandwidth targets."""
+    peak = peak_bandwidth(device)
+    lo, hi = TARGET_SIZES
+    checked = [
+        r
+        for r in results
+        if all(getattr(r, k) == v for k, v in TARGET.items()) and lo <= r.size <= hi
+    ]
+    if not checked:
+        return ["No fused add + LayerNorm forward+backward results in this run: targets not checked."]
+    lines = []
+    all_met = peak is not None
+    for r in sorted(checked, key=lambda r: r.size):
+        speedup = r.ratio.get("torch")
+        fast = speedup is not None and speedup >= TARGET_SPEEDUP
+        speed = f"{speedup:.2f}x torch eager" if speedup is not None else "no torch eager baseline"
+        if peak is None:
+            bandwidth = f"{r.metric:.0f} GB/s, peak bandwidth of {device!r} unknown"
+            full = False
+        else:
+            fraction = r.metric * 1e9 / peak
+            full = fraction >= TARGET_PEAK_FRACTION
+            bandwidth = f"{r.metric:.0f} GB/s = {fraction:.0%} of {peak / 1e9:.0f} GB/s ({'met' if full else 'MISSED'})"
+        all_met = all_met and fast and full
+        lines.append(f"- hidden {r.size}: {speed} ({'met' if fast else 'MISSED'}); {bandwidth}")
+    verdict = "all met" if all_met else ("unknown (peak bandwidth unknown)" if peak is None else "NOT all met")
+    goal = f">= {TARGET_SPEEDUP}x torch eager and >= {TARGET_PEAK_FRACTION:.0%} of peak bandwidth"
+    return [f"Fused add + LayerNorm forward+backward, hidden {lo}..{hi}, {goal}: **{verdict}**", "", *lines]
+
+
+def attention_target_lines(results: list[Result], device: str) -> list[str]:
+    """Whether slimformer attention at head dim 128, seq >= 4096 meets its speed targets, each mode
+    against the fastest baseline (SDPA backend) of the same size."""
+    checked = [
+        r
+        for r in results
+        if r.family == "attention"
+        and r.provider == "slimformer"
+        and r.op in ATTENTION_TARGET_OPS
+        and r.mode in ATTENTION_TARGETS
+        and r.size >= ATTENTION_TARGET_MIN_SEQ
+    ]
+    if not checked:
+        scope = f"head dim 128, seq >= {ATTENTION_TARGET_MIN_SEQ}"
+        return [f"No attention results at {scope} in this run: targets not checked."]
+    lines = []
+    all_met = True
+    for r in sorted(checked, key=lambda r: (list(ATTENTION_TARGETS).index(r.mode), r.op, r.size)):
+        least_ratio, least_tflops = ATTENTION_TARGETS[r.mode]
+        if r.ratio:
+            fastest, ratio = min(r.ratio.items(), key=lambda item: item[1])
+            met = ratio >= least_ratio
+            parts = [f"{ratio:.2f}x {fastest} (fastest baseline) ({'met' if met else 'MISSED'})"]
+        else:
+            met = False
+            parts = ["no SDPA baseline ran (MISSED)"]
+        if least_tflops is not None:
+            high = r.metric >= least_tflops
+            parts.append(f"{r.metric:.0f} TFLOP/s ({'met' if high else 'MISSED'})")
+            met = met and high
+        all_met = all_met and met
+        lines.append(f"- {r.mode} {r.op}, seq {r.size}: " + "; ".join(parts))
+    goals = [
+        f"{mode} >= {ratio}x the fastest SDPA backend" + (f" and >= {tflops:.0f} TFLOP/s" if tflops else "")
+        for mode, (ratio, tflops) in ATTENTION_TARGETS.items()
+    ]
+    verdict = "all met" if all_met else "NOT all met"
+    if not any(name in device for name in ATTENTION_TARGET_DEVICES):
+        verdict += f" (targets set for {' / '.join(ATTENTION_TARGET_DEVICES)}, not this GPU)"
+    scope = f"Attention, head dim 128, seq >= {ATTENTION_TARGET_MIN_SEQ}, {', '.join(goals)}"
+    return [f"{scope}: **{verdict}**", "", *lines]
+
+
+def git_revision() -> str:
+    """Short commit hash, marked when the working tree has uncommitted changes; 'unknown' outside git."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        revision, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return revision + (" (with uncommitted changes)" if changes else "")
+
+
+def header(machine: dict, results: list[Result], rounds: int) -> list[str]:
+    """The markdown header: what ran where, and how to read the tables."""
+    by_provider = group_by(results, lambda r: r.provider)
+    runs = {p: " / ".join(sorted({r.implementation for r in group})) for p, group in by_provider.items()}
+    lines = [
+        f"# Benchmarks on {machine['bench_device']}",
+        "",
+        f"- device: {machine['bench_device']} ({machine['bench_device_type']})",
+        f"- torch {machine['torch']}, triton {machine['triton']}, CUDA {machine['cuda'] or 'none'}, "
+        f"Python {machine['python_version']}",
+        f"- git revision: {git_revision()}",
+        "- providers run: " + ", ".join(f"{p} = {impl}" for p, impl in runs.items()),
+        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "",
+        f"Times are the 20th/50th/80th percentiles of {rounds} rounds, in ms (on a GPU: CUDA-event time of "
+        "one call after an L2 flush, see `bench/harness.py`). The metric is the call's work (bytes or FLOPs, "
+        "see each benchmark module's docstring) / median time. `vs X` = X's median / this median "
+        "(> 1: faster than X), both from this run.",
+    ]
+    if machine["bench_device_type"] == "cpu":
+        lines += [
+            "",
+            f"CPU runs use {machine['torch_threads']} intra-op thread(s), so that other load on the machine "
+            "disturbs them less.",
+            "",
+            "**CPU run: these numbers time the PyTorch reference path only (no Triton kernel runs on CPU); "
+            "they exercise the benchmark harness and say nothing about the GPU kernels.**",
+        ]
+    return lines
+
+
+def plot(results: list[Result], device: str, path: Path) -> None:
+    """One subplot per op x mode: the metric against the swept size, one line per provider."""
+    ops = list(dict.fromkeys(r.op for r in results))
+    modes = list(dict.fromkeys(r.mode for r in results))
+    providers = list(dict.fromkeys(r.provider for r in results))  # same colour in every subplot
+    fig, axes = plt.subplots(len(ops), len(modes), figsize=(4.2 * len(modes), 3.2 * len(ops)), squeeze=False)
+    peak = peak_bandwidth(device)
+    for (op, mode), group in group_by(results, lambda r: (r.op, r.mode)).items():
+        ax = axes[ops.index(op)][modes.index(mode)]
+        for provider, points in group_by(group, lambda r: r.provider).items():
+            points.sort(key=lambda r: r.size)
+            color = f"C{providers.index(provider) % 10}"
+            ax.plot([r.size for r in points], [r.metric for r in points], marker="o", color=color, label=provider)
+        if peak is not None and group[0].unit == "GB/s":
+            ax.axhline(peak / 1e9, color="gray", linestyle="--", linewidth=1, label="peak bandwidth")
+        sizes = sorted({r.size for r in group})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes], rotation=45)
+        ax.minorticks_off()
+        ax.set_title(f"{op} · {mode}")
+        ax.set_xlabel(group[0].sweep)
+        ax.set_ylabel(group[0].unit)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    legend = {}  # label -> handle, from every subplot: a provider skipped in one still appears
+    for ax in axes.flat:
+        handles, labels = ax.get_legend_handles_labels()
+        legend.update(zip(labels, handles))
+    labels, handles = list(legend), list(legend.values())
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
+    fig.suptitle(f"{results[0].family} on {device}", y=1.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def device_slug(device: str, device_type: str) -> str:
+    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``; a CPU model gets a ``cpu-`` prefix."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    return f"cpu-{slug}" if device_type == "cpu" else slug
+
+
+def memory_lines(machine: dict) -> list[str]:
+    """The activation-memory section, measured now on the benchmark device in its dtype."""
+    device = torch.device(machine["bench_device_type"])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    columns, rows = norm_memory_table(device, dtype)
+    return [
+        f"## Activation memory kept for backward ({TOKENS} tokens, hidden {HIDDEN}, {dtype})",
+        "",
+        "Measured with `slimformer.memory` (saved tensors and live weak references; input, output and"
+        " parameters excluded).",
+        "",
+        markdown_table(columns, rows),
+    ]
+
+
+def write_report(data: dict, skipped: list[str], console: Console) -> list[Path]:
+    """Print and write the report of one pytest-benchmark JSON run; return the files written."""
+    machine = data["machine_info"]
+    device = machine["bench_device"]
+    results = load_results(data["benchmarks"])
+    rounds = max(len(b["stats"]["data"]) for b in data["benchmarks"])
+
+    md = header(machine, results, rounds)
+    console.print(Markdown("\n".join(md)))
+    for (family, op, mode), group in group_by(results, lambda r: r.table_key).items():
+        columns, rows = table(group)
+        rich_table = Table(*columns, title=f"{family}: {op}, {mode} ({device})")
+        for row in rows:
+            rich_table.add_row(*row)
+        console.print(rich_table)
+        md += ["", f"## {family}: {op}, {mode}", "", markdown_table(columns, rows)]
+    if machine["bench_device_type"] == "cuda":
+        targets = ["## Targets", "", *target_lines(results, device), "", *attention_target_lines(results, device)]
+        console.print(Markdown("\n".join(targets)))
+        md += ["", *targets]
+    memory = memory_lines(machine)
+    console.print(Markdown("\n".join(memory)))
+    md += ["", *memory]
+    if skipped:
+        md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    slug = device_slug(device, machine["bench_device_type"])
+    written = [RESULTS / f"{slug}.md"]
+    written[0].write_text("\n".join(md) + "\n")
+    for family, group in group_by(results, lambda r: r.family).items():
+        written.append(RESULTS / f"{slug}-{family}.png")
+        plot(group, device, written[-1])
+    return written
+
+
+def main(pytest_args: list[str]) -> None:
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        json_path = Path(tmp) / "benchmarks.json"
+        skipped = run_benchmarks(json_path, pytest_args)
+        if not json_path.exists():
+            sys.exit("no benchmark ran; no report written")
+        data = json.loads(json_path.read_text())
+    console = Console() if sys.stdout.isatty() else Console(width=120)  # logs: don't cut columns at 80
+    for path in write_report(data, skipped, console):
+        console.print(f"wrote {path.relative_to(ROOT)}")
+    console.print(f"bench.report took {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,100 @@
+"""Dropout fused with the residual add: out = residual + dropout(x), keeping no mask.
+
+Eager ``residual + F.dropout(x)`` keeps the dropout mask for backward. Here the keep
+decision of element i is ``tl.rand(seed, i) >= p`` (see ``philox.py``), so backward
+regenerates it from the seed:
+
+    d_residual = d_out,   dx = d_out · keep / (1 - p)
+
+Only the int64 seed is saved.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from slimformer.kernels.dispatch import use_triton
+from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _dropout_scale_kernel(
+    X,  # (numel,) input
+    RESIDUAL,  # (numel,) residual to add, or None
+    OUT,  # (numel,) residual + x · keep / (1 - p)
+    SEED,  # () int64 dropout seed
+    numel,
+    dropout_p,
+    dropout_scale,
+    BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
+    out = tl.where(keep, x * dropout_scale, 0.0)
+    if RESIDUAL is not None:
+        out += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _dropout_scale(x, residual, seed, dropout_p):
+    """residual + x · keep / (1 - p) (residual optional) with the Triton kernel."""
+    out = torch.empty_like(x)
+    if x.numel():
+        _dropout_scale_kernel[(triton.cdiv(x.numel(), _BLOCK),)](
+            x, residual, out, seed, x.numel(), dropout_p, 1.0 / (1.0 - dropout_p), BLOCK=_BLOCK
+        )
+    return out
+
+
+def _dropout_scale_reference(x, residual, seed, dropout_p):
+    """PyTorch statement of ``_dropout_scale``."""
+    offsets = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
+    out = torch.where(dropout_keep_mask(seed, offsets, dropout_p), x.float() / (1.0 - dropout_p), 0.0)
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(x.dtype)
+
+
+def _apply_dropout(x, residual, seed, dropout_p):
+    fn = _dropout_scale if use_triton(x) else _dropout_scale_reference
+    return fn(x, residual, seed, dropout_p)
+
+
+class _DropoutAddFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, seed, dropout_p):
+        ctx.save_for_backward(seed)
+        ctx.dropout_p = dropout_p
+        return _apply_dropout(x, residual, seed, dropout_p)
+
+    @staticmethod
+    def backward(ctx, dout):
+        (seed,) = ctx.saved_tensors
+        dout = dout.contiguous()
+        return _apply_dropout(dout, None, seed, ctx.dropout_p), dout, None, None
+
+
+def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, training: bool = True) -> torch.Tensor:
+    """``residual + F.dropout(x, dropout_p, training)`` without keeping the mask.
+
+    x, residual: same shape, dtype and device, floating point. dropout_p in [0, 1).
+    The mask is drawn from torch's generator (``torch.manual_seed`` reproduces it).
+    Raises ValueError/TypeError naming the argument on mismatches.
+    """
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {list(x.shape)}, got {getattr(residual, 'shape', residual)}")
+    if residual.dtype != x.dtype or residual.device != x.device:
+        raise TypeError(f"residual must match x's dtype {x.dtype} and device {x.device}, got {residual.dtype} on "
+                        f"{residual.device}")  # fmt: skip
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not training or dropout_p == 0.0:
+        return residual + x
+    seed = new_dropout_seed(x.device)
+    return _DropoutAddFunction.apply(x.contiguous(), residual.contiguous(), seed, float(dropout_p))

@@ -1,0 +1,536 @@
+"""GEMMs for inference: fp16/bf16 with a fused epilogue, W8A8 and W8A16 (int8 weights).
+
+Every GEMM computes ``y = act(x @ Wᵀ + b)`` for x (M, K) and an nn.Linear weight W
+(N, K), with an fp32 (or int32) accumulator and the epilogue (scales, bias, GELU or
+ReLU) applied to the accumulator before the one rounding to the output dtype.
+
+INT8 is symmetric. A weight row n is stored as ``Wq[n] = round(W[n] / s_w[n])`` with
+``s_w[n] = max|W[n]| / 127``; an activation row m is quantized on the fly the same way
+(per token, ``s_x[m] = max|x[m]| / 127``; an all-zero row gets scale 1). Then
+
+    W8A8:  y[m, n] = (Σ_k xq[m, k] wq[n, k]) · s_x[m] · s_w[n] + b[n]   (int32 sum)
+    W8A16: y[m, n] = (Σ_k x[m, k] wq[n, k]) · s_w[n] + b[n]              (fp32 sum)
+
+so the scales leave the K loop, and W8A16 reads one byte per weight (its speed at small
+M, where the GEMM is bound by reading W). Rounding is half away from zero. Before
+quantization, x may be multiplied per channel by ``smooth`` (SmoothQuant: the
+activation's outliers moved into the weights, which were multiplied by 1 / smooth).
+
+These are inference ops: nothing is saved for backward, and backward raises.
+"""
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from slimformer.kernels.dispatch import use_triton
+
+ACTIVATIONS = (None, "gelu", "relu")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The int32 accumulator holds any sum of 127·127 products over at most this many terms.
+MAX_INT8_IN_FEATURES = (2**31 - 1) // 127**2
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+# Rows of ``quantize_per_token``'s program read at most this many elements per step.
+_QUANTIZE_BLOCK_ELEMENTS = 4096
+
+
+@triton.jit
+def _round_half_away(x):
+    """Round fp32 to the nearest integer, halves away from zero (as ``_round_half_away_reference``)."""
+    return tl.where(x < 0, -tl.floor(0.5 - x), tl.floor(x + 0.5))
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    X,  # (M, K) float activations
+    SMOOTH,  # (K,) fp32 per-channel multipliers, or None
+    Q,  # (M, K) int8 output
+    SCALE,  # (M,) fp32 output: max|row| / 127, or 1 for an all-zero row
+    M,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    row_starts = rows[:, None].to(tl.int64) * K
+    absmax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        x = tl.load(X + row_starts + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SMOOTH is not None:
+            x *= tl.load(SMOOTH + ks, mask=ks < K, other=0.0)[None, :]
+        absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
+    nonzero = absmax > 0
+    # div_rn: IEEE division, so the compiled kernel rounds exactly like the reference.
+    inv_scale = tl.where(nonzero, tl.math.div_rn(127.0, tl.where(nonzero, absmax, 1.0)), 1.0)
+    tl.store(SCALE + rows, tl.where(nonzero, tl.math.div_rn(absmax, 127.0), 1.0), mask=row_ok)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        x = tl.load(X + row_starts + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        if SMOOTH is not None:
+            x *= tl.load(SMOOTH + ks, mask=ks < K, other=0.0)[None, :]
+        q = tl.minimum(tl.maximum(_round_half_away(x * inv_scale[:, None]), -127.0), 127.0)
+        tl.store(Q + row_starts + ks[None, :], q.to(tl.int8), mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(
+    X,  # (M, K) activations: float, or int8 when X_SCALE is given
+    W,  # (N, K) weight (nn.Linear layout): X's dtype, or int8 when W_SCALE is given
+    X_SCALE,  # (M,) fp32 per-token scales of an int8 X (W8A8), or None
+    W_SCALE,  # (N,) fp32 per-output-channel scales of an int8 W, or None
+    BIAS,  # (N,) bias in any float dtype, or None
+    Y,  # (M, N) output
+    M,
+    N,
+    K,
+    M_BUCKET,  # M rounded up to a power of two: unused by the kernel, the autotuning key
+    ACTIVATION: tl.constexpr,  # "none", "gelu" or "relu"
+    UPCAST: tl.constexpr,  # multiply 16-bit blocks as fp32 (bf16 under the interpreter)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Programs walk the output tiles in column bands GROUP_M tiles tall, so the tiles
+    # running at once share rows of X and columns of W in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * tiles_n
+    first_m = (pid // group_size) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % group_m
+    pid_n = (pid % group_size) // group_m
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_ptrs = X + rows[:, None].to(tl.int64) * K + ks[None, :]
+    w_ptrs = W + cols[None, :].to(tl.int64) * K + ks[:, None]  # (BLOCK_K, BLOCK_N) tile of Wᵀ
+
+    if X_SCALE is not None:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + ks < K
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0)
+        if X_SCALE is not None:
+            acc = tl.dot(x, w, acc, out_dtype=tl.int32)
+        else:
+            if UPCAST:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc)
+            else:
+                if W_SCALE is not None:
+                    # int8 values are exact in fp16/bf16; the scale is applied after the sum.
+                    w = w.to(X.dtype.element_ty)
+                if X.dtype.element_ty == tl.float32:
+                    acc = tl.dot(x, w, acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    out = acc.to(tl.float32)
+    if X_SCALE is not None:
+        out = out * tl.load(X_SCALE + rows, mask=row_ok, other=0.0)[:, None]
+    if W_SCALE is not None:
+        out = out * tl.load(W_SCALE + cols, mask=col_ok, other=0.0)[None, :]
+    if BIAS is not None:
+        out += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == "gelu":
+        out = 0.5 * out * (1.0 + tl.math.erf(out * 0.7071067811865476))
+    elif ACTIVATION == "relu":
+        out = tl.maximum(out, 0.0)
+    y_ptrs = Y + rows[:, None].to(tl.int64) * N + cols[None, :]
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _config(block_m, block_n, block_k, num_warps, num_stages):
+    return triton.Config(
+        {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8},
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+# Candidates per GEMM kind for Hopper, tuned per (M bucket, N, K, dtypes); the first
+# run of each key benchmarks those that ``_prune_configs`` keeps. int8 blocks take
+# K steps of >= 32 (the int8 MMA's depth); W8A16 favours narrow N tiles at small M
+# so that enough programs stream the weight.
+GPU_CONFIGS = {
+    "float": [
+        _config(128, 256, 64, 8, 3),
+        _config(128, 128, 64, 4, 4),
+        _config(64, 128, 64, 4, 4),
+        _config(32, 64, 128, 4, 4),
+        _config(16, 64, 128, 4, 4),
+    ],
+    "w8a8": [
+        _config(128, 256, 128, 8, 3),
+        _config(128, 128, 128, 8, 4),
+        _config(64, 128, 128, 4, 4),
+        _config(32, 64, 128, 4, 4),
+        _config(16, 64, 256, 4, 4),
+    ],
+    "w8a16": [
+        _config(128, 256, 64, 8, 3),
+        _config(128, 128, 64, 8, 4),
+        _config(64, 128, 64, 4, 4),
+        _config(32, 64, 128, 4, 4),
+        _config(16, 128, 128, 4, 4),
+        _config(16, 64, 256, 4, 4),
+        _config(16, 32, 256, 4, 4),
+    ],
+}
+# The interpreter cannot autotune; small blocks keep its (serial) programs cheap.
+INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles taller than M's bucket, and short tiles once M is large."""
+    bucket = named_args["M_BUCKET"]
+    return [c for c in configs if c.kwargs["BLOCK_M"] <= bucket and (bucket < 1024 or c.kwargs["BLOCK_M"] >= 64)]
+
+
+def _tuned_gemm(kind: str):
+    # Read when the module loads, like triton.jit itself: a kernel decorated while
+    # interpreting is interpreted for the life of the process.
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    return triton.autotune(
+        configs=[INTERPRETER_CONFIG] if interpreting else GPU_CONFIGS[kind],
+        key=["M_BUCKET", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune_configs},
+    )(_gemm_kernel)
+
+
+_TUNED_GEMMS = {kind: _tuned_gemm(kind) for kind in GPU_CONFIGS}
+
+
+def _m_bucket(m: int) -> int:
+    return min(max(16, triton.next_power_of_2(m)), 8192)
+
+
+def _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
+    """Launch ``_gemm_kernel`` on contiguous x (M, K) and weight (N, K). Returns y (M, N)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    y = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0 or N == 0:
+        return y
+    kind = "w8a8" if x_scale is not None else ("w8a16" if w_scale is not None else "float")
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _TUNED_GEMMS[kind][grid](
+        x, weight, x_scale, w_scale, bias, y, M, N, K, _m_bucket(M),
+        ACTIVATION=activation or "none",
+        UPCAST=x.dtype == torch.bfloat16 and not x.is_cuda,
+    )  # fmt: skip
+    return y
+
+
+def _quantize_block(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_K columns, num_warps) for ``_quantize_rows_kernel``."""
+    block_k = min(triton.next_power_of_2(max(n_cols, 1)), _QUANTIZE_BLOCK_ELEMENTS)
+    block_m = max(1, min(16, _QUANTIZE_BLOCK_ELEMENTS // block_k))
+    return block_m, block_k, 4 if block_m * block_k <= 1024 else 8
+
+
+def _quantize_rows(x, smooth):
+    """Launch ``_quantize_rows_kernel`` on contiguous x (M, K). Returns (q (M, K) int8, scale (M,) fp32)."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.int8, device=x.device)
+    scale = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M == 0:
+        return q, scale
+    block_m, block_k, num_warps = _quantize_block(K)
+    _quantize_rows_kernel[(triton.cdiv(M, block_m),)](
+        x, smooth, q, scale, M, K, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps
+    )
+    return q, scale
+
+
+def _round_half_away_reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x < 0, -torch.floor(0.5 - x), torch.floor(x + 0.5))
+
+
+def _quantize_rows_reference(x, smooth):
+    """PyTorch statement of ``_quantize_rows`` (bit-exact: same fp32 operations)."""
+    x = x.float()
+    if smooth is not None:
+        x = x * smooth
+    absmax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+    nonzero = absmax > 0
+    # Tensor by tensor: torch divides by a Python scalar as a multiplication by its
+    # reciprocal (two roundings) in some kernels; the Triton kernel divides exactly.
+    c127 = torch.full_like(absmax, 127.0)
+    inv_scale = torch.where(nonzero, c127 / torch.where(nonzero, absmax, 1.0), 1.0)
+    q = _round_half_away_reference(x * inv_scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, torch.where(nonzero, absmax / c127, 1.0)
+
+
+def _int_mm_supports(m: int, k: int, n: int, device: torch.device) -> bool:
+    """Whether ``torch._int_mm`` accepts (m, k) @ (k, n) on ``device`` (CUDA: cuBLASLt's limits)."""
+    if device.type == "cpu":
+        return True
+    return m > 16 and k > 0 and k % 8 == 0 and n % 8 == 0
+
+
+def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
+    """PyTorch statement of ``_gemm``: the same accumulator, epilogue and one final rounding.
+
+    W8A8 sums exactly in int32 with ``torch._int_mm`` where it applies, else in float64
+    (exact for any K below 2^39); the float GEMMs and W8A16 sum in fp32.
+    """
+    M, K = x.shape
+    N = weight.shape[0]
+    if x_scale is not None:
+        if _int_mm_supports(M, K, N, x.device):
+            acc = torch._int_mm(x, weight.t()).float()
+        else:
+            acc = (x.double() @ weight.double().t()).float()
+        out = acc * x_scale[:, None]
+    else:
+        out = x.float() @ weight.float().t()
+    if w_scale is not None:
+        out = out * w_scale
+    if bias is not None:
+        out = out + bias.float()
+    if activation == "gelu":
+        out = 0.5 * out * (1.0 + torch.erf(out * _INV_SQRT_2))
+    elif activation == "relu":
+        out = out.clamp_min(0.0)
+    return out.to(out_dtype)
+
+
+def _run_gemm(*args):
+    return (_gemm if use_triton(args[0]) else _gemm_reference)(*args)
+
+
+def _run_quantize_rows(x, smooth):
+    return (_quantize_rows if use_triton(x) else _quantize_rows_reference)(x, smooth)
+
+
+def _dynamic_int8_gemm(x, weight, w_scale, bias, smooth, activation):
+    q, x_scale = _run_quantize_rows(x, smooth)
+    return _run_gemm(q, weight, x_scale, w_scale, bias, activation, x.dtype)
+
+
+class _InferenceOnly(torch.autograd.Function):
+    """Runs ``compute`` on contiguous copies of ``tensors`` (None stays None); backward
+    raises, since these GEMMs keep nothing for it."""
+
+    @staticmethod
+    def forward(ctx, op_name, compute, *tensors):
+        ctx.op_name = op_name
+        return compute(*(None if t is None else t.contiguous() for t in tensors))
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError(
+            f"{ctx.op_name} is an inference-only op and has no backward: train the float model "
+            "(torch.nn.Linear) and quantize it afterwards"
+        )
+
+
+def _check_tensor(name, tensor, dtypes, dim=None, shape=None, device=None):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        expected = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        raise TypeError(f"{name} must be {expected}, got {tensor.dtype}")
+    if dim is not None and tensor.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dimension(s), got shape {list(tensor.shape)}")
+    if shape is not None and tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+    if device is not None and tensor.device != device:
+        raise ValueError(f"{name} must be on the input's device {device}, got {tensor.device}")
+
+
+def _check_activation(activation):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _check_input(input, dtypes):
+    _check_tensor("input", input, dtypes)
+    if input.dim() == 0:
+        raise ValueError("input must have at least 1 dimension (..., in_features), got a scalar")
+
+
+def _check_weight_and_bias(input, weight, weight_dtypes, bias):
+    _check_tensor("weight", weight, weight_dtypes, dim=2, device=input.device)
+    if weight.shape[1] != input.shape[-1]:
+        raise ValueError(
+            f"weight must have shape [out_features, {input.shape[-1]}] (input's last dimension), "
+            f"got {list(weight.shape)}"
+        )
+    if bias is not None:
+        _check_tensor("bias", bias, FLOAT_DTYPES, shape=(weight.shape[0],), device=input.device)
+
+
+def _check_int32_depth(in_features: int) -> None:
+    if in_features > MAX_INT8_IN_FEATURES:
+        raise ValueError(f"W8A8 sums at most {MAX_INT8_IN_FEATURES} in_features in int32, got {in_features}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous (..., K) -> (M, K)."""
+    return t.view(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def linear(
+    input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, activation: str | None = None
+) -> torch.Tensor:
+    """``act(input @ weight.T + bias)`` in one kernel, accumulated in fp32.
+
+    input: (..., K) float16, bfloat16 or float32. weight: (N, K), input's dtype.
+    bias: (N,) any float dtype, or None. activation: None, "gelu" (exact, erf) or "relu".
+    Returns (..., N) in input's dtype. Inference only: backward raises RuntimeError.
+    Raises TypeError/ValueError naming the argument on bad dtypes, shapes or devices.
+    """
+    _check_input(input, FLOAT_DTYPES)
+    _check_weight_and_bias(input, weight, (input.dtype,), bias)
+    _check_activation(activation)
+
+    def compute(x, w, b):
+        return _run_gemm(_rows(x), w, None, None, b, activation, x.dtype)
+
+    y = _InferenceOnly.apply("slimformer linear", compute, input, weight, bias)
+    return y.view(*input.shape[:-1], weight.shape[0])
+
+
+def quantize_per_token(
+    input: torch.Tensor, smooth: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token int8 quantization: ``q = round(input * smooth / scale)``.
+
+    input: (..., K) float16, bfloat16 or float32. smooth: (K,) float32 per-channel
+    multipliers (SmoothQuant), or None. Returns q (..., K) int8 in [-127, 127] and
+    scale (...) float32 = max|row| / 127 (1 for an all-zero row), so row ≈ q * scale.
+    Not differentiable (the result is an integer tensor).
+    """
+    _check_input(input, FLOAT_DTYPES)
+    if smooth is not None:
+        _check_tensor("smooth", smooth, (torch.float32,), shape=(input.shape[-1],), device=input.device)
+    smooth = None if smooth is None else smooth.contiguous()
+    with torch.no_grad():
+        q, scale = _run_quantize_rows(_rows(input.contiguous()), smooth)
+    return q.view(input.shape), scale.view(input.shape[:-1])
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each output row of an nn.Linear weight.
+
+    weight: (N, K) float16, bfloat16 or float32, all finite. Returns q (N, K) int8 in
+    [-127, 127] and scale (N,) float32 = max|row| / 127 (1 for an all-zero row).
+    Raises ValueError when weight has a NaN or infinity.
+    """
+    _check_tensor("weight", weight, FLOAT_DTYPES, dim=2)
+    with torch.no_grad():
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("weight must be finite to quantize, got NaN or infinity")
+        return _quantize_rows_reference(weight, None)
+
+
+def int8_matmul(
+    q_input: torch.Tensor,
+    input_scale: torch.Tensor,
+    q_weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W8A8 GEMM: ``act((q_input @ q_weight.T) * input_scale[:, None] * weight_scale + bias)``.
+
+    q_input: (..., K) int8. input_scale: (...) float32, one per row of q_input.
+    q_weight: (N, K) int8. weight_scale: (N,) float32. bias: (N,) any float dtype, or None.
+    The product is summed exactly in int32. Returns (..., N) in out_dtype (float16,
+    bfloat16 or float32). Inference only: backward raises RuntimeError.
+    """
+    _check_input(q_input, (torch.int8,))
+    _check_tensor("input_scale", input_scale, (torch.float32,), shape=q_input.shape[:-1], device=q_input.device)
+    _check_weight_and_bias(q_input, q_weight, (torch.int8,), bias)
+    _check_int32_depth(q_weight.shape[1])
+    _check_tensor("weight_scale", weight_scale, (torch.float32,), shape=(q_weight.shape[0],), device=q_input.device)
+    _check_activation(activation)
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+
+    def compute(q, s, w, sw, b):
+        return _run_gemm(_rows(q), w, s.view(-1), sw, b, activation, out_dtype)
+
+    y = _InferenceOnly.apply("slimformer int8_matmul", compute, q_input, input_scale, q_weight, weight_scale, bias)
+    return y.view(*q_input.shape[:-1], q_weight.shape[0])
+
+
+def int8_linear(
+    input: torch.Tensor,
+    q_weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+    smooth: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dynamic W8A8 linear: ``quantize_per_token(input, smooth)`` then ``int8_matmul``.
+
+    input: (..., K) float16, bfloat16 or float32. q_weight: (N, K) int8 and
+    weight_scale: (N,) float32 from ``quantize_per_channel`` (of the weight times
+    1 / smooth when smooth is given). bias: (N,) any float dtype, or None. smooth: (K,)
+    float32, or None. Returns (..., N) in input's dtype. Backward raises RuntimeError.
+    """
+    _check_input(input, FLOAT_DTYPES)
+    _check_weight_and_bias(input, q_weight, (torch.int8,), bias)
+    _check_int32_depth(q_weight.shape[1])
+    _check_tensor("weight_scale", weight_scale, (torch.float32,), shape=(q_weight.shape[0],), device=input.device)
+    if smooth is not None:
+        _check_tensor("smooth", smooth, (torch.float32,), shape=(input.shape[-1],), device=input.device)
+    _check_activation(activation)
+
+    def compute(x, w, sw, b, s):
+        return _dynamic_int8_gemm(_rows(x), w, sw, b, s, activation)
+
+    y = _InferenceOnly.apply("slimformer int8_linear", compute, input, q_weight, weight_scale, bias, smooth)
+    return y.view(*input.shape[:-1], q_weight.shape[0])
+
+
+def int8_weight_only_linear(
+    input: torch.Tensor,
+    q_weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """W8A16 linear: ``act((input @ q_weight.T) * weight_scale + bias)``, weights dequantized in the kernel.
+
+    input: (..., K) float16, bfloat16 or float32. q_weight: (N, K) int8 and
+    weight_scale: (N,) float32 from ``quantize_per_channel``. bias: (N,) any float
+    dtype, or None. Sums in fp32; returns (..., N) in input's dtype. Backward raises.
+    """
+    _check_input(input, FLOAT_DTYPES)
+    _check_weight_and_bias(input, q_weight, (torch.int8,), bias)
+    _check_tensor("weight_scale", weight_scale, (torch.float32,), shape=(q_weight.shape[0],), device=input.device)
+    _check_activation(activation)
+
+    def compute(x, w, sw, b):
+        return _run_gemm(_rows(x), w, None, sw, b, activation, x.dtype)
+
+    y = _InferenceOnly.apply("slimformer int8_weight_only_linear", compute, input, q_weight, weight_scale, bias)
+    return y.view(*input.shape[:-1], q_weight.shape[0])

@@ -1,0 +1,499 @@
+"""LayerNorm and RMSNorm, with fused dropout + residual add, forward and backward.
+
+Each row h of N features (h = dropout(x) + residual, or just x) is normalised in fp32:
+
+    LayerNorm: y = (h - mean(h)) * rstd * w + b,   rstd = 1 / sqrt(var(h) + eps)
+    RMSNorm:   y = h * rstd * w,                   rstd = 1 / sqrt(mean(h^2) + eps)
+
+With x̂ the normalised row and g = dy * w, backward is
+    dh = rstd * (g - mean(g) - x̂ * mean(g * x̂))     (RMSNorm: no mean(g) term)
+    dw = sum over rows of dy * x̂,   db = sum over rows of dy.
+
+Saved for backward: h (or x itself when nothing is fused), the fp32 row statistics
+and the dropout seed. In memory-efficient mode the output y is saved instead of h and
+x̂ = (y - b) / w is rebuilt in backward: the next Linear keeps y anyway, so the norm
+adds only rstd (4 bytes per row). That division is only trustworthy when no |w| is
+tiny and |b| / |w| is bounded, which ``output_rebuilds_input`` decides once, when a
+layer gets its weights, never per step. The dropout mask is regenerated from the
+seed (see ``philox.py``), never stored. dw and db are reduced in two stages without
+atomics: each program sums its rows into an fp32 partial row, then the partials are
+summed.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from slimformer.kernels.dispatch import multiprocessor_count, use_triton
+from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+
+MAX_HIDDEN_SIZE = 65536
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Rebuilding x̂ = (y - b) / w amplifies y's rounding error by 1 + |b| / |w|.
+_MAX_BIAS_OVER_WEIGHT = 7.0
+_MIN_ABS_WEIGHT = 1e-3
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X,  # (M, N) branch input, before dropout
+    RESIDUAL,  # (M, N) residual to add, or None
+    W,  # (N,) weight, or None
+    B,  # (N,) bias, or None
+    Y,  # (M, N) output
+    H,  # (M, N) dropout(x) + residual, written when STORE_H
+    MEAN,  # (M,) fp32 row means, or None (RMSNorm, or not needed by backward)
+    RSTD,  # (M,) fp32 reciprocal standard deviations
+    SEED,  # () int64 dropout seed, or None
+    M,
+    N,
+    eps,
+    dropout_p,
+    dropout_scale,
+    IS_RMS: tl.constexpr,
+    ROUND_H: tl.constexpr,
+    H_DTYPE: tl.constexpr,
+    STORE_H: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+
+    h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SEED is not None:
+        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
+        h = tl.where(keep, h * dropout_scale, 0.0)
+    if RESIDUAL is not None:
+        h += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_H:
+        # Statistics of h as stored, so that backward (which reloads h) and eager
+        # PyTorch (which materialises x + residual) see the same numbers.
+        h = h.to(H_DTYPE).to(tl.float32)
+    if STORE_H:
+        tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
+
+    if IS_RMS:
+        centered = h
+    else:
+        mean = tl.sum(h, axis=1) / N
+        centered = tl.where(mask, h - mean[:, None], 0.0)
+        if MEAN is not None:
+            tl.store(MEAN + rows, mean, mask=row_ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+    y = centered * rstd[:, None]
+    if W is not None:
+        y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if B is not None:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY,  # (M, N) gradient of the output
+    SAVED,  # (M, N) h, or the output y when REBUILD_FROM_OUTPUT
+    W,  # (N,) weight, or None
+    B,  # (N,) bias, or None
+    MEAN,  # (M,) fp32 row means, or None
+    RSTD,  # (M,) fp32 reciprocal standard deviations
+    DH_OUT,  # (M, N) gradient of the returned h, or None
+    DX,  # (M, N) gradient of x
+    DRESIDUAL,  # (M, N) gradient of the residual when it differs from DX, or None
+    DW_PARTIAL,  # (G, N) fp32 per-program sums of dy * x̂, or None
+    DB_PARTIAL,  # (G, N) fp32 per-program sums of dy, or None
+    SEED,  # () int64 dropout seed, or None
+    M,
+    N,
+    dropout_p,
+    dropout_scale,
+    rows_per_program,
+    IS_RMS: tl.constexpr,
+    REBUILD_FROM_OUTPUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if W is not None:
+        # Padding columns load w = 1 so the rebuild never divides by zero there.
+        w = tl.load(W + cols, mask=col_ok, other=1.0).to(tl.float32)[None, :]
+    if B is not None:
+        b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row0 in range(row_start, row_end, BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & col_ok[None, :]
+        offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+
+        dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
+        saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
+        if REBUILD_FROM_OUTPUT:
+            if B is not None:
+                saved -= b
+            if W is not None:
+                saved /= w
+            x_hat = saved
+        elif IS_RMS:
+            x_hat = saved * rstd
+        else:
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
+            x_hat = (saved - mean) * rstd
+        x_hat = tl.where(mask, x_hat, 0.0)
+
+        g = dy
+        if W is not None:
+            g = dy * w
+        mean_g_xhat = tl.sum(g * x_hat, axis=1)[:, None] / N
+        if IS_RMS:
+            dh = (g - x_hat * mean_g_xhat) * rstd
+        else:
+            mean_g = tl.sum(g, axis=1)[:, None] / N
+            dh = (g - mean_g - x_hat * mean_g_xhat) * rstd
+        if DH_OUT is not None:
+            dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
+        if DRESIDUAL is not None:
+            tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
+        if SEED is not None:
+            keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
+            dh = tl.where(keep, dh * dropout_scale, 0.0)
+        tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
+
+        if DW_PARTIAL is not None:
+            dw_acc += dy * x_hat
+        if DB_PARTIAL is not None:
+            db_acc += dy
+
+    if DW_PARTIAL is not None:
+        tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
+    if DB_PARTIAL is not None:
+        tl.store(DB_PARTIAL + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+@dataclass(frozen=True)
+class _NormSpec:
+    """The static description of one norm call (everything but the tensors)."""
+
+    is_rms: bool
+    eps: float
+    dropout_p: float
+    rebuild_from_output: bool
+    return_residual: bool
+    out_dtype: torch.dtype
+
+    @property
+    def dropout_scale(self) -> float:
+        return 1.0 / (1.0 - self.dropout_p)
+
+
+def _block_config(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N columns, num_warps): whole rows, several when rows are short."""
+    block_n = triton.next_power_of_2(n_cols)
+    block_m = max(1, min(16, 2048 // block_n))
+    num_warps = min(32, max(4, block_m * block_n // 512))
+    return block_m, block_n, num_warps
+
+
+def _h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
+    return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+
+def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec):
+    """Launch the forward kernel on (M, N) rows. Returns (y, h or None, mean or None, rstd)."""
+    M, N = x.shape
+    fused = seed is not None or residual is not None
+    store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
+    y = torch.empty((M, N), dtype=spec.out_dtype, device=x.device)
+    h = torch.empty((M, N), dtype=_h_dtype(x, residual), device=x.device) if store_h else None
+    keep_mean = not spec.is_rms and not spec.rebuild_from_output
+    mean = torch.empty(M, dtype=torch.float32, device=x.device) if keep_mean else None
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return y, h, mean, rstd
+    block_m, block_n, num_warps = _block_config(N)
+    _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+        x, residual, weight, bias, y, h, mean, rstd, seed,
+        M, N, spec.eps, spec.dropout_p, spec.dropout_scale,
+        IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return y, h, mean, rstd
+
+
+def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec):
+    """Launch the backward kernel. Returns (dx, dresidual or None, dw or None, db or None)."""
+    M, N = dy.shape
+    dx = torch.empty((M, N), dtype=x_dtype, device=dy.device)
+    separate_dresidual = residual_dtype is not None and (seed is not None or residual_dtype != x_dtype)
+    dresidual = torch.empty((M, N), dtype=residual_dtype, device=dy.device) if separate_dresidual else None
+    block_m, block_n, num_warps = _block_config(max(N, 1))
+    programs = max(1, min(triton.cdiv(M, block_m), 4 * multiprocessor_count(dy.device)))
+    rows_per_program = triton.cdiv(triton.cdiv(M, programs), block_m) * block_m
+    partial_shape = (programs, N)
+    dw_partial = None if weight is None else torch.zeros(partial_shape, dtype=torch.float32, device=dy.device)
+    db_partial = None if bias is None else torch.zeros(partial_shape, dtype=torch.float32, device=dy.device)
+    if M > 0 and N > 0:
+        _norm_bwd_kernel[(programs,)](
+            dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
+            M, N, spec.dropout_p, spec.dropout_scale, rows_per_program,
+            IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
+    if residual_dtype is not None and dresidual is None:
+        dresidual = dx
+    dw = None if weight is None else dw_partial.sum(0).to(weight.dtype)
+    db = None if bias is None else db_partial.sum(0).to(bias.dtype)
+    return dx, dresidual, dw, db
+
+
+def _flat_offsets(M: int, N: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(M * N, dtype=torch.int64, device=device).view(M, N)
+
+
+def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec):
+    """PyTorch statement of ``_norm_fwd``: same outputs, same dtypes, same mask."""
+    M, N = x.shape
+    h = x.float()
+    if seed is not None:
+        keep = dropout_keep_mask(seed, _flat_offsets(M, N, x.device), spec.dropout_p)
+        h = torch.where(keep, h * spec.dropout_scale, 0.0)
+    if residual is not None:
+        h = h + residual.float()
+    fused = seed is not None or residual is not None
+    if fused:
+        h = h.to(_h_dtype(x, residual)).float()
+    if spec.is_rms:
+        mean, centered = None, h
+    else:
+        mean = h.mean(dim=1)
+        centered = h - mean[:, None]
+    rstd = torch.rsqrt(centered.square().mean(dim=1) + spec.eps)
+    y = centered * rstd[:, None]
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
+    keep_mean = not spec.is_rms and not spec.rebuild_from_output
+    h_out = h.to(_h_dtype(x, residual)) if store_h else None
+    return y.to(spec.out_dtype), h_out, mean if keep_mean else None, rstd
+
+
+def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec):
+    """PyTorch statement of ``_norm_bwd``."""
+    M, N = dy.shape
+    dy = dy.float()
+    saved = saved.float()
+    rstd = rstd[:, None]
+    if spec.rebuild_from_output:
+        x_hat = saved - bias.float() if bias is not None else saved
+        x_hat = x_hat / weight.float() if weight is not None else x_hat
+    elif spec.is_rms:
+        x_hat = saved * rstd
+    else:
+        x_hat = (saved - mean[:, None]) * rstd
+    g = dy * weight.float() if weight is not None else dy
+    mean_g_xhat = (g * x_hat).mean(dim=1, keepdim=True)
+    if spec.is_rms:
+        dh = (g - x_hat * mean_g_xhat) * rstd
+    else:
+        dh = (g - g.mean(dim=1, keepdim=True) - x_hat * mean_g_xhat) * rstd
+    if dh_out is not None:
+        dh = dh + dh_out.float()
+    dresidual = None if residual_dtype is None else dh.to(residual_dtype)
+    if seed is not None:
+        keep = dropout_keep_mask(seed, _flat_offsets(M, N, dy.device), spec.dropout_p)
+        dh = torch.where(keep, dh * spec.dropout_scale, 0.0)
+    dw = None if weight is None else (dy * x_hat).sum(dim=0).to(weight.dtype)
+    db = None if bias is None else dy.sum(dim=0).to(bias.dtype)
+    return dh.to(x_dtype), dresidual, dw, db
+
+
+class _NormFunction(torch.autograd.Function):
+    """Differentiable fused (dropout + residual +) LayerNorm/RMSNorm on (M, N) rows."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, seed, spec: _NormSpec):
+        fwd = _norm_fwd if use_triton(x) else _norm_fwd_reference
+        y, h, mean, rstd = fwd(x, residual, weight, bias, seed, spec)
+        saved = y if spec.rebuild_from_output else (x if h is None else h)
+        ctx.save_for_backward(saved, weight, bias, mean, rstd, seed)
+        ctx.spec = spec
+        ctx.x_dtype = x.dtype
+        ctx.residual_dtype = None if residual is None else residual.dtype
+        if spec.return_residual:
+            return y, h
+        return y
+
+    @staticmethod
+    def backward(ctx, dy, dh_out=None):
+        saved, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        dy = dy.contiguous()
+        dh_out = None if dh_out is None else dh_out.contiguous()
+        bwd = _norm_bwd if use_triton(dy) else _norm_bwd_reference
+        dx, dresidual, dw, db = bwd(
+            dy, dh_out, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype, ctx.spec
+        )
+        return dx, dresidual, dw, db, None, None
+
+
+def output_rebuilds_input(weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """Whether x̂ = (y - b) / w can be trusted, so the memory-efficient mode is safe.
+
+    True when every |w| >= 1e-3 and |b| <= 7 |w| (y's rounding error then grows at most
+    8x in x̂). Reads the weights once (a host sync): call it when a layer gets its
+    weights, not per step.
+    """
+    if weight is None:
+        return True
+    w = weight.detach().float().abs()
+    if not bool(torch.isfinite(w).all()) or bool((w < _MIN_ABS_WEIGHT).any()):
+        return False
+    if bias is None:
+        return True
+    return bool((bias.detach().float().abs() <= _MAX_BIAS_OVER_WEIGHT * w).all())
+
+
+def _normalized_size(x: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if not all(isinstance(d, int) and d >= 0 for d in shape) or not shape:
+        raise ValueError(f"normalized_shape must be a non-empty sequence of sizes, got {normalized_shape!r}")
+    if tuple(x.shape[len(x.shape) - len(shape) :]) != shape or len(shape) > x.dim():
+        raise ValueError(
+            f"normalized_shape {list(shape)} must match the last dimensions of input, got input shape {list(x.shape)}"
+        )
+    n_cols = math.prod(shape)
+    if n_cols > MAX_HIDDEN_SIZE:
+        raise ValueError(f"normalized_shape covers {n_cols} features; at most {MAX_HIDDEN_SIZE} are supported")
+    return shape, n_cols
+
+
+def _check_tensor(name: str, tensor, x: torch.Tensor, shape, autocast: bool) -> None:
+    if tensor is None:
+        return
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(tensor.shape)}")
+    if tensor.device != x.device:
+        raise ValueError(f"{name} must be on the input's device {x.device}, got {tensor.device}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    if not autocast and tensor.dtype != x.dtype:
+        raise TypeError(f"{name} dtype must match input dtype {x.dtype} outside autocast, got {tensor.dtype}")
+
+
+def _output_dtype(x: torch.Tensor, residual: torch.Tensor | None, autocast: bool) -> torch.dtype:
+    # CUDA autocast runs layer_norm/rms_norm in float32; elsewhere the norm's input
+    # h = x + residual sets it (the types promote under autocast, as eager x + residual does).
+    return torch.float32 if autocast and x.device.type == "cuda" else _h_dtype(x, residual)
+
+
+def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"input must be float32, float16 or bfloat16, got {x.dtype}")
+    shape, n_cols = _normalized_size(x, normalized_shape)
+    autocast = torch.is_autocast_enabled(x.device.type)
+    _check_tensor("weight", weight, x, shape, autocast)
+    _check_tensor("bias", bias, x, shape, autocast)
+    _check_tensor("residual", residual, x, x.shape, autocast)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if return_residual and residual is None:
+        raise ValueError("return_residual=True needs a residual tensor to add")
+
+    spec = _NormSpec(
+        is_rms=is_rms,
+        eps=float(eps),
+        dropout_p=float(dropout_p),
+        rebuild_from_output=bool(memory_efficient),
+        return_residual=bool(return_residual),
+        out_dtype=_output_dtype(x, residual, autocast),
+    )
+    n_rows = math.prod(x.shape[: x.dim() - len(shape)])
+    rows = x.contiguous().view(n_rows, n_cols)
+    residual_rows = None if residual is None else residual.contiguous().view(n_rows, n_cols)
+    seed = new_dropout_seed(x.device) if dropout_p > 0 else None
+    weight = None if weight is None else weight.contiguous().view(n_cols)
+    bias = None if bias is None else bias.contiguous().view(n_cols)
+    out = _NormFunction.apply(rows, residual_rows, weight, bias, seed, spec)
+    if return_residual:
+        y, h = out
+        return y.view(x.shape), h.view(x.shape)
+    return out.view(x.shape)
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    residual: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    memory_efficient: bool = False,
+    return_residual: bool = False,
+):
+    """``torch.nn.functional.layer_norm`` with fused dropout and residual add.
+
+    Computes h = dropout(input, dropout_p) + residual, then y = LayerNorm(h) * weight + bias.
+
+    input: (..., *normalized_shape), float32/float16/bfloat16, at most 65536 features.
+    weight, bias: normalized_shape, same dtype as input (outside autocast), or None.
+    residual: same shape as input, or None. dropout_p: in [0, 1); pass 0 in eval.
+    memory_efficient: save the output instead of h and rebuild x̂ from it in backward;
+        only correct if ``output_rebuilds_input(weight, bias)``.
+    return_residual: also return h (the sum, for the next pre-LN block).
+    Returns y shaped like input (float32 under CUDA autocast, else the dtype of
+    input + residual), or
+    (y, h). Raises ValueError/TypeError naming the argument on bad shapes, dtypes, devices.
+    """
+    return _fused_norm(
+        input, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, False
+    )
+
+
+def rms_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    memory_efficient: bool = False,
+    return_residual: bool = False,
+):
+    """``torch.nn.functional.rms_norm`` with fused dropout and residual add.
+
+    Computes h = dropout(input, dropout_p) + residual, then y = h / sqrt(mean(h^2) + eps) * weight.
+    eps defaults to float32's machine epsilon, as torch does for the dtypes supported
+    here (it uses the eps of the fp32 accumulation type). Other arguments, the return
+    value and the errors are those of ``layer_norm``.
+    """
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps
+    return _fused_norm(
+        input, normalized_shape, weight, None, eps, residual, dropout_p, memory_efficient, return_residual, True
+    )

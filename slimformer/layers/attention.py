@@ -1,0 +1,251 @@
+"""Attention layers on the fused kernel: a drop-in ``nn.MultiheadAttention`` and a
+self-attention block with a fused QKV projection.
+
+Both keep, for backward, only q, k, v (one projection output), the attention output
+and its fp32 log-sum-exp, never the (L, S) score or probability matrix. With
+``recompute_qkv=True`` (the ``qkv`` recompute policy) self-attention recomputes q, k, v
+from the layer input in backward, so it keeps only the output and the log-sum-exp.
+The attention output is stored as (batch, seq, heads, head_dim), so the output
+projection saves that same storage rather than a copy.
+"""
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+
+from slimformer.kernels.attention import attention, self_attention
+from slimformer.layers.sharing import share_parameters
+
+
+class MultiheadAttention(nn.MultiheadAttention):
+    """``torch.nn.MultiheadAttention`` on ``slimformer.attention``.
+
+    Same constructor, parameters, ``state_dict`` and ``forward`` signature, plus the
+    keyword-only ``recompute_qkv`` (used when query, key and value are the same tensor).
+
+    With ``need_weights=False`` the attention runs in the fused kernel. With
+    ``need_weights=True`` (torch's default) the call goes to torch's own implementation,
+    which returns the averaged (or per-head) weights but materialises them: correct,
+    not memory-efficient. Layers built with ``add_bias_kv`` or ``add_zero_attn`` also
+    use torch's implementation.
+
+    Masks follow torch: ``key_padding_mask`` (N, S) and ``attn_mask`` (L, S) or
+    (N · num_heads, L, S), bool with True = not allowed, or float added to the scores.
+    ``is_causal=True`` applies the causal mask in the kernel and, as torch does when it
+    can, does not read ``attn_mask`` (a hint, which here may also be omitted).
+    """
+
+    _copied_attributes = (
+        "embed_dim", "kdim", "vdim", "_qkv_same_embed_dim", "num_heads", "dropout", "batch_first", "head_dim",
+        "bias_k", "bias_v", "add_zero_attn",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        embed_dim,
+        num_heads,
+        dropout=0.0,
+        bias=True,
+        add_bias_kv=False,
+        add_zero_attn=False,
+        kdim=None,
+        vdim=None,
+        batch_first=False,
+        device=None,
+        dtype=None,
+        *,
+        recompute_qkv: bool = False,
+    ):
+        super().__init__(
+            embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
+        )
+        self.recompute_qkv = recompute_qkv
+
+    @classmethod
+    def from_torch(cls, module: nn.MultiheadAttention, *, recompute_qkv: bool = False):
+        """The slimformer layer for ``module``, sharing its Parameters (no copies)."""
+        layer = share_parameters(cls, module, nn.MultiheadAttention, cls._copied_attributes)
+        layer.recompute_qkv = recompute_qkv
+        return layer
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
+        if need_weights or self.bias_k is not None or self.add_zero_attn:
+            return super().forward(
+                query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
+                attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal,
+            )  # fmt: skip
+        self_attending = query is key and key is value
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        attn_mask, key_padding_mask = self.kernel_masks(attn_mask, key_padding_mask, query, key, is_causal)
+        dropout_p = self.dropout if self.training else 0.0
+        if self_attending and self._qkv_same_embed_dim:
+            out = self_attention(
+                query, self.in_proj_weight, self.in_proj_bias, self.num_heads, attn_mask, dropout_p, is_causal,
+                key_padding_mask, recompute_qkv=self.recompute_qkv,
+            )  # fmt: skip
+        else:
+            q, k, v = (
+                rearrange(F.linear(x, w, b), "n l (h d) -> n h l d", h=self.num_heads)
+                for x, w, b in zip((query, key, value), self._projection_weights(), self._projection_biases())
+            )
+            out = rearrange(
+                attention(q, k, v, attn_mask, dropout_p, is_causal, key_padding_mask=key_padding_mask),
+                "n h l d -> n l (h d)",
+            )
+        out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
+        if not batched:
+            return out.squeeze(0), None
+        return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def _projection_weights(self):
+        if self._qkv_same_embed_dim:
+            return self.in_proj_weight.chunk(3)
+        return self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+
+    def _projection_biases(self):
+        return (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
+
+    def kernel_masks(self, attn_mask, key_padding_mask, query, key, is_causal):
+        """torch's masks (True = not allowed) as ``slimformer.attention``'s (True = may
+        attend, or additive (N, H, L, S)-broadcastable float) plus a bool padding mask."""
+        batch, seq_q, seq_k = query.shape[0], query.shape[1], key.shape[1]
+        if is_causal:
+            attn_mask = None
+        elif attn_mask is not None:
+            if attn_mask.dim() == 3:
+                if attn_mask.shape != (batch * self.num_heads, seq_q, seq_k):
+                    raise ValueError(
+                        f"attn_mask must have shape (N * num_heads, L, S) = "
+                        f"{(batch * self.num_heads, seq_q, seq_k)} or (L, S), got {tuple(attn_mask.shape)}"
+                    )
+                attn_mask = attn_mask.view(batch, self.num_heads, seq_q, seq_k)
+            if attn_mask.dtype == torch.bool:
+                attn_mask = ~attn_mask
+        if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+            if not key_padding_mask.dtype.is_floating_point:
+                raise TypeError(f"key_padding_mask must be bool or floating point, got {key_padding_mask.dtype}")
+            padding = key_padding_mask[:, None, None, :]
+            if attn_mask is None:
+                attn_mask = padding
+            elif attn_mask.dtype == torch.bool:
+                attn_mask = torch.where(attn_mask, padding, float("-inf"))
+            else:
+                attn_mask = attn_mask + padding
+            key_padding_mask = None
+        return attn_mask, key_padding_mask
+
+    def extra_repr(self) -> str:
+        return f"recompute_qkv={self.recompute_qkv}"
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention with a fused QKV projection, inputs (batch, seq, embed).
+
+    ``qkv_proj`` maps embed -> 3 · embed (q, k, v rows stacked), ``out_proj`` embed ->
+    embed. ``dropout`` is the attention dropout, applied in training only. With
+    ``recompute_qkv`` backward recomputes q, k, v from the input: the block then keeps
+    only its attention output and the fp32 log-sum-exp (plus a dropout seed).
+
+    ``forward(x, key_padding_mask=None, attn_mask=None, is_causal=False)`` takes masks
+    as ``slimformer.attention`` does: ``key_padding_mask`` (batch, seq) with True =
+    padding, ``attn_mask`` bool with True = may attend, or an additive float mask.
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        recompute_qkv: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"num_heads must divide embed_dim {embed_dim}, got {num_heads}")
+        self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
+        self.recompute_qkv = recompute_qkv
+        self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=bias, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
+
+    def forward(self, x, key_padding_mask=None, attn_mask=None, is_causal: bool = False):
+        out = self_attention(
+            x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, attn_mask,
+            self.dropout if self.training else 0.0, is_causal, key_padding_mask, recompute_qkv=self.recompute_qkv,
+        )  # fmt: skip
+        return self.out_proj(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
+            f"recompute_qkv={self.recompute_qkv}"
+        )
+
+
+def register_transformers_attention(name: str = "slimformer") -> str:
+    """Register ``slimformer.attention`` with HuggingFace transformers (>= 5) as ``name``.
+
+    Adds an ``AttentionInterface`` function and the matching ``AttentionMaskInterface``
+    function, so that ``model.set_attn_implementation(name)`` (or
+    ``attn_implementation=name`` in ``from_pretrained``) runs the model's attention
+    through the fused kernel. A padding mask over bidirectional or causal attention
+    (BERT's, a decoder's without a cache) reaches the kernel as a (batch, kv_len) key
+    padding mask, so no (q_len, kv_len) mask is built; any other pattern (cache offsets,
+    sliding windows, packed sequences, custom mask functions) is built as transformers'
+    boolean sdpa mask and read through its broadcast strides. Returns ``name``.
+
+    Raises:
+        ImportError: transformers is not installed.
+    """
+    from transformers import AttentionInterface, AttentionMaskInterface, masking_utils
+
+    plain_patterns = (masking_utils.bidirectional_mask_function, masking_utils.causal_mask_function)
+
+    def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+             mask_function=masking_utils.causal_mask_function, attention_mask=None, **kwargs):  # fmt: skip
+        if mask_function in plain_patterns and q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+            return masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        kwargs["allow_is_causal_skip"] = False
+        return masking_utils.sdpa_mask(
+            batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
+        )
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+        key_padding_mask = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask, key_padding_mask = None, ~attention_mask
+        elif attention_mask is not None:
+            is_causal = False  # a built mask already holds the causal pattern
+        if is_causal and query.shape[2] != key.shape[2]:
+            # transformers aligns causal masks bottom-right when the lengths differ.
+            offset = key.shape[2] - query.shape[2]
+            attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
+            attention_mask, is_causal = attention_mask.tril(offset), False
+        out = attention(
+            query, key, value, attention_mask, dropout, is_causal, scaling,
+            enable_gqa=query.shape[1] != key.shape[1], key_padding_mask=key_padding_mask,
+        )  # fmt: skip
+        return out.transpose(1, 2), None
+
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, mask)
+    return name

@@ -1,0 +1,221 @@
+"""Inference linears on the GEMM kernels: int8 weights (W8A8 or weight-only) and 16-bit.
+
+``Linear8bit`` stores an nn.Linear's weight as int8 with one fp32 scale per output
+channel (``quantize_per_channel``), so its weight takes a quarter of its fp32 bytes:
+
+- ``mode="int8"`` (W8A8, dynamic): each call quantizes the input per token and runs
+  the int8 GEMM with int32 accumulation; ``smooth`` (K,), all ones unless SmoothQuant
+  calibration set it, multiplies the input before quantization (the weight was
+  divided by it before being quantized, so the product is unchanged).
+- ``mode="int8-weight-only"`` (W8A16): the input stays in its float dtype and the
+  weight is dequantized inside the GEMM.
+
+``Linear16bit`` keeps the weight in float16 or bfloat16 and runs the fp32-accumulating
+GEMM. Every layer casts nothing but its own arithmetic: the output has the input's
+dtype, so the layers drop into a float model whose other modules stay as they are.
+
+state_dict: ``weight`` (int8 or 16-bit), ``weight_scale`` (fp32, int8 modes), ``smooth``
+(fp32, mode "int8") and ``bias`` (if any), all plain tensors (safetensors-friendly).
+Scales, ``smooth`` and the 16-bit weight keep their dtype under ``model.half()`` /
+``.to(dtype)``; only their device follows. Loading a state_dict saved from a layer of
+another mode is an error. These are inference layers: backward raises RuntimeError.
+"""
+
+import torch
+from torch import nn
+
+from slimformer.kernels.matmul import FLOAT_DTYPES, int8_linear, int8_weight_only_linear, linear, quantize_per_channel
+
+INT8_MODES = ("int8", "int8-weight-only")
+FLOAT16_MODES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def state_dict_mode(state_dict, prefix: str = "") -> str | None:
+    """The mode of the linear saved under ``prefix`` in ``state_dict``.
+
+    "int8" or "int8-weight-only" (int8 weight, with or without ``smooth``), "fp16" or
+    "bf16" (16-bit weight), "float" (an unquantized nn.Linear), None when there is no
+    ``prefix + "weight"``.
+    """
+    weight = state_dict.get(prefix + "weight")
+    if weight is None:
+        return None
+    if weight.dtype == torch.int8:
+        return "int8" if prefix + "smooth" in state_dict else "int8-weight-only"
+    modes = {dtype: mode for mode, dtype in FLOAT16_MODES.items()}
+    return modes.get(weight.dtype, "float")
+
+
+def _check_linear(linear) -> None:
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+
+
+class _InferenceLinear(nn.Module):
+    """What both layers share: sizes, the mode check on load, dtype-stable buffers, the repr."""
+
+    # Buffers whose dtype is part of the format: dtype casts of the module move them only.
+    _fixed_dtype_buffers: tuple[str, ...] = ()
+    mode: str
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def _apply(self, fn, recurse=True):
+        before = {name: self._buffers[name] for name in self._fixed_dtype_buffers if name in self._buffers}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._buffers[name]
+            if new.dtype != old.dtype:
+                self._buffers[name] = old.to(new.device)
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+        saved = state_dict_mode(state_dict, prefix)
+        if saved is not None and saved != self.mode:
+            error_msgs.append(
+                f"{prefix + 'weight'} was saved from a {saved!r} layer, but this layer is {self.mode!r}: "
+                f"quantize the model with mode {saved!r} before loading it"
+            )
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, mode={self.mode!r}"
+        )
+
+
+class Linear8bit(_InferenceLinear):
+    """nn.Linear with an int8 weight and per-output-channel fp32 scales; see the module docstring.
+
+    Constructor: the sizes of nn.Linear, ``mode`` ("int8" or "int8-weight-only") and
+    ``dtype`` for the bias (default float32). The weight starts at zero: build it with
+    ``from_float`` or load a state_dict. forward: input (..., in_features) float32,
+    float16 or bfloat16 -> (..., out_features) in the same dtype.
+    """
+
+    _fixed_dtype_buffers = ("weight_scale", "smooth")
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        mode: str = "int8",
+    ) -> None:
+        if mode not in INT8_MODES:
+            raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
+        super().__init__(in_features, out_features)
+        self.mode = mode
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        if mode == "int8":
+            self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device))
+        bias_tensor = torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None
+        self.register_buffer("bias", bias_tensor)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, mode: str = "int8", *, smooth: torch.Tensor | None = None):
+        """The quantized copy of ``linear`` (same device; bias kept in its dtype).
+
+        smooth: (in_features,) positive SmoothQuant multipliers of the input (mode "int8"
+        only): the weight is divided by them per input channel before quantization.
+        Raises TypeError if linear is not an nn.Linear, ValueError on a bad mode or
+        smooth, or a weight with NaN/infinity.
+        """
+        _check_linear(linear)
+        if mode not in INT8_MODES:
+            raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
+        weight = linear.weight.detach()
+        if smooth is not None:
+            if mode != "int8":
+                raise ValueError(f"smooth applies to mode 'int8' only, got mode {mode!r}")
+            if tuple(smooth.shape) != (linear.in_features,):
+                raise ValueError(f"smooth must have shape [{linear.in_features}], got {list(smooth.shape)}")
+            if not bool((torch.isfinite(smooth) & (smooth > 0)).all()):
+                raise ValueError("smooth must be finite and positive")
+            weight = weight.float() / smooth.to(weight.device, torch.float32)
+        layer = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device=weight.device,
+            dtype=None if linear.bias is None else linear.bias.dtype,
+            mode=mode,
+        )
+        q, scale = quantize_per_channel(weight)
+        with torch.no_grad():
+            layer.weight.copy_(q)
+            layer.weight_scale.copy_(scale)
+            if smooth is not None:
+                layer.smooth.copy_(smooth)
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias.detach())
+        return layer
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int8":
+            return int8_linear(input, self.weight, self.weight_scale, self.bias, smooth=self.smooth)
+        return int8_weight_only_linear(input, self.weight, self.weight_scale, self.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The (out_features, in_features) fp32 weight this layer multiplies by, smoothing undone."""
+        weight = self.weight.float() * self.weight_scale[:, None]
+        return weight * self.smooth if self.mode == "int8" else weight
+
+
+class Linear16bit(_InferenceLinear):
+    """nn.Linear with its weight and bias in float16 or bfloat16, on the fused GEMM kernel.
+
+    Constructor: the sizes of nn.Linear and ``dtype`` (torch.float16 or torch.bfloat16).
+    forward: input (..., in_features) in any float dtype is cast to the layer's dtype,
+    multiplied with fp32 accumulation, and returned in the input's dtype.
+    """
+
+    _fixed_dtype_buffers = ("weight",)
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=torch.float16,
+    ) -> None:
+        modes = {d: mode for mode, d in FLOAT16_MODES.items()}
+        if dtype not in modes:
+            raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        super().__init__(in_features, out_features)
+        self.mode = modes[dtype]
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, dtype: torch.dtype = torch.float16):
+        """The 16-bit copy of ``linear`` (same device). Raises TypeError on a bad linear or dtype,
+        ValueError if a weight or bias does not fit in ``dtype`` (NaN, infinity or overflow)."""
+        _check_linear(linear)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, dtype)
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                source = getattr(linear, name)
+                if source is None:
+                    continue
+                converted = source.detach().to(dtype)
+                if not bool(torch.isfinite(converted).all()):
+                    raise ValueError(f"linear.{name} must be finite in {dtype} to convert, got NaN or infinity")
+                getattr(layer, name).copy_(converted)
+        return layer
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input, torch.Tensor) or input.dtype not in FLOAT_DTYPES:
+            got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
+            raise TypeError(f"input must be a float32, float16 or bfloat16 tensor, got {got}")
+        return linear(input.to(self.weight.dtype), self.weight, self.bias).to(input.dtype)

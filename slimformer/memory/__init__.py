@@ -1,0 +1,15 @@
+"""Activation memory: measuring what a forward keeps for backward (``measure``), and the
+per-layer training-memory report built on it (``report``; ``python -m slimformer.memory``)."""
+
+from slimformer.memory.measure import ActivationMemory, TensorRecord, format_bytes, measure_activation_memory
+from slimformer.memory.report import MemoryReport, ModelMemory, report
+
+__all__ = [
+    "ActivationMemory",
+    "MemoryReport",
+    "ModelMemory",
+    "TensorRecord",
+    "format_bytes",
+    "measure_activation_memory",
+    "report",
+]

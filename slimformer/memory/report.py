@@ -1,0 +1,612 @@
+"""The memory report: what training a model costs, per layer, measured on its device.
+
+``report(model, inputs)`` (``slimformer.memory.report``) measures one
+model, or several side by side (a dict of name -> model, all called with the same
+inputs), and returns a ``MemoryReport`` that prints as a rich table:
+
+* **parameters**, **gradients** (one per trainable parameter, in its dtype) and
+  **AdamW state** (``exp_avg`` and ``exp_avg_sq`` in fp32, 8 bytes per trainable
+  parameter; no fp32 master copy), counted from the parameters;
+* **activations**: what one forward leaves for backward, by both measurements of
+  ``measure_activation_memory`` (saved-tensor hooks, weak references), for the whole
+  forward and per layer. A layer's row is its own forward measured alone, on the
+  arguments it received inside the model (caught by a forward pre-hook in an extra
+  forward whose pack hook keeps nothing). So, as in the memory model of DESIGN.md, its
+  input, output and parameters are left out, and the row "rest" is the whole forward
+  minus its layers: embeddings, the hidden states between layers, heads. Splitting one
+  forward by layer instead would need a second pair of saved-tensor hooks inside the
+  measurement's, and only the innermost pair runs;
+* on CUDA also the step: the peak of ``torch.cuda.max_memory_allocated`` over a
+  forward+backward above what was allocated before it (activations, gradients and
+  temporaries), and the median time of that step.
+
+The layers are the blocks of the model's ``nn.ModuleList`` with the most parameters
+(``encoder.layer`` of a HF BERT, ``layers`` of ``nn.TransformerEncoder``) unless named.
+Models are measured in the mode they are in: call ``.train()`` for training memory.
+
+``python -m slimformer.memory`` (``main``) builds a HF ``BertModel`` from a config
+(random weights, nothing downloaded), converts a copy with ``slimformer.patch`` and
+prints the report for both; ``--plot`` adds activation memory vs sequence length for
+eager, SDPA and every recompute policy (``activation_sweep``, ``plot_activation_sweep``).
+"""
+
+import argparse
+import contextlib
+import copy
+import gc
+import io
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from slimformer.memory.measure import ActivationMemory, _tensors, format_bytes, measure_activation_memory
+from slimformer.patch import patch
+from slimformer.recompute import POLICIES, recompute
+
+__all__ = [
+    "MemoryReport",
+    "ModelMemory",
+    "activation_sweep",
+    "main",
+    "measure_model",
+    "plot_activation_sweep",
+    "report",
+]
+
+ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per trainable parameter
+_TIMED_STEPS = 5
+_TEXT_WIDTH = 1000  # str(report): as wide as the table wants; tables do not expand
+
+
+def _kept(memory: ActivationMemory) -> int:
+    """The larger of the two measurements."""
+    return max(memory.saved_bytes, memory.alive_bytes)
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """One model's training memory in bytes (see the module docstring for each part)."""
+
+    name: str
+    device: str
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int  # AdamW: exp_avg + exp_avg_sq in fp32
+    activations: ActivationMemory  # the whole forward
+    layers: tuple[tuple[str, ActivationMemory], ...]  # (qualified name, the layer measured alone)
+    peak_bytes: int | None = None  # CUDA: forward+backward peak above what was allocated before
+    step_seconds: float | None = None  # CUDA: median forward+backward time
+
+    @property
+    def activation_bytes(self) -> int:
+        """The whole forward's activations, the larger of the two measurements."""
+        return _kept(self.activations)
+
+    @property
+    def rest_bytes(self) -> int:
+        """Activations of the whole forward not in any layer's row (embeddings, hidden states, heads)."""
+        return self.activation_bytes - sum(_kept(memory) for _, memory in self.layers)
+
+    @property
+    def training_bytes(self) -> int:
+        """Parameters + gradients + AdamW state + activations."""
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Models measured with the same inputs; prints as a table (``print``, ``rich.print``)."""
+
+    models: tuple[ModelMemory, ...]
+    title: str = "Training memory"
+
+    def table(self) -> Table:
+        """One column per model; rows: parameters, gradients, AdamW state, activations per
+        layer (consecutive layers with equal values in every column share a row), rest,
+        totals, and on CUDA the step's peak and time."""
+        unit_name, unit = _unit(max(m.training_bytes for m in self.models))
+        table = Table(title=self.title, caption=self._caption(unit_name), caption_justify="left")
+        table.add_column(unit_name, min_width=24)
+        for model in self.models:  # "slimformer (none)" heads its column on two lines
+            table.add_column(model.name.replace(" ", "\n", 1), justify="right", no_wrap=True)
+
+        def add(label: str, values: Sequence[int | None]) -> None:
+            table.add_row(label, *("-" if v is None else f"{v / unit:,.1f}" for v in values))
+
+        add("parameters", [m.parameter_bytes for m in self.models])
+        add("gradients", [m.gradient_bytes for m in self.models])
+        add("AdamW state", [m.optimizer_bytes for m in self.models])
+        table.add_section()
+        if any(m.layers for m in self.models):
+            for label, values in self._layer_rows():
+                add(label, values)
+            add("rest (embeddings, layer I/O, heads)", [m.rest_bytes for m in self.models])
+        add("activations (saved tensors)", [m.activations.saved_bytes for m in self.models])
+        add("activations (alive)", [m.activations.alive_bytes for m in self.models])
+        first = self.models[0]
+        if len(self.models) > 1 and first.activation_bytes > 0:
+            table.add_row(
+                f"activations vs {first.name}",
+                *(f"{m.activation_bytes / first.activation_bytes:.2f}x" for m in self.models),
+            )
+        table.add_section()
+        add("training total", [m.training_bytes for m in self.models])
+        if any(m.peak_bytes is not None for m in self.models):
+            add("CUDA peak, fwd+bwd", [m.peak_bytes for m in self.models])
+            table.add_row(
+                "step time, fwd+bwd (ms)",
+                *("-" if m.step_seconds is None else f"{m.step_seconds * 1e3:,.2f}" for m in self.models),
+            )
+        return table
+
+    def _layer_rows(self) -> list[tuple[str, list[int | None]]]:
+        count = max(len(m.layers) for m in self.models)
+        names = [next(m.layers[i][0] for m in self.models if i < len(m.layers)) for i in range(count)]
+        values = [[_kept(m.layers[i][1]) if i < len(m.layers) else None for m in self.models] for i in range(count)]
+        rows, start = [], 0
+        while start < count:
+            end = start
+            while end + 1 < count and values[end + 1] == values[start]:
+                end += 1
+            label = names[start] if end == start else f"{_span(names[start], names[end])}, each"
+            rows.append((label, values[start]))
+            start = end + 1
+        return rows
+
+    def _caption(self, unit_name: str) -> str:
+        devices = ", ".join(sorted({m.device for m in self.models}))
+        lines = [
+            (
+                f"{unit_name}, measured on {devices}. Gradients in the parameters' dtype; AdamW state = exp_avg + "
+                "exp_avg_sq in fp32 (8 bytes per trainable parameter), no fp32 master copy."
+            ),
+            (
+                "Activations: what the forward leaves for backward, by saved-tensor hooks and by weak references to "
+                "live tensors; rows show the larger. A layer row is that layer's forward alone, on the inputs it "
+                "gets in the model, its input, output and parameters excluded."
+            ),
+        ]
+        if any(m.peak_bytes is not None for m in self.models):
+            lines.append("CUDA peak: max_memory_allocated over a forward+backward, above what was allocated before.")
+        return "\n".join(lines)
+
+    def __rich__(self) -> Table:
+        return self.table()
+
+    def print(self, console: Console | None = None) -> None:
+        """Print the table on ``console``; by default on stdout, made wider than the terminal
+        where the table would not fit (rather than cutting numbers short)."""
+        table = self.table()
+        if console is None:
+            console = Console()
+            needed = console.measure(table, options=console.options.update_width(_TEXT_WIDTH)).maximum
+            if needed > console.width:
+                console = Console(width=needed)
+        console.print(table)
+
+    def __str__(self) -> str:
+        console = Console(file=io.StringIO(), width=_TEXT_WIDTH, color_system=None)
+        console.print(self.table())
+        return console.file.getvalue()
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    return ("MiB", 2**20) if largest >= 100 * 2**20 else ("KiB", 2**10)
+
+
+def _span(first: str, last: str) -> str:
+    """``encoder.layer.0`` and ``encoder.layer.11`` -> ``encoder.layer.0–11``."""
+    head, _, first_index = first.rpartition(".")
+    last_head, _, last_index = last.rpartition(".")
+    if head == last_head and first_index.isdigit() and last_index.isdigit():
+        return f"{first}–{last_index}"
+    return f"{first} … {last}"
+
+
+def _arguments(inputs: Any) -> tuple[tuple, dict]:
+    """(args, kwargs) for ``inputs``: a dict is keyword arguments, a tuple or list positional
+    arguments, anything else the one positional argument."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def _named_layers(model: nn.Module, layers: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
+    if layers is not None:
+        if isinstance(layers, str):
+            raise TypeError(f"layers must be a sequence of submodule names, got the string {layers!r}")
+        named = dict(model.named_modules())
+        missing = [name for name in layers if name not in named]
+        if missing:
+            raise ValueError(f"layers names no submodule of {type(model).__name__}: {missing}")
+        return [(name, named[name]) for name in layers]
+    lists = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.ModuleList) and module]
+    if not lists:
+        return []
+    prefix, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    return [(f"{prefix}.{i}" if prefix else str(i), block) for i, block in enumerate(blocks)]
+
+
+def _discard(_: Any) -> None:
+    return None
+
+
+def _detached(obj: Any) -> Any:
+    """``obj`` with each tensor detached, keeping whether it required grad."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().requires_grad_(obj.requires_grad)
+    if isinstance(obj, dict):
+        return {key: _detached(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        values = [_detached(value) for value in obj]
+        return type(obj)(*values) if hasattr(obj, "_fields") else type(obj)(values)  # namedtuple or not
+    return obj
+
+
+def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], args: tuple, kwargs: dict) -> list:
+    """The (args, kwargs) each layer gets in one forward of ``model`` (its first call).
+
+    The forward runs with grad enabled, so the inputs say truly whether they require
+    grad, but its pack hook keeps nothing, so it costs no activation memory. It also
+    warms the model up (lazily built state, kernel compilation) before the measurements.
+    """
+    captured: dict[nn.Module, tuple] = {}
+
+    def keep(module: nn.Module, layer_args: tuple, layer_kwargs: dict) -> None:
+        if module not in captured:
+            captured[module] = _detached((layer_args, layer_kwargs))
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for _, layer in layers]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    not_called = [name for name, layer in layers if layer not in captured]
+    if not_called:
+        raise ValueError(f"the forward of {type(model).__name__} did not call the layers {not_called}")
+    return [captured[layer] for _, layer in layers]
+
+
+def _cuda_step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, float]:
+    """(peak bytes above the allocation before, median seconds) of forward+backward on CUDA."""
+
+    def step() -> None:
+        outputs = [t for t in _tensors(model(*args, **kwargs)) if t.requires_grad]
+        if not outputs:
+            raise ValueError(f"no output of {type(model).__name__} requires grad, so there is no backward to measure")
+        sum(t.float().sum() for t in outputs).backward()
+
+    model.zero_grad(set_to_none=True)
+    step()  # warm-up: backward kernels compile, the allocator fills its cache
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    times = []
+    for _ in range(_TIMED_STEPS):
+        model.zero_grad(set_to_none=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    model.zero_grad(set_to_none=True)
+    return peak, statistics.median(times)
+
+
+def measure_model(
+    model: nn.Module, inputs: Any, *, name: str = "model", layers: Sequence[str] | None = None
+) -> ModelMemory:
+    """Measure one model's training memory (one column of a report) on its device.
+
+    ``inputs`` as for ``report``. Runs one forward to catch the layers' inputs, one per
+    layer, one for the whole model, and on CUDA a warm-up and ``1 + 5`` timed
+    forward+backward steps (gradients are set to None after them).
+    """
+    args, kwargs = _arguments(inputs)
+    named = _named_layers(model, layers)
+    parameters = list(model.parameters())
+    trainable = [p for p in parameters if p.requires_grad]
+    device = parameters[0].device if parameters else torch.device("cpu")
+
+    per_layer = tuple(
+        (layer_name, measure_activation_memory(layer, *layer_args, **layer_kwargs))
+        for (layer_name, layer), (layer_args, layer_kwargs) in zip(named, _layer_inputs(model, named, args, kwargs))
+    )
+    peak = seconds = None
+    if device.type == "cuda":
+        peak, seconds = _cuda_step(model, args, kwargs, device)
+    return ModelMemory(
+        name=name,
+        device=str(device),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
+        gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
+        optimizer_bytes=sum(p.numel() for p in trainable) * ADAMW_STATE_BYTES,
+        activations=measure_activation_memory(model, *args, **kwargs),
+        layers=per_layer,
+        peak_bytes=peak,
+        step_seconds=seconds,
+    )
+
+
+def report(
+    model: nn.Module | Mapping[str, nn.Module],
+    inputs: Any,
+    *,
+    layers: Sequence[str] | None = None,
+    title: str | None = None,
+) -> MemoryReport:
+    """Measure the training memory of ``model``, or of several models side by side.
+
+    ``model``: a module, or a dict of column name -> module (e.g. ``{"eager": hf_model,
+    "slimformer": sf.patch(copy.deepcopy(hf_model))}``); each is measured on the device
+    of its parameters, in the mode it is in, one after the other.
+    ``inputs``: what each model is called with: a dict (keyword arguments, e.g. a
+    tokenizer's output), a tuple or list (positional arguments) or one tensor.
+    ``layers``: qualified names of the submodules to give a row each; by default the
+    blocks of the ``nn.ModuleList`` holding the most parameters.
+
+    Returns a ``MemoryReport``: ``print(report(...))`` (or ``.print()``) shows the table,
+    its ``models`` hold the numbers (``ModelMemory``). Each model runs about three
+    forwards (see ``measure_model``); on CUDA also forward+backward steps, after which
+    its gradients are None.
+    """
+    models = dict(model) if isinstance(model, Mapping) else {"model": model}
+    if not models:
+        raise ValueError("model must be a module or a non-empty dict of name -> module, got an empty dict")
+    measured = tuple(measure_model(module, inputs, name=name, layers=layers) for name, module in models.items())
+    devices = ", ".join(sorted({m.device for m in measured}))
+    return MemoryReport(measured, title or f"Training memory on {devices}")
+
+
+def activation_sweep(
+    variants: Mapping[str, Callable[[], nn.Module]],
+    make_inputs: Callable[[int], Any],
+    seqs: Sequence[int],
+    *,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, list[int | None]]:
+    """Activation bytes of one whole forward (the larger measurement) per variant and sequence.
+
+    ``variants`` maps a name to a function that readies and returns the model (sets a
+    policy, say); ``make_inputs(seq)`` gives the inputs (as for ``report``). Each variant is
+    warmed up by one forward that keeps nothing before its first measurement. A variant
+    that runs out of memory gets None at that length and every longer one.
+    """
+    sweep: dict[str, list[int | None]] = {name: [] for name in variants}
+    for seq in seqs:
+        args, kwargs = _arguments(make_inputs(seq))
+        for name, ready in variants.items():
+            if sweep[name] and sweep[name][-1] is None:
+                sweep[name].append(None)
+                continue
+            model = ready()
+            try:
+                if not sweep[name]:
+                    with torch.autograd.graph.saved_tensors_hooks(_discard, _discard):
+                        model(*args, **kwargs)
+                kept = _kept(measure_activation_memory(model, *args, **kwargs))
+            except torch.OutOfMemoryError:
+                kept = None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            sweep[name].append(kept)
+            if log is not None:
+                log(f"seq {seq:>5}  {name:<22} " + ("out of memory" if kept is None else format_bytes(kept)))
+    return sweep
+
+
+def plot_activation_sweep(
+    sweep: Mapping[str, Sequence[int | None]], seqs: Sequence[int], path: str | Path, *, title: str
+) -> None:
+    """Write a PNG of ``activation_sweep``'s result: MiB vs sequence length, log-log, one line each."""
+    from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
+
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    axes = figure.subplots()
+    for name, values in sweep.items():
+        points = [(seq, kept / 2**20) for seq, kept in zip(seqs, values) if kept is not None]
+        if not points:
+            axes.plot([], [], label=f"{name} (out of memory)")
+            continue
+        label = name if len(points) == len(seqs) else f"{name} (out of memory after seq {points[-1][0]})"
+        axes.plot(*zip(*points), marker="o", label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xticks(list(seqs), [str(seq) for seq in seqs])
+    axes.set_xlabel("sequence length")
+    axes.set_ylabel("activations kept for backward (MiB)")
+    axes.set_title(title)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.savefig(path, dpi=120)
+
+
+# --- the command line: HF BERT, eager vs slimformer ---
+
+BERT_SIZES = {
+    "bert-base": {},  # BertConfig's defaults: 12 layers, hidden 768, 12 heads, FFN 3072
+    "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SWEEP_SEQS = (128, 256, 512, 1024, 2048, 4096)
+
+_EPILOG = """\
+The models are HF BertModel built from the config with random weights (nothing is
+downloaded), in training mode (dropout on), cast to --dtype (pure 16-bit training on
+both CPU and CUDA; AdamW state is still counted in fp32). Inputs: random token ids,
+no padding. Sequences beyond the config's max_position_embeddings extend the position
+table. "slimformer (POLICY)" is a copy of the eager model after
+slimformer.patch.patch(model, recompute=POLICY).
+
+On CUDA the table adds the forward+backward peak (torch.cuda memory stats) and step
+time. On CPU only the saved/alive activation bytes are measured; the slimformer
+layers run their PyTorch path, which saves what the kernels save. Each model costs
+about three forwards, so BERT-base at batch 8, seq 512 in fp32 takes minutes and
+several GiB of RAM on a CPU.
+
+--plot measures the whole model's activations at seq 128, 256, ... up to --max-seq
+for eager, SDPA and every policy. Eager at long sequences needs tens of GiB (the
+score matrices): lower --max-seq on a CPU. On CPU, SDPA with dropout falls back to
+PyTorch's math kernel and keeps what eager keeps, and the slimformer layers draw their
+attention-dropout masks with Philox in plain PyTorch, which is slow at long sequences.
+"""
+
+
+def bert_config(spec: str):
+    """``BertConfig`` for ``bert-base``, ``bert-large`` or a config.json (or a folder holding one)."""
+    from transformers import BertConfig
+
+    if spec in BERT_SIZES:
+        return BertConfig(**BERT_SIZES[spec])
+    if not Path(spec).exists():
+        raise ValueError(f"--model must be one of {sorted(BERT_SIZES)} or a path to a config.json, got {spec!r}")
+    return BertConfig.from_pretrained(spec)
+
+
+def build_bert(config, *, max_seq: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """A randomly initialised ``BertModel`` with eager attention, in training mode."""
+    from transformers import BertModel
+
+    config = copy.deepcopy(config)
+    config.max_position_embeddings = max(config.max_position_embeddings, max_seq)
+    model = BertModel(config)
+    model.set_attn_implementation("eager")
+    return model.to(device=device, dtype=dtype).train()
+
+
+def bert_inputs(config, batch: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Random token ids (fixed seed) and an attention mask without padding."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(config.vocab_size, (batch, seq), generator=generator).to(device)
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def _with_attention(model: nn.Module, implementation: str) -> nn.Module:
+    model.set_attn_implementation(implementation)
+    return model
+
+
+def _models(
+    config,
+    seed: int,
+    max_seq: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    baselines: Sequence[str],
+    policies: Sequence[str],
+) -> dict[str, Callable[[], nn.Module]]:
+    """Column name -> function readying its model: the baselines share one eager BERT (attention
+    implementation switched), the policies one patched copy of it (policy switched)."""
+    torch.manual_seed(seed)
+    eager = build_bert(config, max_seq=max_seq, dtype=dtype, device=device)
+    slim = patch(copy.deepcopy(eager), recompute=policies[0])
+    variants = {name: (lambda name=name: _with_attention(eager, name)) for name in baselines}
+    variants.update({f"slimformer ({p})": (lambda p=p: recompute(slim, p)) for p in policies})
+    return variants
+
+
+@contextlib.contextmanager
+def _long_lived_objects_frozen():
+    """Every measurement collects garbage twice; leave the objects alive now (transformers,
+    the models) out of those scans, which then take microseconds instead of ~0.2 s."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return str(device)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m slimformer.memory",
+        description="Training memory of a HF BERT, eager vs slimformer: parameters, gradients, "
+        "AdamW state and activations per layer, measured on this machine.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", default="bert-base", help="bert-base, bert-large, or a HF config.json or folder")
+    parser.add_argument("--batch", type=int, default=8, help="default 8")
+    parser.add_argument("--seq", type=int, default=512, help="default 512")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="fp32", help="the models are cast to it (default fp32)"
+    )
+    parser.add_argument(
+        "--recompute", nargs="+", choices=[*POLICIES, "all"], default=["none"], help="slimformer columns (default none)"
+    )
+    parser.add_argument(
+        "--baseline", nargs="+", choices=["eager", "sdpa"], default=["eager"], help="HF columns (default eager)"
+    )
+    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--plot", metavar="PNG", type=Path, help="also sweep the sequence length and plot")
+    parser.add_argument(
+        "--max-seq", type=int, default=SWEEP_SEQS[-1], help="longest sequence of --plot's sweep (default 4096)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="for the random weights (default 0)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m slimformer.memory``: print the report (and write the plot); returns 0."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.plot and args.max_seq < SWEEP_SEQS[0]:
+        parser.error(f"--max-seq must be at least {SWEEP_SEQS[0]}, got {args.max_seq}")
+    try:
+        config = bert_config(args.model)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    policies = list(POLICIES) if "all" in args.recompute else list(dict.fromkeys(args.recompute))
+    baselines = list(dict.fromkeys(args.baseline))
+
+    console = Console()
+    variants = _models(config, args.seed, args.seq, dtype, device, baselines, policies)
+    inputs = bert_inputs(config, args.batch, args.seq, device)
+    measured = []
+    with _long_lived_objects_frozen():
+        for name, ready in variants.items():
+            with console.status(f"measuring {name} on {device} ..."):
+                measured.append(measure_model(ready(), inputs, name=name))
+    title = f"{args.model}: batch {args.batch} x seq {args.seq}, {args.dtype}, training mode, {_device_name(device)}"
+    MemoryReport(tuple(measured), title).print()
+    del variants, inputs
+    gc.collect()
+
+    if args.plot:
+        seqs = [seq for seq in SWEEP_SEQS if seq <= args.max_seq]
+        variants = _models(config, args.seed, seqs[-1], dtype, device, ["eager", "sdpa"], POLICIES)
+        with _long_lived_objects_frozen():
+            sweep = activation_sweep(
+                variants, lambda seq: bert_inputs(config, args.batch, seq, device), seqs, log=console.log
+            )
+        title = f"{args.model}, batch {args.batch}, {args.dtype}, {_device_name(device)}"
+        plot_activation_sweep(sweep, seqs, args.plot, title=title)
+        console.print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,468 @@
+"""Swap slimformer's fused layers into an existing model, in place, and back.
+
+``patch(model)`` replaces modules one instance at a time, over the same Parameter
+objects (no copies, the same ``state_dict`` keys and tensors, optimizers built before
+the patch keep working):
+
+* encoder layers of HuggingFace BERT-family models (transformers >= 5: BERT, RoBERTa,
+  XLM-RoBERTa, CamemBERT, ELECTRA, ERNIE, Data2VecText, RoCBert, and so the
+  sentence-transformers models built on them) -> ``Fused<Layer>``, a subclass of the
+  layer's own class (``isinstance`` holds, so transformers' ``output_hidden_states``
+  capture and gradient checkpointing still find it) that holds the same submodules
+  and runs, with p the hidden dropout:
+
+      c = attention(x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv; mask)   fused kernel, keeps q, k, v, c, lse
+      y = LayerNorm(dropout_p(c Woᵀ + bo) + x)                   one kernel, keeps y and rstd
+      z = LayerNorm(dropout_p(fused_mlp(y)) + y)                 keeps fc1's output (GELU input)
+
+  Every dropout mask is regenerated from a Philox seed rather than stored, so dropout
+  draws differ from torch's, with the same distribution.
+* ``torch.nn.TransformerEncoderLayer`` -> ``slimformer.TransformerEncoderLayer``
+  (``from_torch``), also inside ``torch.nn.TransformerEncoder``;
+* every other ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` -> ``slimformer.LayerNorm``
+  / ``slimformer.RMSNorm`` (``from_torch``, memory-efficient mode).
+
+Only those exact classes are swapped: a subclass may compute something else, so it is
+left, and the summary says why. ``patch`` returns the model; what it did is
+``patch_summary(model)``, printable as plain text or a rich table.
+
+The fused layers take the ``recompute`` policies of ``slimformer.recompute``. HF BERT
+keeps q, k and v as three Linears, while ``self_attention``'s QKV recompute wants one
+stacked weight, which would be a 3·E² copy per step kept for backward; so ``qkv``
+checkpoints the projections together with the attention (non-reentrant, RNG restored),
+which also repeats the attention forward in backward (about 3% of a BERT-base layer's
+FLOPs at seq 512) and keeps neither q, k, v nor the log-sum-exp.
+
+Limits of the fused BERT layer: ``output_attentions`` yields no weights (they are
+never formed, as with transformers' sdpa and flash implementations); a call with
+``past_key_values`` runs the original code; decoder layers (causal, cache,
+cross-attention) and activations other than gelu / gelu_new / gelu_pytorch_tanh /
+relu are left; ``chunk_size_feed_forward`` is not needed (the fused MLP keeps less
+than a chunked one) and is ignored. The attention mask transformers builds for the
+model's ``attn_implementation`` is read as it is: eager's and sdpa's (batch, 1, seq,
+seq) masks are shared by all layers, "slimformer"'s (see
+``register_transformers_attention``) is only (batch, seq).
+
+Patch before wrapping the model (DDP, FSDP, ``torch.compile``). Hooks registered on a
+swapped module before the patch move to its replacement; hooks added afterwards are
+dropped by ``unpatch``.
+"""
+
+import copy
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from slimformer.kernels.activation import fused_mlp
+from slimformer.kernels.attention import attention
+from slimformer.kernels.norm import layer_norm, output_rebuilds_input
+from slimformer.layers.norm import LayerNorm, RMSNorm
+from slimformer.layers.transformer import TransformerEncoderLayer
+from slimformer.recompute import check_policy
+
+__all__ = ["FusedBertFamilyLayer", "Left", "PatchSummary", "Swap", "patch", "patch_summary", "unpatch"]
+
+# Encoder layers whose classes (layer, attention, self-attention, output, intermediate)
+# are BERT's line for line in transformers 5, named by module and class so that
+# transformers is never imported here.
+_BERT_LAYERS = frozenset(
+    {
+        ("transformers.models.bert.modeling_bert", "BertLayer"),
+        ("transformers.models.roberta.modeling_roberta", "RobertaLayer"),
+        ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaLayer"),
+        ("transformers.models.camembert.modeling_camembert", "CamembertLayer"),
+        ("transformers.models.electra.modeling_electra", "ElectraLayer"),
+        ("transformers.models.ernie.modeling_ernie", "ErnieLayer"),
+        ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextLayer"),
+        ("transformers.models.roc_bert.modeling_roc_bert", "RoCBertLayer"),
+    }
+)
+# config.hidden_act -> fused_mlp's activation.
+_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_MAX_HEAD_DIM = 256
+_RECORD = "_slimformer_patch"
+
+
+def _kernel_masks(attention_mask, batch: int, seq: int):
+    """The mask transformers 5 hands a BERT encoder layer, as ``attention``'s
+    ``(attn_mask, key_padding_mask)``.
+
+    That mask is None (no padding under sdpa), a (batch, 1, seq, seq) bool mask with
+    True = attend (sdpa) or additive float mask (eager), both passed on and read block
+    by block, or (batch, seq) with 0 = padding (flash attention, or slimformer's
+    registered implementation), which becomes a key padding mask.
+    """
+    if attention_mask is None:
+        return None, None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(
+            f"attention_mask must be a torch.Tensor or None in a patched layer, got "
+            f"{type(attention_mask).__name__}; use attn_implementation 'sdpa' or 'eager'"
+        )
+    if attention_mask.shape == (batch, seq):
+        return None, attention_mask == 0
+    if attention_mask.dim() == 4:
+        return attention_mask, None
+    raise ValueError(
+        f"attention_mask must be (batch, seq) = {(batch, seq)} or 4-d (batch, 1, seq, seq), "
+        f"got shape {tuple(attention_mask.shape)}"
+    )
+
+
+def _refresh_after_load(module, incompatible_keys) -> None:
+    # A module-level function (not a lambda) keeps the layer picklable.
+    module.refresh_memory_mode()
+
+
+def _rebuild_fused_layer(original_class: type, state: dict) -> nn.Module:
+    fused_class = _fused_class(original_class)
+    layer = fused_class.__new__(fused_class)
+    layer.__dict__.update(state)
+    return layer
+
+
+class FusedBertFamilyLayer:
+    """Forward of a patched BERT-family encoder layer, mixed before the layer's own class.
+
+    ``patch`` makes ``Fused<Layer>(FusedBertFamilyLayer, <Layer>)`` and an instance that shares
+    the original's submodules and hooks. Attributes it adds: ``recompute`` (a policy of
+    ``slimformer.recompute``), ``fused_activation`` and ``saves_output`` (whether each
+    of the two LayerNorms may keep its output instead of its input, decided from the
+    weights when patched and after ``load_state_dict``; call ``refresh_memory_mode()``
+    after changing them by hand).
+
+    ``forward(hidden_states, attention_mask=None, ...)`` takes what the original does and
+    returns the layer output (batch, seq, hidden) in hidden_states' dtype.
+    """
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        **kwargs,
+    ):
+        if past_key_values is not None:
+            # The original attention writes the cache; an encoder layer gets one only when
+            # a caller passes it explicitly.
+            return super().forward(
+                hidden_states, attention_mask, encoder_hidden_states,
+                encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values, **kwargs,
+            )  # fmt: skip
+        policy = check_policy(self.recompute)
+        attn_mask, padding = _kernel_masks(attention_mask, *hidden_states.shape[:2])
+        if policy == "full" and torch.is_grad_enabled():
+            return checkpoint(self._fused_block, hidden_states, attn_mask, padding, "none", use_reentrant=False)
+        return self._fused_block(hidden_states, attn_mask, padding, policy)
+
+    def _fused_block(self, x, attn_mask, padding, policy):
+        if "qkv" in policy and torch.is_grad_enabled():
+            context = checkpoint(self._self_attention, x, attn_mask, padding, use_reentrant=False)
+        else:
+            context = self._self_attention(x, attn_mask, padding)
+        out = self.attention.output
+        y = self._add_norm(F.linear(context, out.dense.weight, out.dense.bias), x, out, self.saves_output[0])
+        h = fused_mlp(
+            y, self.intermediate.dense.weight, self.intermediate.dense.bias, self.output.dense.weight,
+            self.output.dense.bias, self.fused_activation, 0.0, recompute_fc1="mlp" in policy,
+        )  # fmt: skip
+        return self._add_norm(h, y, self.output, self.saves_output[1])
+
+    def _self_attention(self, x, attn_mask, padding):
+        """(batch, seq, hidden) context, before the output projection."""
+        attn = self.attention.self
+        q, k, v = (
+            rearrange(F.linear(x, proj.weight, proj.bias), "b s (h d) -> b h s d", h=attn.num_attention_heads)
+            for proj in (attn.query, attn.key, attn.value)
+        )
+        dropout_p = attn.dropout.p if attn.training else 0.0
+        out = attention(q, k, v, attn_mask, dropout_p, scale=attn.scaling, key_padding_mask=padding)
+        return rearrange(out, "b h s d -> b s (h d)")
+
+    @staticmethod
+    def _add_norm(branch, residual, block, saves_output):
+        """``block.LayerNorm(block.dropout(branch) + residual)`` (BertSelfOutput, BertOutput), one kernel."""
+        norm = block.LayerNorm
+        dropout_p = block.dropout.p if block.dropout.training else 0.0
+        return layer_norm(
+            branch, norm.normalized_shape, norm.weight, norm.bias, norm.eps,
+            residual=residual, dropout_p=dropout_p, memory_efficient=saves_output,
+        )  # fmt: skip
+
+    def refresh_memory_mode(self) -> tuple[bool, bool]:
+        """Re-decide (one host sync) whether each LayerNorm may rebuild its input from its output."""
+        norms = (self.attention.output.LayerNorm, self.output.LayerNorm)
+        self.saves_output = tuple(output_rebuilds_input(norm.weight, norm.bias) for norm in norms)
+        return self.saves_output
+
+    def __reduce_ex__(self, protocol):
+        # Fused<Layer> is made at run time, so a pickle names the original class instead.
+        return _rebuild_fused_layer, (self._original_class, self.__dict__)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.fused_activation!r}, recompute={self.recompute!r}, saves_output={self.saves_output}"
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(layer_class: type) -> type:
+    """``Fused<Layer>``: FusedBertFamilyLayer's forward over ``layer_class``, made once per class."""
+    if layer_class not in _FUSED_CLASSES:
+        namespace = {"__module__": __name__, "_original_class": layer_class}
+        _FUSED_CLASSES[layer_class] = type(
+            f"Fused{layer_class.__name__}", (FusedBertFamilyLayer, layer_class), namespace
+        )
+    return _FUSED_CLASSES[layer_class]
+
+
+def _is_bert_layer(module: nn.Module) -> bool:
+    return (type(module).__module__, type(module).__name__) in _BERT_LAYERS
+
+
+def _looks_like_bert_layer(module: nn.Module) -> bool:
+    attention = getattr(module, "attention", None)
+    return all(hasattr(obj, name) for obj, name in ((attention, "self"), (module, "intermediate"), (module, "output")))
+
+
+def _bert_layer_problem(layer: nn.Module) -> str | None:
+    """Why ``layer`` (an allow-listed BERT-family layer) cannot be fused, or None."""
+    if layer.is_decoder or getattr(layer, "add_cross_attention", False):
+        return "decoder layer (causal self-attention, KV cache, cross-attention) is not fused"
+    act = layer.attention.self.config.hidden_act
+    if act not in _HF_ACTIVATIONS:
+        return f"hidden_act {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
+    expected = {
+        "attention.self.query": (nn.Linear,), "attention.self.key": (nn.Linear,),
+        "attention.self.value": (nn.Linear,), "attention.self.dropout": (nn.Dropout,),
+        "attention.output.dense": (nn.Linear,), "attention.output.dropout": (nn.Dropout,),
+        "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate.dense": (nn.Linear,),
+        "output.dense": (nn.Linear,), "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+    }  # fmt: skip
+    for path, types in expected.items():
+        module = layer.get_submodule(path)
+        if type(module) not in types:
+            return f"{path} is a {type(module).__name__}, not torch.nn.{types[0].__name__}"
+    head_dim = layer.attention.self.attention_head_size
+    if head_dim > _MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is above the fused kernel's {_MAX_HEAD_DIM}"
+    return None
+
+
+def _fuse_bert_layer(layer: nn.Module) -> nn.Module:
+    """A ``Fused<Layer>`` sharing ``layer``'s submodules, attributes and hooks."""
+    fused_class = _fused_class(type(layer))
+    fused = fused_class.__new__(fused_class)
+    # The module's dicts (submodules, hooks) are copied so that registering on one of
+    # the two objects later does not change the other; their contents are shared.
+    fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
+    fused.fused_activation = _HF_ACTIVATIONS[layer.attention.self.config.hidden_act]
+    fused.recompute = "none"
+    fused.refresh_memory_mode()
+    fused.register_load_state_dict_post_hook(_refresh_after_load)
+    return fused
+
+
+def _is_slimformer(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("slimformer.")
+
+
+def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """(the module to put in ``module``'s place, None) or (None, why it is left, or None
+    when it is no candidate at all)."""
+    kind = type(module)
+    if _is_bert_layer(module):
+        problem = _bert_layer_problem(module)
+        return (None, problem) if problem else (_fuse_bert_layer(module), None)
+    if _looks_like_bert_layer(module):
+        return None, f"{kind.__name__} is not a BERT-family layer verified to compute BertLayer's forward"
+    if kind is nn.TransformerEncoderLayer:
+        try:
+            return TransformerEncoderLayer.from_torch(module), None
+        except ValueError as error:
+            return None, str(error)
+    if kind is nn.LayerNorm:
+        return LayerNorm.from_torch(module), None
+    if kind is nn.RMSNorm:
+        return RMSNorm.from_torch(module), None
+    for base in (nn.TransformerEncoderLayer, nn.LayerNorm, nn.RMSNorm):
+        if isinstance(module, base):
+            return None, f"subclass of torch.nn.{base.__name__} whose forward may differ"
+    return None, None
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One module replaced: where it sits (``parent`` is None for the model itself) and
+    both objects, which ``unpatch`` puts back."""
+
+    name: str
+    parent: nn.Module | None
+    original: nn.Module
+    replacement: nn.Module
+
+    @property
+    def attribute(self) -> str:
+        return self.name.rpartition(".")[2]
+
+
+@dataclass(frozen=True)
+class Left:
+    """A candidate module that ``patch`` did not replace, and why."""
+
+    name: str
+    type_name: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class PatchSummary:
+    """What ``patch`` did to one model. ``print`` gives plain text; rich's ``print``
+    (or ``Console.print``) a table. Held by the patched model for ``unpatch``."""
+
+    model_type: str
+    swapped: tuple[Swap, ...]
+    left: tuple[Left, ...]
+    recompute: str | None
+
+    def title(self) -> str:
+        return (
+            f"slimformer.patch({self.model_type}, recompute={self.recompute!r}): "
+            f"{len(self.swapped)} swapped, {len(self.left)} left"
+        )
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(module, original type, what it became or why it was left), one per module."""
+        rows = []
+        for swap in self.swapped:
+            result = f"-> slimformer {type(swap.replacement).__name__}"
+            policy = getattr(swap.replacement, "recompute", None)
+            if policy is not None:
+                result += f" (recompute={policy!r})"
+            rows.append((swap.name or "(model)", type(swap.original).__name__, result))
+        rows.extend((left.name or "(model)", left.type_name, f"left: {left.reason}") for left in self.left)
+        return rows
+
+    def __str__(self) -> str:
+        rows = [("module", "type", "result"), *self.rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(2)]
+        lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}" for row in rows]
+        return "\n".join([self.title(), *lines])
+
+    def __rich__(self):
+        from rich.table import Table
+        from rich.text import Text
+
+        table = Table(title=self.title())
+        for column in ("module", "type", "result"):
+            table.add_column(column)
+        for row in self.rows():
+            table.add_row(*(Text(cell) for cell in row))
+        return table
+
+
+def _plan(model: nn.Module) -> tuple[list[Swap], list[Left]]:
+    """Swaps and leftovers, walking the module tree; a swapped module is not entered."""
+    swaps, left, replacements = [], [], {}
+
+    def visit(module: nn.Module, name: str, parent: nn.Module | None) -> None:
+        if _is_slimformer(module):
+            return
+        if id(module) not in replacements:  # a module registered twice gets one replacement
+            replacements[id(module)] = _replacement(module)
+            if replacements[id(module)][1] is not None:
+                left.append(Left(name, type(module).__name__, replacements[id(module)][1]))
+        replacement = replacements[id(module)][0]
+        if replacement is not None:
+            swaps.append(Swap(name, parent, module, replacement))
+            return
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, module)
+
+    visit(model, "", None)
+    return swaps, left
+
+
+def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
+    """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
+
+    Args:
+        model: any ``nn.Module``; patch it before wrapping it in DDP, FSDP or
+            ``torch.compile``.
+        recompute: policy for the swapped layers that take one ("none", "qkv", "mlp",
+            "qkv+mlp", "full"); None leaves them at "none". ``slimformer.recompute``
+            changes it later.
+
+    Returns:
+        ``model`` (or its replacement, when ``model`` is itself a swappable layer), with
+        ``patch_summary`` of it telling what was swapped and what was left and why. A
+        model that is already patched, or has nothing to patch, is returned unchanged
+        with a ``UserWarning`` saying so.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ValueError: ``recompute`` is not a policy.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if recompute is not None:
+        check_policy(recompute)
+    patched = [name or "the model itself" for name, module in model.named_modules() if _RECORD in module.__dict__]
+    if patched:
+        warnings.warn(
+            f"slimformer.patch: {type(model).__name__} is already patched ({', '.join(patched)}); nothing changed. "
+            "Call slimformer.unpatch first to patch it again.",
+            stacklevel=2,
+        )
+        return model
+    swaps, left = _plan(model)
+    if not swaps:
+        reasons = "".join(f"\n  {item.name or '(model)'} ({item.type_name}): {item.reason}" for item in left)
+        warnings.warn(
+            f"slimformer.patch: nothing to patch in {type(model).__name__}; nothing changed.{reasons}", stacklevel=2
+        )
+        return model
+    for swap in swaps:
+        if recompute is not None and hasattr(swap.replacement, "recompute"):
+            swap.replacement.recompute = recompute
+        if swap.parent is not None:
+            setattr(swap.parent, swap.attribute, swap.replacement)
+    root = swaps[0].replacement if swaps[0].parent is None else model
+    setattr(root, _RECORD, PatchSummary(type(model).__name__, tuple(swaps), tuple(left), recompute))
+    return root
+
+
+def patch_summary(model: nn.Module) -> PatchSummary:
+    """What ``patch`` did to ``model``; raises ValueError if ``model`` is not patched."""
+    summary = getattr(model, _RECORD, None)
+    if summary is None:
+        raise ValueError(
+            f"{type(model).__name__} is not patched: slimformer.patch returned it unchanged or was not called"
+        )
+    return summary
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Put back the exact module objects ``patch`` replaced; returns the original model.
+
+    The originals take the train/eval mode of their replacements. Raises ValueError if
+    ``model`` is not patched, or if a swapped module is no longer where ``patch`` put it
+    (then nothing is changed).
+    """
+    summary = patch_summary(model)
+    for swap in summary.swapped:
+        if swap.parent is not None and swap.parent._modules.get(swap.attribute) is not swap.replacement:
+            raise ValueError(f"{swap.name or 'the model'} was replaced after patching; not restoring any module")
+    for swap in reversed(summary.swapped):
+        swap.original.train(swap.replacement.training)
+        if swap.parent is not None:
+            setattr(swap.parent, swap.attribute, swap.original)
+    delattr(model, _RECORD)
+    return summary.swapped[0].original if summary.swapped[0].parent is None else model

@@ -1,0 +1,363 @@
+"""Model-level FP16/INT8 conversion, SmoothQuant calibration, save/load and fidelity.
+
+``quantize(model, mode)`` swaps every ``nn.Linear`` for a ``Linear8bit`` (modes "int8",
+"int8-weight-only") or ``Linear16bit`` ("fp16", "bf16") in place. Embeddings,
+LayerNorm and softmax are not Linears and stay as they are; the pooler/classifier
+heads stay float by default (``DEFAULT_SKIP``). Every replacement is built before
+the first one is swapped in, so an error leaves the model untouched.
+
+SmoothQuant (mode "int8", ``calibration=`` batches): activation outliers concentrate in
+a few input channels, which per-token scales cannot isolate. With a_j = max|x_j| over
+the calibration tokens and w_j = max_n |W[n, j]|, each channel is divided by
+s_j = a_j^α / w_j^(1-α) and the weight column multiplied by it, which flattens the
+activation at the cost of the weight (α = ``smooth_alpha``, default 0.5). The division
+is fused into the per-token quantization kernel (``Linear8bit.smooth`` = 1 / s).
+
+``save_quantized`` / ``load_quantized`` write and read ``model.safetensors`` (the plain
+state_dict) plus ``slimformer_quantization.json`` (the mode of each converted module).
+``fidelity_report`` measures each quantized layer's SQNR on the float model's own
+inputs to that layer, and the agreement of the two models' outputs.
+"""
+
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_model, save_model
+from torch import nn
+from tqdm.auto import tqdm
+
+from slimformer.layers.linear import FLOAT16_MODES, INT8_MODES, Linear8bit, Linear16bit
+
+MODES = (*INT8_MODES, *FLOAT16_MODES)
+# Dotted name parts of the heads that stay float unless ``skip`` says otherwise (HF
+# BERT: pooler, classifier, cls (the MLM head), qa_outputs; decoders: lm_head, score).
+DEFAULT_SKIP = ("pooler", "classifier", "cls", "qa_outputs", "lm_head", "score")
+DEFAULT_SMOOTH_ALPHA = 0.5
+CONFIG_FILE = "slimformer_quantization.json"
+WEIGHTS_FILE = "model.safetensors"
+_CONFIG_FORMAT = 1
+# SmoothQuant factors are kept within this range of 1 so no channel is scaled to nothing.
+_MAX_SMOOTH_RATIO = 1e4
+
+SkipRule = Sequence[str] | Callable[[str, nn.Module], bool]
+
+
+def _is_skipped(name: str, module: nn.Module, skip: SkipRule) -> bool:
+    if callable(skip):
+        return bool(skip(name, module))
+    parts = name.split(".")
+    return any(name == s or name.startswith(s + ".") or s in parts for s in skip)
+
+
+def _check_skip(skip) -> None:
+    if callable(skip):
+        return
+    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise TypeError(f"skip must be a sequence of module names or a callable (name, module) -> bool, got {skip!r}")
+
+
+def _run(model: nn.Module, batch):
+    """Call ``model`` on one batch: a mapping is keyword arguments, a tuple/list positional ones."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+class _EvalMode:
+    """Put a model in eval mode for a with-block, then restore every module's flag."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self):
+        self.flags = {module: module.training for module in self.model.modules()}
+        self.model.eval()
+
+    def __exit__(self, *exc):
+        for module, training in self.flags.items():
+            module.training = training
+
+
+def _linears_to_convert(model: nn.Module, skip: SkipRule) -> dict[str, nn.Linear]:
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and not _is_skipped(name, module, skip)
+    }
+
+
+def calibrate_activations(model: nn.Module, linears: Mapping[str, nn.Linear], calibration: Iterable) -> dict:
+    """Per-input-channel max |x| seen by each of ``linears`` over the calibration batches.
+
+    Runs ``model`` in eval mode without grad on each batch (a progress bar counts them).
+    Returns {name: (in_features,) fp32 tensor}. Raises ValueError if calibration yields
+    no batch, or a Linear saw no input.
+    """
+    maxima: dict[str, torch.Tensor] = {}
+
+    def recorder(name):
+        def hook(module, args):
+            x = args[0].detach()
+            batch_max = x.abs().reshape(-1, x.shape[-1]).amax(dim=0).float()
+            maxima[name] = batch_max if name not in maxima else torch.maximum(maxima[name], batch_max)
+
+        return hook
+
+    handles = [linear.register_forward_pre_hook(recorder(name)) for name, linear in linears.items()]
+    batches = 0
+    try:
+        with torch.no_grad(), _EvalMode(model):
+            for batch in tqdm(calibration, desc="SmoothQuant calibration", unit="batch"):
+                _run(model, batch)
+                batches += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    if batches == 0:
+        raise ValueError("calibration yielded no batch: pass an iterable of model inputs")
+    unseen = sorted(set(linears) - set(maxima))
+    if unseen:
+        raise ValueError(f"calibration never reached these Linears: {unseen[:5]}{' ...' if len(unseen) > 5 else ''}")
+    return maxima
+
+
+def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's input multipliers 1 / s, s_j = a_j^α / w_j^(1-α), for one Linear.
+
+    activation_max: (K,) max |x_j|; weight: (N, K). Channels that were always zero, or
+    whose weight column is zero, keep multiplier 1. Returns (K,) fp32.
+    """
+    a = activation_max.float()
+    w = weight.detach().abs().amax(dim=0).float().to(a.device)
+    usable = (a > 0) & (w > 0)
+    s = torch.where(usable, a.clamp_min(1e-30).pow(alpha) / w.clamp_min(1e-30).pow(1 - alpha), 1.0)
+    return (1.0 / s).clamp(1 / _MAX_SMOOTH_RATIO, _MAX_SMOOTH_RATIO)
+
+
+def _convert(name: str, linear: nn.Linear, mode: str, smooth: torch.Tensor | None) -> nn.Module:
+    try:
+        if mode in FLOAT16_MODES:
+            return Linear16bit.from_float(linear, FLOAT16_MODES[mode])
+        return Linear8bit.from_float(linear, mode, smooth=smooth)
+    except ValueError as err:
+        raise ValueError(f"cannot quantize {name!r}: {err}") from err
+
+
+def _swap(model: nn.Module, replacements: Mapping[str, nn.Module]) -> None:
+    for name, module in replacements.items():
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, module)
+
+
+def quantize(
+    model: nn.Module,
+    mode: str,
+    *,
+    skip: SkipRule = DEFAULT_SKIP,
+    calibration: Iterable | None = None,
+    smooth_alpha: float | None = None,
+) -> nn.Module:
+    """Replace ``model``'s nn.Linear modules by quantized inference layers, in place.
+
+    mode: "int8" (W8A8, dynamic per-token activation scales), "int8-weight-only" (W8A16),
+        "fp16" or "bf16" (16-bit weights, fp32 accumulation).
+    skip: Linears to leave float: names (a Linear is skipped if its name equals one,
+        starts with one plus ".", or has one as a dotted part) or a callable
+        (name, module) -> bool. Default: the pooler/classifier/LM heads (``DEFAULT_SKIP``).
+    calibration: mode "int8" only: an iterable of model inputs (a dict: keyword
+        arguments; a tuple/list: positional ones; else the single argument) for SmoothQuant.
+    smooth_alpha: SmoothQuant's migration strength in [0, 1] (default 0.5 with
+        calibration); needs calibration.
+    Returns ``model``. Raises ValueError on an unknown mode, no Linear left to convert,
+    a calibration that yields nothing, a bad smooth_alpha, or a non-finite weight (the
+    model is then unchanged); TypeError on a bad model or skip.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    _check_skip(skip)
+    if (calibration is not None or smooth_alpha is not None) and mode != "int8":
+        raise ValueError(f"calibration and smooth_alpha apply to mode 'int8' only, got mode {mode!r}")
+    if smooth_alpha is not None:
+        if calibration is None:
+            raise ValueError("smooth_alpha needs calibration batches (calibration=...)")
+        if not 0.0 <= smooth_alpha <= 1.0:
+            raise ValueError(f"smooth_alpha must be in [0, 1], got {smooth_alpha}")
+    linears = _linears_to_convert(model, skip)
+    if not linears:
+        raise ValueError(f"model has no torch.nn.Linear left to quantize (skip={skip!r})")
+
+    smooth = {}
+    if calibration is not None:
+        alpha = DEFAULT_SMOOTH_ALPHA if smooth_alpha is None else smooth_alpha
+        maxima = calibrate_activations(model, linears, calibration)
+        smooth = {name: smoothing_factors(maxima[name], linear.weight, alpha) for name, linear in linears.items()}
+    replacements = {name: _convert(name, linear, mode, smooth.get(name)) for name, linear in linears.items()}
+    _swap(model, replacements)
+    return model
+
+
+def quantized_modules(model: nn.Module) -> dict[str, str]:
+    """{module name: mode} of every slimformer quantized layer in ``model``."""
+    return {name: m.mode for name, m in model.named_modules() if isinstance(m, (Linear8bit, Linear16bit))}
+
+
+def save_quantized(model: nn.Module, directory: str | Path) -> Path:
+    """Write ``model``'s state_dict to ``directory/model.safetensors`` and the mode of each
+    quantized module to ``directory/slimformer_quantization.json``. Returns the directory.
+
+    Raises ValueError if ``model`` has no quantized module.
+    """
+    modules = quantized_modules(model)
+    if not modules:
+        raise ValueError("model has no slimformer quantized layer: call slimformer.quantize(model, mode) first")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(directory / WEIGHTS_FILE))
+    config = {"format": _CONFIG_FORMAT, "modules": modules}
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
+def load_quantized(model: nn.Module, directory: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """Quantize a freshly built float ``model`` as recorded in ``directory`` and load its weights.
+
+    ``model`` must have the architecture that was saved (its float weights are replaced).
+    Returns ``model``. Raises FileNotFoundError without the two files, ValueError on an
+    unknown config or a module of the config that is missing or not an nn.Linear, and
+    RuntimeError (from load_state_dict) if the weights do not fit.
+    """
+    directory = Path(directory)
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    if config.get("format") != _CONFIG_FORMAT or not isinstance(config.get("modules"), dict):
+        raise ValueError(f"{directory / CONFIG_FILE} is not a slimformer quantization config (format {_CONFIG_FORMAT})")
+    modules: dict[str, str] = config["modules"]
+    present = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
+    missing = sorted(set(modules) - set(present))
+    if missing:
+        raise ValueError(f"model has no nn.Linear named {missing[:5]}: it is not the architecture that was saved")
+    for mode in sorted(set(modules.values())):
+        group = {name for name, m in modules.items() if m == mode}
+        quantize(model, mode, skip=lambda name, module, group=group: name not in group)
+    load_model(model, str(directory / WEIGHTS_FILE), strict=True, device=str(device))
+    return model
+
+
+def _decibels(signal: float, noise: float) -> float:
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def sqnr_db(actual: torch.Tensor, exact: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10 log10(Σ exact² / Σ (actual - exact)²), in dB."""
+    exact = exact.double()
+    return _decibels(exact.square().sum().item(), (actual.double() - exact).square().sum().item())
+
+
+def _first_tensor(output) -> torch.Tensor:
+    """The main tensor of a model's output: itself, ``last_hidden_state``/``logits``, or the first element."""
+    if isinstance(output, torch.Tensor):
+        return output
+    for key in ("last_hidden_state", "logits"):
+        if getattr(output, key, None) is not None:
+            return getattr(output, key)
+    if isinstance(output, Mapping):
+        return _first_tensor(next(iter(output.values())))
+    if isinstance(output, (tuple, list)) and output:
+        return _first_tensor(output[0])
+    raise TypeError(f"cannot find a tensor in the model output of type {type(output).__name__}")
+
+
+@dataclass
+class FidelityReport:
+    """How closely a quantized model follows its float original on the same inputs.
+
+    layer_sqnr_db: {name: SQNR in dB} of each quantized layer fed the float model's
+    input to that layer. The output metrics compare the two models' main outputs
+    (``output_fn``): SQNR, per-row cosine similarity over the last dimension (mean and
+    minimum) and the largest absolute difference.
+    """
+
+    layer_sqnr_db: dict[str, float] = field(default_factory=dict)
+    output_sqnr_db: float = math.nan
+    mean_cosine: float = math.nan
+    min_cosine: float = math.nan
+    max_abs_error: float = math.nan
+
+    @property
+    def min_layer_sqnr_db(self) -> float:
+        return min(self.layer_sqnr_db.values(), default=math.nan)
+
+    def __str__(self) -> str:
+        worst = min(self.layer_sqnr_db, key=self.layer_sqnr_db.get, default=None)
+        lines = [
+            f"layers: {len(self.layer_sqnr_db)}, min SQNR {self.min_layer_sqnr_db:.1f} dB ({worst})",
+            f"output: SQNR {self.output_sqnr_db:.1f} dB, cosine mean {self.mean_cosine:.5f} "
+            f"min {self.min_cosine:.5f}, max |error| {self.max_abs_error:.3g}",
+        ]
+        return "\n".join(lines)
+
+
+def fidelity_report(
+    float_model: nn.Module,
+    quantized_model: nn.Module,
+    inputs: Iterable,
+    *,
+    output_fn: Callable[[object], torch.Tensor] | None = None,
+) -> FidelityReport:
+    """Compare ``quantized_model`` (from ``quantize``) with ``float_model`` on ``inputs``.
+
+    inputs: an iterable of batches, as ``quantize``'s calibration. Both models run in eval
+    mode without grad. output_fn maps a model's output to the tensor to compare (default:
+    the tensor itself, ``last_hidden_state``, ``logits`` or the first element).
+    Raises ValueError if inputs yields nothing or the models do not have the same
+    module names for the quantized layers.
+    """
+    layers = {name: m for name, m in quantized_model.named_modules() if isinstance(m, (Linear8bit, Linear16bit))}
+    originals = dict(float_model.named_modules())
+    unmatched = sorted(name for name in layers if not isinstance(originals.get(name), nn.Linear))
+    if unmatched:
+        raise ValueError(f"float_model has no nn.Linear for the quantized layers {unmatched[:5]}")
+    output_fn = output_fn or _first_tensor
+    energies = {name: [0.0, 0.0] for name in layers}
+
+    def comparer(name):
+        def hook(module, args, output):
+            exact = output.double()
+            actual = layers[name](args[0]).double()
+            energies[name][0] += exact.square().sum().item()
+            energies[name][1] += (actual - exact).square().sum().item()
+
+        return hook
+
+    handles = [originals[name].register_forward_hook(comparer(name)) for name in layers]
+    exact_outputs, actual_outputs = [], []
+    try:
+        with torch.no_grad(), _EvalMode(float_model), _EvalMode(quantized_model):
+            for batch in inputs:
+                exact_outputs.append(output_fn(_run(float_model, batch)).double().cpu())
+                actual_outputs.append(output_fn(_run(quantized_model, batch)).double().cpu())
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not exact_outputs:
+        raise ValueError("inputs yielded no batch")
+
+    exact = torch.cat([t.reshape(-1, t.shape[-1]) for t in exact_outputs])
+    actual = torch.cat([t.reshape(-1, t.shape[-1]) for t in actual_outputs])
+    cosine = torch.nn.functional.cosine_similarity(actual, exact, dim=-1)
+    return FidelityReport(
+        layer_sqnr_db={name: _decibels(signal, noise) for name, (signal, noise) in energies.items()},
+        output_sqnr_db=sqnr_db(actual, exact),
+        mean_cosine=cosine.mean().item(),
+        min_cosine=cosine.min().item(),
+        max_abs_error=(actual - exact).abs().max().item(),
+    )

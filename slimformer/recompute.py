@@ -1,0 +1,40 @@
+"""Recompute policies: what a slimformer layer rebuilds in backward instead of keeping.
+
+| policy      | the layer recomputes in backward                         |
+|-------------|----------------------------------------------------------|
+| ``none``    | activations and dropout masks only (the fused kernels)   |
+| ``qkv``     | + the QKV projection, from the layer input              |
+| ``mlp``     | + fc1 and its activation, from the MLP input             |
+| ``qkv+mlp`` | both                                                     |
+| ``full``    | the whole layer (``torch.utils.checkpoint``, non-reentrant) |
+
+Dropout masks come from Philox seeds drawn from torch's generator, and checkpointing
+restores the generator, so every policy gives the same gradients.
+"""
+
+from torch import nn
+
+POLICIES = ("none", "qkv", "mlp", "qkv+mlp", "full")
+
+
+def check_policy(policy: str) -> str:
+    """``policy`` itself if it names a policy, else a ValueError listing them."""
+    if policy not in POLICIES:
+        raise ValueError(f"recompute policy must be one of {POLICIES}, got {policy!r}")
+    return policy
+
+
+def recompute(model: nn.Module, policy: str) -> nn.Module:
+    """Set ``policy`` on every slimformer layer in ``model`` (in place); returns ``model``.
+
+    A layer takes part when it has a ``recompute`` attribute that is a policy name; it
+    can be switched between steps. Raises ValueError for an unknown policy or a model
+    without such layers.
+    """
+    check_policy(policy)
+    layers = [module for module in model.modules() if getattr(module, "recompute", None) in POLICIES]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no slimformer layer with a recompute policy")
+    for layer in layers:
+        layer.recompute = policy
+    return model

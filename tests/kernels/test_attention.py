@@ -1,0 +1,449 @@
+"""slimformer.attention vs an explicit float64 reference, within 2x SDPA's own same-dtype error.
+
+Every CPU test runs twice through the ``backend`` fixture: the interpreted Triton kernels
+and the PyTorch reference path. The gpu tests repeat the comparisons on CUDA at long
+sequences.
+"""
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from slimformer.kernels import attention as attention_module
+from slimformer.kernels.attention import attention, self_attention
+from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.memory import measure_activation_memory
+from tests.aot_compile import KernelBuild, compile_for_hopper
+from tests.helpers import assert_within_reference_error
+
+# The interpreter turns loop bounds computed from program ids into ints this way.
+
+# (dtype, ulps): the absolute slack of assert_within_reference_error, in units in the
+# last place. fp32 sums keys in another order than SDPA, whose own fp32 error can be tiny.
+FP32_ULPS = 8.0
+DTYPES = [
+    pytest.param(torch.float32, FP32_ULPS, id="fp32"),
+    pytest.param(torch.float16, 1.0, id="fp16"),
+    pytest.param(torch.bfloat16, 1.0, id="bf16"),
+]
+GPU_DTYPES = DTYPES[1:]
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int
+    heads: int
+    kv_heads: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    causal: bool = False
+    masks: tuple[str, ...] = ()  # of "padding", "bool", "additive"
+
+    def __str__(self) -> str:
+        flags = ("causal",) * self.causal + self.masks
+        return "-".join(
+            [f"b{self.batch}h{self.heads}kv{self.kv_heads}", f"q{self.seq_q}k{self.seq_k}d{self.head_dim}", *flags]
+        )
+
+
+CASES = [
+    Case(1, 1, 1, 1, 1, 16),
+    Case(2, 2, 2, 17, 17, 40, causal=True),
+    Case(2, 2, 2, 97, 97, 64, masks=("padding",)),
+    Case(2, 3, 3, 128, 128, 80, masks=("bool",)),
+    Case(1, 2, 2, 200, 200, 128, masks=("additive",)),
+    Case(2, 4, 2, 17, 97, 64, causal=True),
+    Case(1, 3, 1, 97, 17, 40, causal=True, masks=("padding",)),
+    Case(2, 2, 2, 128, 200, 16, causal=True, masks=("padding", "additive")),
+    Case(2, 2, 2, 1, 200, 80, masks=("bool",)),
+    Case(2, 1, 1, 200, 1, 128, masks=("padding",)),
+    Case(1, 2, 1, 33, 40, 256, masks=("padding", "bool")),
+]
+TINY_CASES = [
+    Case(2, heads, kv_heads, seq_q, seq_k, head_dim, causal, masks)
+    for (heads, kv_heads), (seq_q, seq_k), head_dim, causal, masks in itertools.product(
+        [(2, 2), (2, 1)], [(1, 17), (17, 5)], [16, 40], [False, True],
+        [(), ("padding",), ("bool",), ("additive",)],
+    )
+]
+GPU_CASES = [
+    Case(2, 8, 8, 1024, 1024, 64, causal=True),
+    Case(1, 8, 2, 2048, 2048, 128, masks=("padding",)),
+    Case(1, 4, 4, 4096, 4096, 80, causal=True),
+    Case(2, 4, 4, 1000, 1537, 256, masks=("additive",)),
+    Case(2, 4, 1, 1024, 1024, 40, masks=("bool", "padding")),
+    Case(1, 6, 3, 1537, 1024, 96, causal=True, masks=("padding",)),
+    Case(1, 4, 4, 1024, 2048, 112, causal=True),
+]
+
+
+def _inputs(case: Case, dtype: torch.dtype, device: str = "cpu"):
+    """q, k, v, upstream grad, attn_mask, key_padding_mask; the masks leave some rows with no key."""
+    gen = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
+    b, h, hk, sq, sk, d = case.batch, case.heads, case.kv_heads, case.seq_q, case.seq_k, case.head_dim
+    q, k, v, grad = randn(b, h, sq, d), randn(b, hk, sk, d), randn(b, hk, sk, d), randn(b, h, sq, d)
+    attn_mask = key_padding_mask = None
+    if "bool" in case.masks:
+        attn_mask = torch.rand(b, 1, sq, sk, generator=gen) > 0.3
+        attn_mask[0, :, 0] = False
+        attn_mask = attn_mask.to(device)
+    if "additive" in case.masks:
+        additive = torch.randn(1, h, sq, sk, generator=gen) * 2
+        additive = additive.masked_fill(torch.rand(1, h, sq, sk, generator=gen) < 0.2, -math.inf)
+        additive[:, :, -1] = -math.inf
+        attn_mask = additive.to(device, dtype)
+    if "padding" in case.masks:
+        key_padding_mask = torch.zeros(b, sk, dtype=torch.bool)
+        key_padding_mask[0, sk - sk // 3:] = True
+        key_padding_mask[1:] = True
+        key_padding_mask = key_padding_mask.to(device)
+    return q, k, v, grad, attn_mask, key_padding_mask
+
+
+def _bias(case: Case, attn_mask, key_padding_mask, device: str = "cpu") -> torch.Tensor:
+    """All of a case's masks as one additive fp32 mask of shape (batch, heads, seq_q, seq_k)."""
+    bias = torch.zeros(case.batch, case.heads, case.seq_q, case.seq_k, device=device)
+    if attn_mask is not None:
+        bias = bias.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else bias + attn_mask.float()
+    if key_padding_mask is not None:
+        bias = bias.masked_fill(key_padding_mask[:, None, None, :], -math.inf)
+    if case.causal:
+        future = torch.ones(case.seq_q, case.seq_k, dtype=torch.bool, device=device).triu(1)
+        bias = bias.masked_fill(future, -math.inf)
+    return bias
+
+
+def _reference(q, k, v, bias, dropout_scale=None):
+    """Explicit attention in q's dtype with a softmax in at least fp32; rows with no
+    allowed key give 0. In float64 it is the exact result the kernels are held to."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    s = (q @ k.mT).to(torch.promote_types(q.dtype, torch.float32)) / math.sqrt(q.shape[-1]) + bias
+    has_key = (s > -math.inf).any(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(~has_key, 0.0), dim=-1) * has_key
+    if dropout_scale is not None:
+        p = p * dropout_scale
+    return p.to(v.dtype) @ v
+
+
+def _forward_backward(fn, q, k, v, grad):
+    """fn(q, k, v) and its gradients for ``grad``, all detached: (out, dq, dk, dv)."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _check_case(case: Case, dtype: torch.dtype, ulps: float, device: str) -> None:
+    q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, dtype, device)
+    bias = _bias(case, attn_mask, key_padding_mask, device)
+    got = _forward_backward(
+        lambda q, k, v: attention(
+            q, k, v, attn_mask=attn_mask, is_causal=case.causal, enable_gqa=True,
+            key_padding_mask=key_padding_mask,
+        ),
+        q, k, v, grad,
+    )
+    exact = _forward_backward(
+        lambda q, k, v: _reference(q, k, v, bias.double()), q.double(), k.double(), v.double(), grad.double()
+    )
+    sdpa = _forward_backward(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(dtype), enable_gqa=True),
+        q, k, v, grad,
+    )
+    for name, actual, same_dtype, reference in zip(("out", "dq", "dk", "dv"), got, sdpa, exact):
+        assert_within_reference_error(name, actual, same_dtype.nan_to_num(), reference, ulps)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_matches_reference(backend, dtype, ulps, case):
+    _check_case(case, dtype, ulps, "cpu")
+
+
+@pytest.mark.parametrize("case", TINY_CASES, ids=str)
+def test_matches_reference_every_combination(backend, case):
+    _check_case(case, torch.float32, FP32_ULPS, "cpu")
+
+
+def _dropout_offsets(shape, device) -> torch.Tensor:
+    return torch.arange(math.prod(shape), device=device).view(shape)
+
+
+def _check_dropout(case: Case, dtype: torch.dtype, ulps: float, device: str, p: float = 0.25) -> None:
+    q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, dtype, device)
+    bias = _bias(case, attn_mask, key_padding_mask, device)
+    torch.manual_seed(1234)
+    got = _forward_backward(
+        lambda q, k, v: attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=case.causal, enable_gqa=True,
+            key_padding_mask=key_padding_mask,
+        ),
+        q, k, v, grad,
+    )
+    torch.manual_seed(1234)
+    keep = dropout_keep_mask(new_dropout_seed(q.device), _dropout_offsets(bias.shape, device), p)
+    dropout_scale = keep / (1 - p)
+    exact = _forward_backward(
+        lambda q, k, v: _reference(q, k, v, bias.double(), dropout_scale.double()),
+        q.double(), k.double(), v.double(), grad.double(),
+    )
+    same_dtype = _forward_backward(lambda q, k, v: _reference(q, k, v, bias, dropout_scale), q, k, v, grad)
+    for name, *tensors in zip(("out", "dq", "dk", "dv"), got, same_dtype, exact):
+        assert_within_reference_error(name, *tensors, ulps)
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_dropout_forward_and_gradient_use_the_same_mask(backend, dtype, ulps):
+    _check_dropout(Case(2, 4, 2, 97, 70, 40, causal=True, masks=("padding",)), dtype, ulps, "cpu")
+
+
+def test_dropout_mask_is_philox_of_torch_seed(backend):
+    # With q = k = 0 every key gets weight 1/seq_k, and v = I lays each row's keep
+    # decisions out in the output: out[..., i, j] = keep_ij / ((1 - p) seq_k).
+    batch, heads, seq_q, seq_k, p = 1, 2, 64, 128, 0.3
+    q = torch.zeros(batch, heads, seq_q, seq_k)
+    k = torch.zeros(batch, heads, seq_k, seq_k)
+    v = torch.eye(seq_k).expand(batch, heads, seq_k, seq_k)
+    torch.manual_seed(7)
+    out = attention(q, k, v, dropout_p=p)
+    torch.manual_seed(7)
+    expected = dropout_keep_mask(new_dropout_seed(q.device), _dropout_offsets(out.shape, q.device), p)
+    kept = out * (1 - p) * seq_k
+    assert torch.allclose(kept, expected.float(), atol=1e-5)
+    assert abs(kept.mean().item() - (1 - p)) < 0.02
+
+
+def test_dropout_reproducible_from_torch_seed(backend):
+    q, k, v, grad, _, _ = _inputs(Case(1, 2, 2, 40, 40, 16), torch.float32)
+
+    def run():
+        return _forward_backward(lambda q, k, v: attention(q, k, v, dropout_p=0.5), q, k, v, grad)
+
+    torch.manual_seed(3)
+    first = run()
+    torch.manual_seed(3)
+    second = run()
+    third = run()
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert not torch.equal(first[0], third[0])
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape",
+    [((0, 2, 5, 16), (0, 2, 7, 16)), ((1, 2, 0, 16), (1, 2, 7, 16)), ((1, 2, 5, 16), (1, 2, 0, 16))],
+    ids=["batch0", "seq_q0", "seq_k0"],
+)
+def test_empty_inputs_give_zeros(backend, q_shape, kv_shape):
+    q = torch.randn(q_shape, requires_grad=True)
+    k, v = torch.randn(kv_shape, requires_grad=True), torch.randn(kv_shape, requires_grad=True)
+    out = attention(q, k, v)
+    out.sum().backward()
+    assert out.shape == q_shape and not out.any()
+    assert q.grad.shape == q_shape and not q.grad.any()
+    assert k.grad.shape == kv_shape and not k.grad.any() and not v.grad.any()
+
+
+def test_noncontiguous_inputs_and_broadcast_grad(backend):
+    batch, seq, heads, head_dim = 2, 33, 3, 40
+    qkv = torch.randn(batch, seq, 3, heads, head_dim)
+    q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
+    grad = torch.ones(batch, heads, seq, head_dim)
+    got = _forward_backward(
+        lambda q, k, v: attention(q, k, v, is_causal=True).sum(), q, k, v, torch.tensor(1.0)
+    )
+    bias = _bias(Case(batch, heads, heads, seq, seq, head_dim, causal=True), None, None)
+    same_dtype = _forward_backward(lambda q, k, v: _reference(q, k, v, bias), q, k, v, grad)
+    exact = _forward_backward(
+        lambda q, k, v: _reference(q, k, v, bias.double()), q.double(), k.double(), v.double(), grad.double()
+    )
+    for name, *tensors in zip(("dq", "dk", "dv"), got[1:], same_dtype[1:], exact[1:]):
+        assert_within_reference_error(name, *tensors, ulps=FP32_ULPS)
+
+
+def test_saves_only_lse_and_seed_beyond_inputs_and_output(backend):
+    q, k, v, _, _, key_padding_mask = _inputs(Case(2, 2, 1, 64, 48, 40, masks=("padding",)), torch.float16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    memory = measure_activation_memory(
+        attention, q, k, v, dropout_p=0.1, is_causal=True, enable_gqa=True, key_padding_mask=key_padding_mask
+    )
+    lse_bytes, seed_bytes = 2 * 2 * 64 * 4, 8
+    assert memory.saved_bytes == lse_bytes + seed_bytes, memory.saved
+    assert memory.alive_bytes == lse_bytes + seed_bytes, memory.alive
+
+
+def _kept_bytes(fn, seq: int) -> tuple[int, int]:
+    """(all bytes kept for backward, bytes of (seq, seq) tensors among them) for fn(q, k, v)."""
+    q, k, v = (torch.randn(1, 2, seq, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    memory = measure_activation_memory(fn, q, k, v)
+    square = sum(r.nbytes for r in memory.saved + memory.alive if r.shape[-2:] == (seq, seq))
+    return max(memory.saved_bytes, memory.alive_bytes), square
+
+
+def test_kept_bytes_grow_linearly_with_sequence(backend):
+    fused = [_kept_bytes(lambda q, k, v: attention(q, k, v, dropout_p=0.1), s) for s in (128, 512)]
+    with sdpa_kernel(SDPBackend.MATH):
+        math_path = [
+            _kept_bytes(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), s)
+            for s in (128, 512)
+        ]
+    assert fused[0][1] == fused[1][1] == 0
+    assert fused[1][0] / fused[0][0] <= 4.2
+    assert 15.5 <= math_path[1][1] / math_path[0][1] <= 16.5
+
+
+def _small(**overrides):
+    shapes = dict(q=(2, 4, 8, 16), k=(2, 4, 9, 16), v=(2, 4, 9, 16))
+    tensors = {name: torch.randn(shape) for name, shape in shapes.items()}
+    tensors.update(overrides)
+    return tensors
+
+
+BAD_INPUTS = [
+    (_small(q=torch.randn(4, 8, 16)), {}, ValueError, "q must be 4-d"),
+    (_small(q=torch.randn(2, 4, 8, 16, dtype=torch.float64)), {}, TypeError, "q must be float16"),
+    (_small(k=torch.randn(2, 4, 9, 16, dtype=torch.float16)), {}, TypeError, "k must have q's dtype"),
+    (_small(v=torch.randn(2, 4, 9, 16, device="meta")), {}, ValueError, "v must be on q's device"),
+    (_small(k=torch.randn(3, 4, 9, 16), v=torch.randn(3, 4, 9, 16)), {}, ValueError, "batch size 2"),
+    (_small(k=torch.randn(2, 4, 9, 8), v=torch.randn(2, 4, 9, 8)), {}, ValueError, "head_dim 16"),
+    (_small(v=torch.randn(2, 4, 10, 16)), {}, ValueError, "v must have k's shape"),
+    (_small(k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16)), {}, ValueError, "enable_gqa=True"),
+    (_small(k=torch.randn(2, 3, 9, 16), v=torch.randn(2, 3, 9, 16)), {"enable_gqa": True}, ValueError,
+     "must divide q's 4 heads"),
+    (_small(q=torch.randn(1, 1, 2, 257), k=torch.randn(1, 1, 2, 257), v=torch.randn(1, 1, 2, 257)), {},
+     ValueError, "head_dim must be in"),
+    (_small(), {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
+    (_small(), {"dropout_p": -0.1}, ValueError, "dropout_p must be in [0, 1)"),
+    (_small(), {"attn_mask": torch.ones(8, 9, dtype=torch.int64)}, TypeError, "attn_mask must be bool"),
+    (_small(), {"attn_mask": torch.ones(2, 4, 8, 8, dtype=torch.bool)}, ValueError, "must broadcast"),
+    (_small(), {"attn_mask": torch.ones(1, 2, 4, 8, 9, dtype=torch.bool)}, ValueError, "must broadcast"),
+    (_small(), {"attn_mask": torch.zeros(8, 9, requires_grad=True)}, ValueError, "must not require grad"),
+    (_small(), {"attn_mask": torch.ones(8, 9, dtype=torch.bool, device="meta")}, ValueError,
+     "attn_mask must be on q's device"),
+    (_small(), {"key_padding_mask": torch.zeros(2, 9)}, TypeError, "key_padding_mask must be bool"),
+    (_small(), {"key_padding_mask": torch.zeros(2, 8, dtype=torch.bool)}, ValueError, "(batch, seq_k) = (2, 9)"),
+]
+
+
+@pytest.mark.parametrize("tensors, kwargs, error, message", BAD_INPUTS)
+def test_bad_input_raises(tensors, kwargs, error, message):
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        attention(tensors["q"], tensors["k"], tensors["v"], **kwargs)
+
+
+def _self_attention_inputs(**overrides):
+    inputs = dict(x=torch.randn(2, 5, 32), qkv_weight=torch.randn(96, 32), qkv_bias=torch.randn(96), num_heads=4)
+    inputs.update(overrides)
+    return inputs
+
+
+BAD_SELF_ATTENTION_INPUTS = [
+    (_self_attention_inputs(x=torch.randn(5, 32)), ValueError, r"x must be 3-d \(batch, seq, embed\)"),
+    (_self_attention_inputs(x=torch.randn(2, 5, 32, dtype=torch.float64)), TypeError, "x must be float16"),
+    (_self_attention_inputs(qkv_weight=torch.randn(64, 32)), ValueError, r"qkv_weight must have shape \(96, 32\)"),
+    (_self_attention_inputs(qkv_bias=torch.randn(64)), ValueError, r"qkv_bias must have shape \(96,\)"),
+    (_self_attention_inputs(qkv_weight=torch.randn(96, 32, dtype=torch.float16)), TypeError,
+     "qkv_weight must have x's dtype"),
+    (_self_attention_inputs(num_heads=3), ValueError, "num_heads must divide embed 32, got 3"),
+    (_self_attention_inputs(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
+     "key_padding_mask must have shape"),
+]
+
+
+@pytest.mark.parametrize("inputs, error, message", BAD_SELF_ATTENTION_INPUTS)
+def test_self_attention_bad_input_raises(inputs, error, message):
+    with pytest.raises(error, match=message):
+        self_attention(**inputs)
+
+
+def test_output_merges_heads_as_a_view(backend):
+    q, k, v, _, _, _ = _inputs(Case(2, 3, 3, 17, 20, 40), torch.float32)
+    out = attention(q, k, v)
+    merged = rearrange(out, "b h s d -> b s (h d)")
+    assert merged.data_ptr() == out.data_ptr() and merged.is_contiguous()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("dtype, ulps", GPU_DTYPES)
+def test_matches_reference_on_gpu(dtype, ulps, case):
+    _check_case(case, dtype, ulps, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, ulps", GPU_DTYPES)
+def test_dropout_on_gpu(dtype, ulps):
+    _check_dropout(Case(2, 8, 2, 1024, 1537, 64, causal=True, masks=("padding",)), dtype, ulps, "cuda", p=0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 40, 64, 80, 96, 112, 128, 256])
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_every_head_dim_on_gpu(dtype, ulps, head_dim):
+    _check_case(Case(2, 4, 2, 300, 257, head_dim, causal=True, masks=("padding", "additive")), dtype, ulps, "cuda")
+
+
+_TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_SCALARS = ["stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_kpb", "stride_kpn",
+            "num_heads", "group_size", "seq_q", "seq_k", "head_dim"]  # fmt: skip
+
+
+def _strides(*names: str) -> dict:
+    return {f"stride_{name}{dim}": "i32" for name in names for dim in "bhs"}
+
+
+def _hopper_builds(dtype: torch.dtype, head_dim: int, mask_kind: int) -> list[KernelBuild]:
+    """The four kernels as the launchers specialise them: with an attn_mask (1: bool,
+    2: additive) plus padding, causal and dropout, or (0) with none of them."""
+    ptr = f"*{_TYPE_NAMES[dtype]}"
+    every_feature = mask_kind != 0
+    optional = {"SEED": "*i64", "MASK": "*u8" if mask_kind == 1 else ptr, "KPM": "*u8"}
+    flags = dict(MASK_KIND=mask_kind, HAS_KPM=every_feature, IS_CAUSAL=every_feature, HAS_DROPOUT=every_feature,
+                 PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False)  # fmt: skip
+    pointers = optional if every_feature else {}
+    absent = {} if every_feature else dict.fromkeys(optional)
+    scalars = {name: "i32" for name in _SCALARS} | {"sm_scale": "fp32", "dropout_p": "fp32"}
+    tensors = {
+        "_attention_fwd_kernel": ("fwd", ["q", "k", "v", "o"], ["LSE"]),
+        "_attention_bwd_dkdv_kernel": ("dkdv", ["q", "k", "v", "do", "dk", "dv"], ["LSE", "DELTA"]),
+        "_attention_bwd_dq_kernel": ("dq", ["q", "k", "v", "do", "dq"], ["LSE", "DELTA"]),
+    }
+    builds = []
+    for kernel, (name, strided, statistics) in tensors.items():
+        config = attention_module._block_config(head_dim, dtype, name)
+        signature = {n.upper(): ptr for n in strided} | dict.fromkeys(statistics, "*fp32")
+        blocks = {k: v for k, v in config.items() if k.startswith("BLOCK")}
+        builds.append(KernelBuild(
+            "slimformer.kernels.attention", kernel, signature | pointers | _strides(*strided) | scalars,
+            flags | blocks | absent, config["num_warps"],
+        ))  # fmt: skip
+    config = attention_module._block_config(head_dim, dtype, "dq")
+    builds.append(KernelBuild(
+        "slimformer.kernels.attention", "_attention_bwd_preprocess_kernel",
+        {"O": ptr, "DO": ptr, "DELTA": "*fp32", **_strides("o", "do"), "num_heads": "i32", "seq_q": "i32",
+         "head_dim": "i32"},
+        {"BLOCK_M": config["BLOCK_M"], "BLOCK_D": config["BLOCK_D"]}, config["num_warps"],
+    ))  # fmt: skip
+    return builds
+
+
+def test_kernels_compile_for_sm90():
+    builds = [
+        *_hopper_builds(torch.bfloat16, 40, 1),
+        *_hopper_builds(torch.bfloat16, 80, 2),
+        *_hopper_builds(torch.bfloat16, 256, 1),
+        *_hopper_builds(torch.float32, 128, 2),
+        *_hopper_builds(torch.float16, 64, 0),
+    ]
+    compile_for_hopper(builds)

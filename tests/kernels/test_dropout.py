@@ -1,0 +1,65 @@
+"""Fused dropout + residual add vs eager PyTorch with the same mask."""
+
+import pytest
+import torch
+
+from slimformer.kernels.dropout import dropout_add
+from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.memory import measure_activation_memory
+from tests.aot_compile import KernelBuild, compile_for_hopper
+
+
+@pytest.mark.parametrize("shape", [(1,), (17, 97), (3, 5, 40), (0, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_matches_eager_with_the_same_mask(backend, dtype, shape):
+    x = torch.randn(shape).to(dtype).requires_grad_(True)
+    residual = torch.randn(shape).to(dtype).requires_grad_(True)
+    torch.manual_seed(3)
+    out = dropout_add(x, residual, 0.3)
+    torch.manual_seed(3)
+    keep = dropout_keep_mask(new_dropout_seed(x.device), torch.arange(x.numel()).view(shape), 0.3)
+    # float32 math, one rounding to the dtype at the end, as the kernel does (torch's
+    # default tolerances per dtype allow that one rounding to differ by an ulp)
+    expected = (residual.float() + torch.where(keep, x.float() / 0.7, 0.0)).to(dtype)
+    torch.testing.assert_close(out, expected)
+    dout = torch.randn(shape).to(dtype)
+    dx, dres = torch.autograd.grad(out, (x, residual), dout)
+    torch.testing.assert_close(dx, torch.where(keep, dout.float() / 0.7, 0.0).to(dtype))
+    torch.testing.assert_close(dres, dout, rtol=0, atol=0)
+
+
+def test_keeps_only_the_seed_and_eval_is_identity(backend):
+    x = torch.randn(64, 32, requires_grad=True)
+    residual = torch.randn(64, 32, requires_grad=True)
+    kept = measure_activation_memory(dropout_add, x, residual, 0.1)
+    assert kept.saved_bytes == kept.alive_bytes == 8  # the int64 seed
+    torch.testing.assert_close(dropout_add(x, residual, 0.1, training=False), x + residual)
+
+
+def test_keep_fraction(backend):
+    out = dropout_add(torch.ones(512, 512), torch.zeros(512, 512), 0.25)
+    assert abs((out != 0).float().mean().item() - 0.75) < 0.01
+
+
+def test_bad_input():
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        dropout_add(x, torch.randn(4, 5), 0.1)
+    with pytest.raises(TypeError, match="residual must match x's dtype"):
+        dropout_add(x, torch.randn(4, 4, dtype=torch.float16), 0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout_add(x, x, -0.1)
+    with pytest.raises(TypeError, match="x must be a floating-point"):
+        dropout_add(x.long(), x, 0.1)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kernel_compiles_for_sm90(dtype):
+    signature = {"X": f"*{dtype}", "OUT": f"*{dtype}", "SEED": "*i64", "numel": "i64", "dropout_p": "fp32",
+                 "dropout_scale": "fp32"}  # fmt: skip
+    compile_for_hopper([
+        KernelBuild("slimformer.kernels.dropout", "_dropout_scale_kernel", {**signature, "RESIDUAL": f"*{dtype}"},
+                    {"BLOCK": 1024}, 4),
+        KernelBuild("slimformer.kernels.dropout", "_dropout_scale_kernel", signature,
+                    {"BLOCK": 1024, "RESIDUAL": None}, 4),
+    ])  # fmt: skip

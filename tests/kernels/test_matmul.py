@@ -1,0 +1,311 @@
+"""GEMM and int8 quantization kernels vs PyTorch at awkward shapes.
+
+CPU tests run through the ``backend`` fixture: the interpreted Triton kernel and the
+PyTorch reference. Float GEMMs are bounded by PyTorch's own error against float64;
+int8 GEMMs are checked against the exact integer product, dequantized in float64.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimformer.kernels import matmul
+from slimformer.kernels.matmul import (
+    int8_linear,
+    int8_matmul,
+    int8_weight_only_linear,
+    linear,
+    quantize_per_channel,
+    quantize_per_token,
+)
+from tests.helpers import assert_within_reference_error
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (M, K, N): M = 1, a prime, one past two blocks; K, N off every block size.
+SHAPES = [(1, 5, 3), (7, 33, 17), (33, 100, 70)]
+EPILOGUES = [(None, False), (None, True), ("gelu", True), ("relu", True)]
+
+
+def _activation(y, activation):
+    if activation == "gelu":
+        return F.gelu(y)
+    return F.relu(y) if activation == "relu" else y
+
+
+def _inputs(m, k, n, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    return x, weight, bias
+
+
+def sqnr_db(actual: torch.Tensor, exact: torch.Tensor) -> float:
+    """10 log10(|exact|² / |actual - exact|²)."""
+    exact = exact.double()
+    noise = (actual.double() - exact).square().sum()
+    return (10 * torch.log10(exact.square().sum() / noise)).item()
+
+
+@pytest.mark.parametrize("activation, with_bias", EPILOGUES, ids=["plain", "bias", "bias-gelu", "bias-relu"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_matches_torch(backend, dtype, shape, activation, with_bias):
+    x, weight, bias = _inputs(*shape, dtype)
+    bias = bias.to(dtype) if with_bias else None
+    ours = linear(x, weight, bias, activation=activation)
+    torch_same_dtype = _activation(F.linear(x, weight, bias), activation)
+    exact = _activation(F.linear(x.double(), weight.double(), None if bias is None else bias.double()), activation)
+    assert ours.dtype == dtype
+    assert_within_reference_error("linear", ours, torch_same_dtype, exact)
+
+
+def test_linear_keeps_leading_dimensions_and_empty_batches(backend):
+    x, weight, bias = _inputs(6, 40, 9, torch.float32)
+    y = linear(x.view(2, 3, 40), weight, bias)
+    assert y.shape == (2, 3, 9)
+    torch.testing.assert_close(y.view(6, 9), F.linear(x, weight, bias))
+    empty = linear(torch.empty(0, 4, 40), weight, bias)
+    assert empty.shape == (0, 4, 9)
+
+
+def test_linear_with_no_input_features_gives_the_bias(backend):
+    bias = torch.randn(5)
+    y = linear(torch.empty(3, 0), torch.empty(5, 0), bias, activation="relu")
+    torch.testing.assert_close(y, bias.relu().expand(3, 5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n_cols", [1, 100, 5000])
+def test_quantize_per_token_round_trip(backend, dtype, n_cols):
+    gen = torch.Generator().manual_seed(n_cols)
+    rows = 3 if n_cols == 5000 else 37
+    x = (torch.randn(rows, n_cols, generator=gen) * torch.rand(rows, 1, generator=gen) * 10).to(dtype)
+    q, scale = quantize_per_token(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (rows,)
+    absmax = x.float().abs().amax(dim=1)
+    torch.testing.assert_close(scale, absmax / 127, rtol=2**-23, atol=0)
+    # Each row's largest entry maps to ±127; every entry is within half a step (+ rounding).
+    assert torch.equal(q.abs().amax(dim=1), torch.full((rows,), 127, dtype=torch.int8))
+    error = (q.double() * scale.double()[:, None] - x.double()).abs()
+    assert (error <= scale.double()[:, None] * (0.5 + 1e-5)).all()
+
+
+def test_quantize_per_token_kernel_is_bit_exact_with_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 100, generator=gen, dtype=torch.float16) * 3
+    smooth = torch.rand(100, generator=gen) + 0.5
+    for s in (None, smooth):
+        q, scale = matmul._quantize_rows(x, s)
+        q_ref, scale_ref = matmul._quantize_rows_reference(x, s)
+        assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+
+
+def test_quantize_per_token_zero_rows_and_saturation(backend):
+    x = torch.zeros(4, 10)
+    x[1] = torch.linspace(-3, 3, 10)
+    x[3, 4] = -1e-30
+    q, scale = quantize_per_token(x.view(2, 2, 10))
+    assert scale.shape == (2, 2)
+    q, scale = q.view(4, 10), scale.view(4)
+    assert scale[0] == 1 and scale[2] == 1 and not q[0].any() and not q[2].any()
+    assert q[1, 0] == -127 and q[1, -1] == 127
+    assert q[3, 4] == -127 and torch.isclose(scale[3], torch.tensor(1e-30 / 127))
+
+
+def test_quantize_per_token_applies_smooth(backend):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(7, 33, generator=gen)
+    smooth = torch.rand(33, generator=gen) + 0.25
+    q, scale = quantize_per_token(x, smooth)
+    q_ref, scale_ref = quantize_per_token(x * smooth)
+    assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+
+
+def test_quantize_per_token_empty_batch(backend):
+    q, scale = quantize_per_token(torch.empty(0, 3, 16))
+    assert q.shape == (0, 3, 16) and scale.shape == (0, 3)
+
+
+def test_quantize_per_channel_round_trip_and_errors():
+    weight = torch.randn(17, 33)
+    weight[3] = 0
+    q, scale = quantize_per_channel(weight)
+    assert q.dtype == torch.int8 and scale.shape == (17,) and scale[3] == 1 and not q[3].any()
+    assert (q.double() * scale.double()[:, None] - weight.double()).abs().max() <= scale.max() * 0.5
+    assert sqnr_db(q.float() * scale[:, None], weight) > 35
+    weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="weight must be finite"):
+        quantize_per_channel(weight)
+    with pytest.raises(TypeError, match="weight must be float32, float16 or bfloat16, got torch.int8"):
+        quantize_per_channel(q)
+
+
+def _exact_int8_product(q, x_scale, wq, w_scale, bias, activation):
+    acc = q.long() @ wq.long().t()  # exact
+    y = acc.double() * x_scale.double()[:, None] * w_scale.double()
+    if bias is not None:
+        y = y + bias.double()
+    return _activation(y, activation)
+
+
+@pytest.mark.parametrize("activation, with_bias", EPILOGUES, ids=["plain", "bias", "bias-gelu", "bias-relu"])
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int8_matmul_is_the_exact_integer_product(backend, shape, out_dtype, activation, with_bias):
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(k)
+    q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
+    wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    x_scale, w_scale = torch.rand(m, generator=gen) / 100, torch.rand(n, generator=gen) / 100
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    ours = int8_matmul(q, x_scale, wq, w_scale, bias, activation=activation, out_dtype=out_dtype)
+    exact = _exact_int8_product(q, x_scale, wq, w_scale, bias, activation)
+    # The only rounding is fp32's epilogue and the final cast: that of a correctly
+    # rounded result in out_dtype.
+    assert ours.dtype == out_dtype
+    assert_within_reference_error("int8_matmul", ours, exact.to(out_dtype), exact)
+
+
+def test_int8_matmul_saturated_inputs_sum_exactly_in_int32(backend):
+    k = 300  # 127² · 300 ≈ 4.8e6: beyond fp16's exact integers, exact in int32
+    q = torch.full((5, k), 127, dtype=torch.int8)
+    q[1] = -127
+    wq = torch.full((6, k), -127, dtype=torch.int8)
+    wq[2, ::2] = 127
+    y = int8_matmul(q, torch.ones(5), wq, torch.ones(6))
+    exact = (q.long() @ wq.long().t()).float()
+    assert torch.equal(y, exact)
+    assert y[0, 0] == -127 * 127 * k
+
+
+def test_int8_matmul_reference_without_int_mm_agrees(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q = torch.randint(-127, 128, (7, 33), dtype=torch.int8)
+    wq = torch.randint(-127, 128, (17, 33), dtype=torch.int8)
+    x_scale, w_scale = torch.rand(7), torch.rand(17)
+    with_int_mm = int8_matmul(q, x_scale, wq, w_scale)
+    monkeypatch.setattr(matmul, "_int_mm_supports", lambda *args: False)
+    assert torch.equal(int8_matmul(q, x_scale, wq, w_scale), with_int_mm)
+
+
+def test_int_mm_shape_rules():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert matmul._int_mm_supports(1, 5, 3, cpu)
+    assert matmul._int_mm_supports(17, 16, 8, cuda)
+    assert not matmul._int_mm_supports(16, 16, 8, cuda)
+    assert not matmul._int_mm_supports(33, 100, 64, cuda)
+    assert not matmul._int_mm_supports(33, 64, 70, cuda)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int8_linear_is_quantize_then_int8_matmul(backend, shape, dtype, activation):
+    x, weight, bias = _inputs(*shape, dtype)
+    wq, w_scale = quantize_per_channel(weight)
+    ours = int8_linear(x, wq, w_scale, bias, activation=activation)
+    q, x_scale = quantize_per_token(x)
+    composed = int8_matmul(q, x_scale, wq, w_scale, bias, activation=activation, out_dtype=dtype)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours, composed, rtol=0, atol=0)
+    exact = _activation(F.linear(x.double(), weight.double(), bias.double()), activation)
+    assert sqnr_db(ours, exact) > 25
+
+
+@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_int8_weight_only_linear_matches_dequantized_weight(backend, shape, dtype, activation):
+    x, weight, bias = _inputs(*shape, dtype)
+    wq, w_scale = quantize_per_channel(weight)
+    ours = int8_weight_only_linear(x, wq, w_scale, bias, activation=activation)
+    dequantized = wq.double() * w_scale.double()[:, None]
+    exact = _activation(F.linear(x.double(), dequantized, bias.double()), activation)
+    torch_same_dtype = _activation(F.linear(x, dequantized.to(dtype), bias.to(dtype)), activation)
+    assert ours.dtype == dtype
+    # The kernel sums exact int8 weights and scales afterwards; torch rounds the
+    # dequantized weight to dtype first: bound by its error, plus the weight's rounding.
+    scale = (x.double().abs() @ dequantized.abs().t()).max().item()
+    assert_within_reference_error("int8_weight_only_linear", ours, torch_same_dtype, exact, scale=scale)
+    float_exact = _activation(F.linear(x.double(), weight.double(), bias.double()), activation)
+    assert sqnr_db(ours, float_exact) > 25
+
+
+def test_non_contiguous_arguments(backend):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 7, generator=gen).t()  # (7, 40), transposed
+    weight_t = torch.randn(40, 17, generator=gen)
+    bias = torch.randn(34, generator=gen)[::2]
+    weight = weight_t.t()
+    expected = F.linear(x, weight, bias)
+    torch.testing.assert_close(linear(x, weight, bias), expected)
+    wq, w_scale = quantize_per_channel(weight)
+    wq_t = wq.t().contiguous().t()
+    for op in (int8_linear, int8_weight_only_linear):
+        contiguous = op(x.contiguous(), wq, w_scale, bias.contiguous())
+        torch.testing.assert_close(op(x, wq_t, w_scale, bias), contiguous, rtol=0, atol=0)
+
+
+def test_backward_raises_a_clear_error(backend):
+    x, weight, bias = _inputs(7, 33, 17, torch.float32)
+    wq, w_scale = quantize_per_channel(weight)
+    x.requires_grad_(True)
+    for y in (
+        linear(x, weight, bias),
+        int8_linear(x, wq, w_scale, bias),
+        int8_weight_only_linear(x, wq, w_scale, bias),
+    ):
+        with pytest.raises(RuntimeError, match="inference-only op and has no backward"):
+            y.sum().backward()
+
+
+def test_bad_arguments_raise_naming_the_argument():
+    x, weight, bias = _inputs(4, 8, 6, torch.float32)
+    wq, w_scale = quantize_per_channel(weight)
+    with pytest.raises(TypeError, match="weight must be float32, got torch.float16"):
+        linear(x, weight.half())
+    with pytest.raises(ValueError, match=r"weight must have shape \[out_features, 8\]"):
+        linear(x, weight[:, :5])
+    with pytest.raises(ValueError, match=r"bias must have shape \[6\], got \[5\]"):
+        linear(x, weight, bias[:5])
+    with pytest.raises(ValueError, match="activation must be one of"):
+        linear(x, weight, activation="tanh")
+    with pytest.raises(TypeError, match="input must be float32, float16 or bfloat16, got torch.int32"):
+        int8_linear(x.int(), wq, w_scale)
+    with pytest.raises(TypeError, match="weight must be int8, got torch.float32"):
+        int8_weight_only_linear(x, weight, w_scale)
+    with pytest.raises(TypeError, match="weight_scale must be float32, got torch.float16"):
+        int8_linear(x, wq, w_scale.half())
+    with pytest.raises(ValueError, match=r"smooth must have shape \[8\], got \[7\]"):
+        int8_linear(x, wq, w_scale, smooth=torch.ones(7))
+    with pytest.raises(ValueError, match=r"input_scale must have shape \[4\], got \[3\]"):
+        int8_matmul(wq[:4], torch.ones(3), wq, w_scale)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        int8_matmul(wq[:4], torch.ones(4), wq, w_scale, out_dtype=torch.int32)
+    deep = torch.zeros(1, matmul.MAX_INT8_IN_FEATURES + 1, dtype=torch.int8)
+    with pytest.raises(ValueError, match="W8A8 sums at most 133144 in_features in int32"):
+        int8_matmul(deep, torch.ones(1), deep, torch.ones(1))
+    with pytest.raises(ValueError, match="input must have at least 1 dimension"):
+        quantize_per_token(torch.tensor(1.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(1, 768, 3072), (33, 4096, 4096), (4096, 3072, 768)], ids=str)
+def test_compiled_kernels_match_reference_on_gpu(shape, dtype):
+    x, weight, bias = (t.cuda() for t in _inputs(*shape, dtype))
+    wq, w_scale = quantize_per_channel(weight)
+    q, x_scale = quantize_per_token(x)
+    q_ref, x_scale_ref = matmul._quantize_rows_reference(x, None)
+    assert (q.int() - q_ref.int()).abs().max() <= 1 and torch.equal(x_scale, x_scale_ref)
+    for ours, ref in [
+        (linear(x, weight, bias, activation="gelu"),
+         matmul._gemm_reference(x, weight, None, None, bias, "gelu", dtype)),
+        (int8_matmul(q, x_scale, wq, w_scale, bias, out_dtype=dtype),
+         matmul._gemm_reference(q, wq, x_scale, w_scale, bias, None, dtype)),
+        (int8_weight_only_linear(x, wq, w_scale, bias),
+         matmul._gemm_reference(x, wq, None, w_scale, bias, None, dtype)),
+    ]:  # fmt: skip
+        torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,301 @@
+"""LayerNorm/RMSNorm kernels vs eager PyTorch, bounded by PyTorch's own error.
+
+Every CPU test runs twice through the ``backend`` fixture: the interpreted Triton
+kernel and the PyTorch reference path. The exact answer is eager PyTorch in float64
+on the same inputs, with the same dropout mask (regenerated from the op's seed).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
+from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HIDDEN_SIZES = [1, 17, 97, 768, 1000, 4096]
+DROPOUT_P = 0.1
+SEED = 1234
+
+
+def _params(n_cols, dtype, bias=True, seed=0):
+    """Weights the memory-efficient rebuild can trust: 0.5 <= |w| <= 1.5, |b| <= 3."""
+    gen = torch.Generator().manual_seed(seed)
+    sign = torch.where(torch.rand(n_cols, generator=gen) < 0.2, -1.0, 1.0)
+    weight = (0.5 + torch.rand(n_cols, generator=gen)) * sign
+    b = (0.5 * torch.randn(n_cols, generator=gen)).clamp(-3, 3) if bias else None
+    return weight.to(dtype), None if b is None else b.to(dtype)
+
+
+def _eager(x, residual, weight, bias, keep, is_rms, eps, n_cols):
+    """Unfused PyTorch: dropout with the given mask, residual add, F.layer_norm/F.rms_norm."""
+    h = x if keep is None else torch.where(keep, x * (1.0 / (1.0 - DROPOUT_P)), torch.zeros_like(x))
+    if residual is not None:
+        h = h + residual
+    if is_rms:
+        return F.rms_norm(h, (n_cols,), weight, eps), h
+    return F.layer_norm(h, (n_cols,), weight, bias, eps), h
+
+
+def _run_and_grads(fn, leaves, dy, dh):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in leaves]
+    y, h = fn(*leaves)
+    loss = (y.double() * dy.double()).sum()
+    if dh is not None:
+        loss = loss + (h.double() * dh.double()).sum()
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(loss, present)
+    return y, h, grads
+
+
+def _check_norm(
+    is_rms, dtype, n_cols, with_residual, with_dropout, memory_efficient, return_residual=False, device="cpu"
+):
+    torch.manual_seed(0)
+    shape = (2, 3, n_cols)
+    x = torch.randn(shape).to(device, dtype)
+    residual = torch.randn(shape).to(device, dtype) if with_residual else None
+    weight, bias = (None if t is None else t.to(device) for t in _params(n_cols, dtype, bias=not is_rms))
+    eps = 1e-5
+    dy = torch.randn(shape).to(device, dtype)
+    dh = torch.randn(shape).to(device, dtype) if return_residual else None
+    p = DROPOUT_P if with_dropout else 0.0
+    keep = None
+    if with_dropout:
+        torch.manual_seed(SEED)
+        offsets = torch.arange(x.numel(), device=device).view(shape)
+        keep = dropout_keep_mask(new_dropout_seed(x.device), offsets, p)
+
+    def ours(x, residual, weight, bias):
+        torch.manual_seed(SEED)
+        kwargs = dict(residual=residual, dropout_p=p, memory_efficient=memory_efficient)
+        if is_rms:
+            out = rms_norm(x, (n_cols,), weight, eps, return_residual=return_residual, **kwargs)
+        else:
+            out = layer_norm(x, (n_cols,), weight, bias, eps, return_residual=return_residual, **kwargs)
+        return out if return_residual else (out, None)
+
+    def eager(x, residual, weight, bias):
+        return _eager(x, residual, weight, bias, keep, is_rms, eps, n_cols)
+
+    leaves = [x, residual, weight, None if is_rms else bias]
+    y, h, grads = _run_and_grads(ours, leaves, dy, dh)
+    y_torch, h_torch, grads_torch = _run_and_grads(eager, leaves, dy, dh)
+    exact_leaves = [t.double() if t is not None else None for t in leaves]
+    y_exact, h_exact, grads_exact = _run_and_grads(eager, exact_leaves, dy, dh)
+
+    assert y.dtype == dtype
+    assert_within_reference_error("y", y, y_torch, y_exact)
+    if return_residual:
+        assert_within_reference_error("h", h, h_torch, h_exact)
+    dx_scale, dw_scale = 1.0, 1.0
+    if memory_efficient:
+        dx_scale, dw_scale = norm_rebuild_error_scales(h_exact.detach(), dy, weight, bias, is_rms, eps)
+    scales = {"dx": dx_scale, "dresidual": dx_scale, "dweight": dw_scale, "dbias": 1.0}
+    names = [n for n, t in zip(["dx", "dresidual", "dweight", "dbias"], leaves) if t is not None]
+    for name, g, g_torch, g_exact in zip(names, grads, grads_torch, grads_exact):
+        assert_within_reference_error(name, g, g_torch, g_exact, scale=scales[name])
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("fusion", ["plain", "residual", "dropout", "dropout+residual"])
+@pytest.mark.parametrize("n_cols", HIDDEN_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_norm_matches_eager(backend, is_rms, dtype, n_cols, fusion, memory_efficient):
+    _check_norm(is_rms, dtype, n_cols, "residual" in fusion, "dropout" in fusion, memory_efficient)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("n_cols", [97, 768])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_returned_residual_and_its_gradient(backend, is_rms, dtype, n_cols, memory_efficient):
+    _check_norm(is_rms, dtype, n_cols, True, True, memory_efficient, return_residual=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hidden_size_65536(backend, dtype):
+    _check_norm(False, dtype, 65536, True, False, True)
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
+def test_without_affine_parameters(backend, affine):
+    torch.manual_seed(0)
+    x = torch.randn(5, 33, requires_grad=True)
+    weight = torch.rand(33, requires_grad=True) + 0.5 if affine != "none" else None
+    bias = torch.randn(33, requires_grad=True) if affine == "weight+bias" else None
+    for memory_efficient in (False, True):
+        y = layer_norm(x, 33, weight, bias, memory_efficient=memory_efficient)
+        y_ref = F.layer_norm(x, (33,), weight, bias)
+        torch.testing.assert_close(y, y_ref)
+        leaves = [t for t in (x, weight, bias) if t is not None]
+        grads = torch.autograd.grad(y.square().sum(), leaves)
+        grads_ref = torch.autograd.grad(y_ref.square().sum(), leaves)
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_multi_dimensional_normalized_shape(backend):
+    x = torch.randn(3, 4, 5, 6, requires_grad=True)
+    weight = torch.rand(5, 6, requires_grad=True) + 0.5
+    bias = torch.randn(5, 6, requires_grad=True)
+    y = layer_norm(x, (5, 6), weight, bias)
+    y_ref = F.layer_norm(x, (5, 6), weight, bias)
+    torch.testing.assert_close(y, y_ref)
+    grads = torch.autograd.grad((y * y_ref.detach()).sum(), (x, weight, bias))
+    grads_ref = torch.autograd.grad((y_ref * y_ref.detach()).sum(), (x, weight, bias))
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_rms_norm_default_eps_is_dtype_eps(backend):
+    x = torch.full((2, 8), 1e-4, dtype=torch.float16)
+    torch.testing.assert_close(rms_norm(x, 8), F.rms_norm(x, (8,)))
+
+
+def test_non_contiguous_input_and_stride_zero_gradient(backend):
+    torch.manual_seed(0)
+    base = torch.randn(40, 6, requires_grad=True)
+    x = base.t()  # (6, 40), non-contiguous
+    weight, bias = _params(40, torch.float32)
+    residual = torch.randn(40, 6).t()
+    y = layer_norm(x, 40, weight, bias, residual=residual, memory_efficient=True)
+    y.sum().backward()  # the incoming gradient has stride 0
+    grad = base.grad.clone()
+    base.grad = None
+    F.layer_norm(x + residual, (40,), weight, bias).sum().backward()
+    torch.testing.assert_close(grad, base.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16), (3, 0)])
+def test_empty_inputs(backend, shape):
+    x = torch.randn(shape, requires_grad=True)
+    n_cols = shape[-1]
+    weight = torch.ones(n_cols, requires_grad=True)
+    bias = torch.zeros(n_cols, requires_grad=True)
+    y, h = layer_norm(x, n_cols, weight, bias, residual=torch.zeros(shape), dropout_p=0.1, return_residual=True)
+    assert y.shape == shape and h.shape == shape
+    (y.sum() + h.sum()).backward()
+    assert x.grad.shape == shape
+    assert torch.equal(weight.grad, torch.zeros(n_cols)) and torch.equal(bias.grad, torch.zeros(n_cols))
+
+
+def test_nan_and_inf_propagate_like_torch(backend):
+    x = torch.randn(4, 16)
+    x[1, 3] = float("nan")
+    x[2, 5] = float("inf")
+    weight, bias = _params(16, torch.float32)
+    y = layer_norm(x, 16, weight, bias)
+    y_ref = F.layer_norm(x, (16,), weight, bias)
+    assert torch.equal(torch.isnan(y), torch.isnan(y_ref))
+    torch.testing.assert_close(y[[0, 3]], y_ref[[0, 3]])
+
+
+class TestDropout:
+    def _dropped(self, shape, p, seed):
+        """h = dropout(ones) through the fused op (residual 0), and the op's output."""
+        torch.manual_seed(seed)
+        x = torch.ones(shape, requires_grad=True)
+        y, h = layer_norm(x, shape[-1], residual=torch.zeros(shape), dropout_p=p, return_residual=True)
+        return x, y, h
+
+    def test_same_seed_same_mask_and_new_seed_new_mask(self, backend):
+        _, y1, h1 = self._dropped((8, 256), 0.3, seed=7)
+        _, y2, h2 = self._dropped((8, 256), 0.3, seed=7)
+        _, _, h3 = self._dropped((8, 256), 0.3, seed=8)
+        assert torch.equal(h1, h2) and torch.equal(y1, y2)
+        assert not torch.equal(h1 == 0, h3 == 0)
+
+    @pytest.mark.parametrize("p", [0.1, 0.5])
+    def test_keep_fraction(self, backend, p):
+        _, _, h = self._dropped((256, 4096), p, seed=0)
+        keep_fraction = (h != 0).float().mean().item()
+        assert abs(keep_fraction - (1 - p)) < 0.01
+        kept = h[h != 0]
+        torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))
+
+    def test_backward_uses_the_forward_mask(self, backend):
+        x, y, h = self._dropped((16, 97), 0.4, seed=3)
+        dy = torch.randn_like(y)
+        (y * dy).sum().backward()
+        dropped = h == 0
+        assert dropped.any() and (~dropped).any()
+        assert torch.equal(x.grad[dropped], torch.zeros_like(x.grad[dropped]))
+        assert (x.grad[~dropped] != 0).all()
+
+    def test_kernel_and_reference_draw_the_same_mask(self, monkeypatch):
+        masks = []
+        for interpret in ("1", "0"):
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+            masks.append(self._dropped((8, 300), 0.25, seed=11)[2] == 0)
+        assert torch.equal(masks[0], masks[1])
+
+
+def test_output_rebuilds_input():
+    ones = torch.ones(4)
+    assert output_rebuilds_input(None, None)
+    assert output_rebuilds_input(ones, torch.full((4,), 6.9))
+    assert not output_rebuilds_input(ones, torch.full((4,), 7.5))
+    assert not output_rebuilds_input(torch.tensor([1.0, 0.0, 1.0, 1.0]), None)
+    assert not output_rebuilds_input(torch.tensor([1.0, float("nan"), 1.0, 1.0]), None)
+
+
+class TestBadInput:
+    def test_wrong_normalized_shape(self):
+        with pytest.raises(ValueError, match="normalized_shape"):
+            layer_norm(torch.randn(2, 8), (7,))
+        with pytest.raises(ValueError, match="normalized_shape"):
+            layer_norm(torch.randn(8), (2, 8))
+
+    def test_too_many_features(self):
+        with pytest.raises(ValueError, match="65536"):
+            layer_norm(torch.randn(1, 65537), 65537)
+
+    def test_weight_and_bias_shape_and_device(self):
+        with pytest.raises(ValueError, match="weight must have shape"):
+            layer_norm(torch.randn(2, 8), 8, torch.ones(7))
+        with pytest.raises(ValueError, match="bias must have shape"):
+            layer_norm(torch.randn(2, 8), 8, torch.ones(8), torch.zeros(9))
+        with pytest.raises(ValueError, match="weight must be on the input's device"):
+            layer_norm(torch.randn(2, 8), 8, torch.ones(8, device="meta"))
+        with pytest.raises(ValueError, match="residual must have shape"):
+            layer_norm(torch.randn(2, 8), 8, residual=torch.randn(2, 7))
+
+    def test_dtypes(self):
+        with pytest.raises(TypeError, match="input must be float32, float16 or bfloat16"):
+            layer_norm(torch.ones(2, 8, dtype=torch.int64), 8)
+        with pytest.raises(TypeError, match="weight dtype must match input dtype"):
+            layer_norm(torch.randn(2, 8, dtype=torch.float16), 8, torch.ones(8))
+        with pytest.raises(TypeError, match="residual dtype must match"):
+            rms_norm(torch.randn(2, 8), 8, residual=torch.randn(2, 8, dtype=torch.bfloat16))
+        with pytest.raises(TypeError, match="input must be a torch.Tensor"):
+            layer_norm([1.0, 2.0], 2)
+
+    def test_dropout_and_return_residual(self):
+        with pytest.raises(ValueError, match="dropout_p"):
+            layer_norm(torch.randn(2, 8), 8, dropout_p=1.0)
+        with pytest.raises(ValueError, match="return_residual"):
+            layer_norm(torch.randn(2, 8), 8, return_residual=True)
+
+
+def test_mixed_dtypes_allowed_under_autocast(backend):
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    weight = torch.rand(32) + 0.5
+    bias = torch.randn(32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer_norm(x, 32, weight, bias)
+        y_ref = F.layer_norm(x, (32,), weight, bias)
+    assert y.dtype == y_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("fusion", ["plain", "dropout+residual"])
+@pytest.mark.parametrize("n_cols", [1, 97, 768, 1000, 4096, 8192, 65536])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_compiled_kernel_on_gpu(is_rms, dtype, n_cols, fusion, memory_efficient):
+    _check_norm(is_rms, dtype, n_cols, "residual" in fusion, "dropout" in fusion, memory_efficient, device="cuda")

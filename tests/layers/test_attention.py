@@ -1,0 +1,292 @@
+"""slimformer's attention layers vs torch.nn.MultiheadAttention with the same weights.
+
+The exact result is torch's module in float64; errors are bounded by twice torch's own
+error in the tested dtype (``assert_within_reference_error``).
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from slimformer.layers.attention import MultiheadAttention, SelfAttention
+from slimformer.memory import measure_activation_memory
+from tests.helpers import assert_within_reference_error
+
+# The interpreter turns loop bounds computed from program ids into ints this way.
+
+DTYPES = [
+    pytest.param(torch.float32, 8.0, id="fp32"),
+    pytest.param(torch.float16, 1.0, id="fp16"),
+    pytest.param(torch.bfloat16, 1.0, id="bf16"),
+]
+
+
+def _modules(dtype, **kwargs):
+    """(slimformer layer in dtype, torch module in dtype, torch module in float64), same weights."""
+    torch.manual_seed(0)
+    exact = nn.MultiheadAttention(**kwargs, dtype=torch.float64)
+    same_dtype = nn.MultiheadAttention(**kwargs, dtype=dtype)
+    ours = MultiheadAttention(**kwargs, dtype=dtype)
+    for module in (same_dtype, ours):
+        module.load_state_dict(exact.state_dict())
+    return ours, same_dtype, exact
+
+
+def _run(module, query, key, value, grad, self_attention, **kwargs):
+    """Output, input gradients and parameter gradients of one forward and backward."""
+    module.zero_grad()
+    query = query.detach().clone().requires_grad_()
+    key, value = (query, query) if self_attention else (x.detach().clone().requires_grad_() for x in (key, value))
+    out, _ = module(query, key, value, need_weights=False, **kwargs)
+    out.backward(grad)
+    inputs = {"query": query} if self_attention else {"query": query, "key": key, "value": value}
+    grads = {f"d{name}": tensor.grad for name, tensor in inputs.items()}
+    grads.update({f"d{name}": parameter.grad for name, parameter in module.named_parameters()})
+    return {"out": out.detach(), **grads}
+
+
+def _check(dtype, ulps, module_kwargs, shapes, self_attention, mask_fn=lambda dtype: {}):
+    ours, same_dtype, exact = _modules(dtype, **module_kwargs)
+    gen = torch.Generator().manual_seed(1)
+    query, key, value, grad = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in shapes)
+    results = [
+        _run(module, *(x.to(module_dtype) for x in (query, key, value, grad)), self_attention, **mask_fn(module_dtype))
+        for module, module_dtype in ((ours, dtype), (same_dtype, dtype), (exact, torch.float64))
+    ]
+    for name in results[2]:
+        assert_within_reference_error(name, *(result[name] for result in results), ulps)
+
+
+def _padding(batch, seq, device="cpu"):
+    """Bool padding mask, True = padding: batch b pads its last b keys (no row fully padded)."""
+    return torch.arange(seq, device=device)[None, :] >= seq - torch.arange(batch, device=device)[:, None]
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_self_attention_batch_first_with_padding(backend, dtype, ulps):
+    _check(
+        dtype, ulps, dict(embed_dim=64, num_heads=4, batch_first=True), [(3, 37, 64)] * 4, True,
+        lambda _: {"key_padding_mask": _padding(3, 37)},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_self_attention_sequence_first_with_bool_mask(backend, dtype, ulps):
+    gen = torch.Generator().manual_seed(2)
+    blocked = torch.rand(29, 29, generator=gen) > 0.7
+    blocked.fill_diagonal_(False)
+    _check(
+        dtype, ulps, dict(embed_dim=80, num_heads=2), [(29, 2, 80)] * 4, True,
+        lambda _: {"attn_mask": blocked},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_causal_hint(backend, dtype, ulps):
+    causal = torch.ones(33, 33, dtype=torch.bool).triu(1)
+    _check(
+        dtype, ulps, dict(embed_dim=48, num_heads=3, batch_first=True), [(2, 33, 48)] * 4, True,
+        lambda _: {"attn_mask": causal, "is_causal": True, "key_padding_mask": _padding(2, 33)},
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_cross_attention_with_kdim_vdim_and_float_masks(backend, dtype, ulps):
+    gen = torch.Generator().manual_seed(3)
+    additive = torch.randn(2 * 3, 17, 33, generator=gen)
+    padding = torch.zeros(2, 33).masked_fill(_padding(2, 33), -math.inf)
+    _check(
+        dtype, ulps, dict(embed_dim=48, num_heads=3, kdim=32, vdim=24, batch_first=True),
+        [(2, 17, 48), (2, 33, 32), (2, 33, 24), (2, 17, 48)], False,
+        lambda dtype: {"attn_mask": additive.to(dtype), "key_padding_mask": padding.to(dtype)},
+    )  # fmt: skip
+
+
+def test_unbatched_input(backend):
+    _check(torch.float32, 8.0, dict(embed_dim=32, num_heads=2), [(19, 32)] * 4, True)
+
+
+def test_need_weights_returns_torchs_weights(backend):
+    ours, same_dtype, _ = _modules(torch.float32, embed_dim=32, num_heads=4, batch_first=True)
+    x = torch.randn(2, 11, 32)
+    for average in (True, False):
+        kwargs = dict(key_padding_mask=_padding(2, 11), average_attn_weights=average)
+        (out, weights), (expected_out, expected_weights) = ours(x, x, x, **kwargs), same_dtype(x, x, x, **kwargs)
+        assert torch.equal(weights, expected_weights) and torch.equal(out, expected_out)
+
+
+def test_drop_in_for_torch_module():
+    torch.manual_seed(0)
+    reference = nn.MultiheadAttention(32, 4, kdim=16, vdim=8)
+    ours = MultiheadAttention(32, 4, kdim=16, vdim=8)
+    assert isinstance(ours, nn.MultiheadAttention)
+    assert ours.state_dict().keys() == reference.state_dict().keys()
+    ours.load_state_dict(reference.state_dict())
+    shared = MultiheadAttention.from_torch(reference, recompute_qkv=True)
+    assert all(a is b for a, b in zip(shared.parameters(), reference.parameters()))
+    assert shared.recompute_qkv and not ours.recompute_qkv
+    query, key, value = torch.randn(7, 2, 32), torch.randn(9, 2, 16), torch.randn(9, 2, 8)
+    expected = reference(query, key, value, need_weights=False)[0]
+    for layer in (ours, shared):
+        torch.testing.assert_close(layer(query, key, value, need_weights=False)[0], expected)
+
+
+def test_dropout_applies_in_training_only(backend):
+    layer = MultiheadAttention(32, 2, dropout=0.5, batch_first=True)
+    x = torch.randn(2, 24, 32)
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return layer(x, x, x, need_weights=False)[0]
+
+    assert torch.equal(run(0), run(0)) and not torch.equal(run(0), run(1))
+    layer.eval()
+    assert torch.equal(run(0), run(1))
+
+
+def test_recompute_qkv_changes_memory_not_results(backend):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 24, 32, generator=gen)
+    padding = _padding(2, 24)
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(5)
+        layer = MultiheadAttention(32, 2, dropout=0.2, batch_first=True, recompute_qkv=recompute)
+        results.append(_run(layer, x, x, x, torch.ones(2, 24, 32), True, key_padding_mask=padding))
+    for name in results[0]:
+        torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-5, atol=1e-6)
+
+
+def _self_attention_inputs(dtype):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(2, 50, 64, generator=gen).to(dtype).requires_grad_(), _padding(2, 50)
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_fused_qkv_layer_matches_torch(backend, dtype, ulps):
+    torch.manual_seed(0)
+    ours = SelfAttention(64, 4, recompute_qkv=True, dtype=dtype)
+    exact = nn.MultiheadAttention(64, 4, batch_first=True, dtype=torch.float64)
+    same_dtype = nn.MultiheadAttention(64, 4, batch_first=True, dtype=dtype)
+    weights = {
+        "in_proj_weight": ours.qkv_proj.weight, "in_proj_bias": ours.qkv_proj.bias,
+        "out_proj.weight": ours.out_proj.weight, "out_proj.bias": ours.out_proj.bias,
+    }  # fmt: skip
+    for module in (exact, same_dtype):
+        module.load_state_dict(weights)
+    x, padding = _self_attention_inputs(torch.float64)
+    causal = torch.ones(50, 50, dtype=torch.bool).triu(1)
+    grad = torch.randn_like(x)
+    outputs = []
+    for module, module_dtype in ((ours, dtype), (same_dtype, dtype), (exact, torch.float64)):
+        xi = x.detach().to(module_dtype).requires_grad_()
+        if module is ours:
+            out = module(xi, key_padding_mask=padding, is_causal=True)
+        else:
+            out = module(xi, xi, xi, key_padding_mask=padding, attn_mask=causal, need_weights=False)[0]
+        out.backward(grad.to(module_dtype))
+        qkv_weight_grad = ours.qkv_proj.weight.grad if module is ours else module.in_proj_weight.grad
+        outputs.append((out.detach(), xi.grad, qkv_weight_grad))
+    for name, *tensors in zip(("out", "dx", "dqkv_weight"), *outputs):
+        assert_within_reference_error(name, *tensors, ulps)
+
+
+@pytest.mark.parametrize("recompute_qkv", [False, True], ids=["keep-qkv", "recompute-qkv"])
+def test_fused_qkv_layer_keeps_only_output_and_lse(backend, recompute_qkv):
+    layer = SelfAttention(64, 4, dropout=0.1, recompute_qkv=recompute_qkv)
+    x, padding = _self_attention_inputs(torch.float32)
+    memory = measure_activation_memory(layer, x, key_padding_mask=padding)
+    out_bytes, lse_bytes, seed_bytes = 2 * 50 * 64 * 4, 2 * 4 * 50 * 4, 8
+    qkv_bytes = 0 if recompute_qkv else 3 * out_bytes
+    assert memory.saved_bytes == qkv_bytes + out_bytes + lse_bytes + seed_bytes, memory.saved
+    assert memory.alive_bytes == memory.saved_bytes, memory.alive
+
+
+def test_multihead_attention_memory_grows_linearly(backend):
+    def kept(seq):
+        layer = MultiheadAttention(64, 1, batch_first=True, dtype=torch.float16)
+        x = torch.randn(1, seq, 64, dtype=torch.float16, requires_grad=True)
+        memory = measure_activation_memory(
+            lambda x: layer(x, x, x, need_weights=False)[0], x, exclude=layer.parameters()
+        )
+        assert not any(r.shape[-2:] == (seq, seq) for r in memory.saved + memory.alive)
+        return max(memory.saved_bytes, memory.alive_bytes)
+
+    assert kept(512) / kept(128) <= 4.2
+
+
+def test_bad_masks_raise():
+    layer = MultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 5, 32)
+    with pytest.raises(ValueError, match=r"attn_mask must have shape \(N \* num_heads, L, S\) = \(8, 5, 5\)"):
+        layer(x, x, x, attn_mask=torch.zeros(3, 5, 5), need_weights=False)
+    with pytest.raises(TypeError, match="key_padding_mask must be bool or floating point"):
+        layer(x, x, x, key_padding_mask=torch.zeros(2, 5, dtype=torch.int64), need_weights=False)
+    with pytest.raises(ValueError, match="num_heads must divide embed_dim 32, got 3"):
+        SelfAttention(32, 3)
+
+
+def _tiny_bert(transformers):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertModel(config, add_pooling_layer=False)
+
+
+def test_transformers_bert_uses_kernel_with_padding_mask(backend):
+    transformers = pytest.importorskip("transformers", minversion="5")
+    from slimformer.layers.attention import register_transformers_attention
+
+    name = register_transformers_attention()
+    model = _tiny_bert(transformers)
+    gen = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 100, (2, 24), generator=gen)
+    attention_mask = torch.ones(2, 24, dtype=torch.long)
+    attention_mask[1, 15:] = 0
+    results = {}
+    for implementation in ("eager", name):
+        model.set_attn_implementation(implementation)
+        model.zero_grad()
+        out = model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        out.backward(torch.ones_like(out))
+        results[implementation] = (out.detach(), model.encoder.layer[0].attention.self.query.weight.grad.clone())
+        memory = measure_activation_memory(
+            lambda ids: model(input_ids=ids, attention_mask=attention_mask).last_hidden_state, input_ids,
+            exclude=[attention_mask],
+        )  # fmt: skip
+        squares = [r for r in memory.saved if r.shape[-2:] == (24, 24)]
+        assert bool(squares) == (implementation == "eager"), squares
+    for actual, expected in zip(results[name], results["eager"]):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_transformers_decoder_with_cache_and_gqa(backend):
+    transformers = pytest.importorskip("transformers", minversion="5")
+    from slimformer.layers.attention import register_transformers_attention
+
+    name = register_transformers_attention()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0  # left padding, as for generation
+    logits = {}
+    for implementation in ("eager", name):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            prefill = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+            step = model(
+                input_ids=input_ids[:, -1:], attention_mask=torch.cat([attention_mask, attention_mask[:, -1:]], 1),
+                past_key_values=prefill.past_key_values, use_cache=True,
+            )  # fmt: skip
+        logits[implementation] = (prefill.logits[attention_mask.bool()], step.logits)
+    for actual, expected in zip(logits[name], logits["eager"]):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,135 @@
+"""slimformer.LayerNorm / RMSNorm as drop-ins for the torch modules, and their memory."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import slimformer as sf
+from slimformer.memory import measure_activation_memory
+from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
+
+LAYER_PAIRS = [(nn.LayerNorm, sf.LayerNorm), (nn.RMSNorm, sf.RMSNorm)]
+CONSTRUCTOR_ARGS = [
+    dict(normalized_shape=24),
+    dict(normalized_shape=(3, 8), eps=1e-6),
+    dict(normalized_shape=24, elementwise_affine=False),
+    dict(normalized_shape=24, dtype=torch.bfloat16),
+]
+
+
+def _randomize(module, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(0.5 + torch.rand(p.shape, generator=gen))
+
+
+@pytest.mark.parametrize(
+    "torch_class, sf_class, kwargs",
+    [(*pair, kwargs) for pair in LAYER_PAIRS for kwargs in CONSTRUCTOR_ARGS]
+    + [(nn.LayerNorm, sf.LayerNorm, dict(normalized_shape=24, bias=False))],  # nn.RMSNorm has no bias
+    ids=repr,
+)
+def test_same_constructor_and_state_dict(torch_class, sf_class, kwargs):
+    reference, layer = torch_class(**kwargs), sf_class(**kwargs)
+    assert isinstance(layer, torch_class)
+    ref_state, state = reference.state_dict(), layer.state_dict()
+    assert list(state) == list(ref_state)
+    for key in state:
+        assert state[key].shape == ref_state[key].shape and state[key].dtype == ref_state[key].dtype
+
+
+@pytest.mark.parametrize("kwargs", CONSTRUCTOR_ARGS, ids=repr)
+@pytest.mark.parametrize("torch_class, sf_class", LAYER_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_loaded_state_dict_gives_same_outputs_and_gradients(backend, torch_class, sf_class, kwargs):
+    reference = torch_class(**kwargs)
+    _randomize(reference)
+    layer = sf_class(**kwargs)
+    layer.load_state_dict(reference.state_dict())
+    exact = copy.deepcopy(reference).double()
+    shape = (5, 7) + ((3, 8) if kwargs["normalized_shape"] == (3, 8) else (24,))
+    x = torch.randn(shape, dtype=kwargs.get("dtype", torch.float32))
+    dy = torch.randn_like(x)
+    outputs = {}
+    for name, module, inputs in [("ours", layer, x), ("torch", reference, x), ("exact", exact, x.double())]:
+        leaf = inputs.detach().clone().requires_grad_(True)
+        y = module(leaf)
+        outputs[name] = (y, *torch.autograd.grad(y, [leaf, *module.parameters()], dy.to(y.dtype)))
+    scales = [1.0] * len(outputs["ours"])
+    if layer.weight is not None:  # the layer rebuilds x̂ from its rounded output (saves_output)
+        h = x.double().flatten(-len(layer.normalized_shape))
+        bias = getattr(layer, "bias", None)
+        flat = [None if t is None else t.detach().flatten() for t in (layer.weight, bias)]
+        scales[1:3] = norm_rebuild_error_scales(h, dy.flatten(-len(layer.normalized_shape)), *flat,
+                                                torch_class is nn.RMSNorm, layer.eps or torch.finfo(torch.float32).eps)
+    for i, name in enumerate(["y", "dx", "dweight", "dbias"][: len(scales)]):
+        ours, ref, ex = (outputs[k][i] for k in ("ours", "torch", "exact"))
+        assert_within_reference_error(name, ours, ref, ex, scale=scales[i])
+
+
+def test_memory_mode_decided_when_weights_arrive():
+    layer = sf.LayerNorm(16)
+    assert layer.saves_output
+    state = {"weight": torch.ones(16), "bias": torch.zeros(16)}
+    state["weight"][3] = 0.0  # x̂ cannot be rebuilt in that column: keep the input instead
+    layer.load_state_dict(state)
+    assert not layer.saves_output
+    x = torch.randn(4, 16, requires_grad=True)
+    layer(x).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    nn.functional.layer_norm(x_ref, (16,), state["weight"], state["bias"]).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    layer.reset_parameters()
+    assert layer.saves_output
+    assert not sf.LayerNorm(16, memory_efficient=False).saves_output
+
+
+@pytest.mark.parametrize("torch_class, sf_class", LAYER_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_from_torch_shares_parameters(torch_class, sf_class):
+    reference = torch_class(12, eps=1e-3)
+    _randomize(reference)
+    layer = sf_class.from_torch(reference.eval())
+    assert layer.weight is reference.weight and not layer.training and layer.eps == 1e-3
+    x = torch.randn(3, 12)
+    torch.testing.assert_close(layer(x), reference(x))
+    with pytest.raises(TypeError, match="module must be a torch.nn"):
+        sf_class.from_torch(nn.Linear(2, 2))
+
+
+def test_fused_residual_and_dropout_through_the_module(backend):
+    layer = sf.LayerNorm(32)
+    x, residual = torch.randn(4, 32), torch.randn(4, 32)
+    y, h = layer(x, residual, return_residual=True)
+    torch.testing.assert_close(h, x + residual)
+    torch.testing.assert_close(y, nn.functional.layer_norm(x + residual, (32,)))
+    y_dropped = layer(x, residual, dropout_p=0.5)
+    assert not torch.allclose(y_dropped, y)
+
+
+def _chain(norm: nn.Module, hidden: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(hidden, hidden), norm, nn.Linear(hidden, hidden))
+
+
+@pytest.mark.parametrize("torch_class, sf_class", LAYER_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_memory_efficient_norm_adds_no_activation_memory(backend, torch_class, sf_class):
+    """Linear -> norm -> Linear: torch's norm keeps its input, ours only rstd per row."""
+    tokens, hidden = 64, 96
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    kept = {
+        name: measure_activation_memory(_chain(norm, hidden), x)
+        for name, norm in [("none", nn.Identity()), ("torch", torch_class(hidden)), ("ours", sf_class(hidden))]
+    }
+    row_stats = 4 * tokens  # one fp32 statistic per row
+    input_sized = 4 * tokens * hidden
+    for method in ("saved_bytes", "alive_bytes"):
+        baseline = getattr(kept["none"], method)
+        assert baseline == input_sized  # the second Linear's input
+        assert getattr(kept["ours"], method) - baseline == row_stats
+        torch_extra = getattr(kept["torch"], method) - baseline
+        if torch_class is nn.LayerNorm:
+            assert torch_extra == input_sized + 2 * row_stats  # its input, mean and rstd
+        else:
+            assert torch_extra >= input_sized

@@ -1,0 +1,50 @@
+"""The quantize_bert example's core function, on a tiny BERT saved to a folder (no download)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from examples import quantize_bert  # noqa: E402
+
+WORDS = "the a of and to in is was it on for with at by cat dog rain sun music team bank".split()
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    torch.manual_seed(0)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    transformers.BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=len(vocab)
+    )
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_compare_measures_every_mode(tiny_model_dir, monkeypatch):
+    # The PyTorch reference path: the kernels have their own tests, and interpreting
+    # every GEMM of every timed run would take a minute.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    sentences = quantize_bert.SENTENCES[:12]
+    rows = quantize_bert.compare(tiny_model_dir, sentences=sentences, batch_size=6, repeats=1, smooth_alpha=0.5)
+    assert [r.mode for r in rows] == list(quantize_bert.MODES)
+    by_mode = {r.mode: r for r in rows}
+    assert by_mode["float"].mean_cosine == pytest.approx(1.0) and by_mode["float"].min_layer_sqnr_db is None
+    for mode in ("fp16", "int8", "int8-weight-only"):
+        row = by_mode[mode]
+        assert row.min_layer_sqnr_db > 20 and row.mean_cosine > 0.99 and 0 <= row.top1_agreement <= 1
+        assert row.worst_layer.startswith("encoder.layer.")
+    # Linear weights: int8 is a quarter of fp32 plus one fp32 scale per output channel and
+    # one smoothing factor per input channel.
+    linear_floats = 2 * (4 * 32 * 32 + 2 * 32 * 64)
+    assert by_mode["float"].linear_weight_mb * 2**20 == 4 * linear_floats + 4 * 32 * 32  # + the pooler
+    assert by_mode["int8-weight-only"].linear_weight_mb < by_mode["fp16"].linear_weight_mb
+    assert by_mode["int8"].file_mb < by_mode["float"].file_mb
+    table = quantize_bert.render(rows, "tiny")
+    assert table.row_count == len(rows)
+
+
+def test_there_are_at_least_200_distinct_sentences():
+    assert len(set(quantize_bert.SENTENCES)) >= 200

@@ -1,0 +1,208 @@
+"""slimformer.quantize on a small HF BERT built from a config (no download) and on toy models."""
+
+import copy
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from slimformer.layers.linear import Linear16bit
+from slimformer.quantize import (
+    fidelity_report,
+    load_quantized,
+    quantize,
+    quantized_modules,
+    save_quantized,
+    smoothing_factors,
+)
+
+transformers = pytest.importorskip("transformers")
+
+MODES = ["int8", "int8-weight-only", "fp16", "bf16"]
+LINEARS_PER_LAYER = 6  # query, key, value, attention output, intermediate, output
+
+
+def tiny_bert(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, vocab_size=100
+    )
+    return transformers.BertModel(config).eval()
+
+
+def batches(count=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(1, 100, (3, 11), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[0, 7:] = 0
+        out.append({"input_ids": ids, "attention_mask": mask})
+    return out
+
+
+def hidden(model, batch):
+    with torch.no_grad():
+        return model(**batch).last_hidden_state
+
+
+def test_quantize_replaces_encoder_linears_and_keeps_the_rest_float():
+    model = tiny_bert()
+    assert quantize(model, "int8") is model
+    modules = quantized_modules(model)
+    assert len(modules) == 2 * LINEARS_PER_LAYER and set(modules.values()) == {"int8"}
+    assert all(name.startswith("encoder.layer.") for name in modules)
+    assert type(model.pooler.dense) is nn.Linear
+    assert type(model.embeddings.word_embeddings) is nn.Embedding
+    assert type(model.encoder.layer[0].output.LayerNorm) is nn.LayerNorm
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantized_bert_follows_the_float_model(mode):
+    model = tiny_bert()
+    quantized = quantize(copy.deepcopy(model), mode)
+    report = fidelity_report(model, quantized, batches(1))
+    assert set(report.layer_sqnr_db) == set(quantized_modules(quantized))
+    assert report.min_layer_sqnr_db > 30
+    assert report.mean_cosine > 0.999 and report.output_sqnr_db > 30
+    assert "min SQNR" in str(report)
+
+
+def test_bert_output_is_the_pytorch_references_on_every_backend(backend):
+    model = quantize(tiny_bert(), "int8", calibration=batches(1), smooth_alpha=0.5)
+    batch = batches(1)[0]
+    torch.testing.assert_close(hidden(model, batch), _reference_hidden(model, batch), rtol=1e-4, atol=1e-4)
+
+
+def _reference_hidden(model, batch):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        return hidden(model, batch)
+
+
+@pytest.mark.parametrize("skip", [("encoder.layer.1", "pooler"), lambda name, m: not name.endswith("query")])
+def test_skip_by_names_or_predicate(skip):
+    model = quantize(tiny_bert(), "int8-weight-only", skip=skip)
+    names = set(quantized_modules(model))
+    if callable(skip):
+        assert names == {f"encoder.layer.{i}.attention.self.query" for i in range(2)}
+    else:
+        assert len(names) == LINEARS_PER_LAYER and all(n.startswith("encoder.layer.0.") for n in names)
+
+
+def test_head_is_quantized_when_skip_is_empty():
+    model = quantize(tiny_bert(), "fp16", skip=())
+    assert isinstance(model.pooler.dense, Linear16bit)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dict_round_trips_through_safetensors(tmp_path, mode):
+    calibration = batches(2) if mode == "int8" else None
+    model = quantize(tiny_bert(), mode, calibration=calibration)
+    save_file(model.state_dict(), tmp_path / "model.safetensors")
+    fresh = quantize(tiny_bert(seed=1), mode)
+    fresh.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    batch = batches(1, seed=3)[0]
+    assert torch.equal(hidden(fresh, batch), hidden(model, batch))
+
+
+def test_save_and_load_helpers(tmp_path):
+    model = quantize(tiny_bert(), "int8", calibration=batches(1))
+    quantize(model, "fp16", skip=lambda name, m: name != "pooler.dense")
+    save_quantized(model, tmp_path)
+    assert (tmp_path / "slimformer_quantization.json").exists()
+    loaded = load_quantized(tiny_bert(seed=2), tmp_path)
+    assert quantized_modules(loaded) == quantized_modules(model)
+    batch = batches(1, seed=4)[0]
+    assert torch.equal(hidden(loaded, batch), hidden(model, batch))
+    assert torch.equal(loaded(**batch).pooler_output, model(**batch).pooler_output)
+
+
+def test_loading_a_state_dict_of_another_mode_raises():
+    saved = quantize(tiny_bert(), "int8-weight-only").state_dict()
+    fresh = quantize(tiny_bert(), "int8")
+    with pytest.raises(RuntimeError, match="saved from a 'int8-weight-only' layer, but this layer is 'int8'"):
+        fresh.load_state_dict(saved)
+
+
+def test_smoothquant_helps_activations_with_outlier_channels():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48)).eval()
+    scale = torch.ones(64)
+    scale[:3] = 60.0  # a few channels far larger than the rest, as after LayerNorm in BERT
+    inputs = [torch.randn(16, 64) * scale for _ in range(4)]
+    plain = quantize(copy.deepcopy(model), "int8")
+    smoothed = quantize(copy.deepcopy(model), "int8", calibration=[(x,) for x in inputs])
+    plain_sqnr = fidelity_report(model, plain, inputs).layer_sqnr_db["0"]
+    smoothed_sqnr = fidelity_report(model, smoothed, inputs).layer_sqnr_db["0"]
+    assert smoothed_sqnr > plain_sqnr + 3
+
+
+def test_smoothing_factors_balance_activation_and_weight_ranges():
+    activation_max = torch.tensor([100.0, 1.0, 0.0, 4.0])
+    weight = torch.tensor([[1.0, 1.0, 1.0, 0.0], [0.5, -1.0, 2.0, 0.0]])
+    smooth = smoothing_factors(activation_max, weight, alpha=0.5)
+    assert torch.allclose(smooth, torch.tensor([1 / 10.0, 1.0, 1.0, 1.0]))
+
+
+def test_bad_arguments_raise_and_leave_the_model_unchanged():
+    model = tiny_bert()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quantize(model, "int4")
+    with pytest.raises(ValueError, match="no torch.nn.Linear left to quantize"):
+        quantize(nn.Sequential(nn.ReLU()), "int8")
+    with pytest.raises(ValueError, match="no torch.nn.Linear left to quantize"):
+        quantize(model, "int8", skip=lambda name, m: True)
+    with pytest.raises(ValueError, match="calibration yielded no batch"):
+        quantize(model, "int8", calibration=iter([]))
+    with pytest.raises(ValueError, match="smooth_alpha needs calibration"):
+        quantize(model, "int8", smooth_alpha=0.5)
+    with pytest.raises(ValueError, match="smooth_alpha must be in"):
+        quantize(model, "int8", calibration=batches(1), smooth_alpha=1.5)
+    with pytest.raises(ValueError, match="apply to mode 'int8' only"):
+        quantize(model, "int8-weight-only", calibration=batches(1))
+    with pytest.raises(TypeError, match="skip must be a sequence of module names or a callable"):
+        quantize(model, "int8", skip="pooler")
+    with torch.no_grad():
+        model.encoder.layer[1].output.dense.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="cannot quantize 'encoder.layer.1.output.dense'.*finite"):
+        quantize(model, "int8")
+    assert not quantized_modules(model)
+    assert model.training is False
+
+
+def test_calibration_must_reach_every_linear():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = Unused()
+    with pytest.raises(ValueError, match=r"calibration never reached these Linears: \['unused'\]"):
+        quantize(model, "int8", calibration=[torch.randn(2, 4)])
+    assert type(model.used) is nn.Linear
+
+
+def test_calibration_restores_training_mode_and_removes_hooks():
+    model = tiny_bert().train()
+    quantize(model, "int8", calibration=batches(1))
+    assert model.training and model.encoder.layer[0].training
+    assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_backward_through_a_quantized_model_raises():
+    model = quantize(tiny_bert(), "int8")
+    with pytest.raises(RuntimeError, match="inference-only"):
+        model(**batches(1)[0]).last_hidden_state.sum().backward()
+
+
+def test_loader_rejects_another_architecture(tmp_path):
+    save_quantized(quantize(tiny_bert(), "int8"), tmp_path)
+    with pytest.raises(ValueError, match="not the architecture that was saved"):
+        load_quantized(nn.Sequential(nn.Linear(4, 4)), tmp_path)
+    with pytest.raises(ValueError, match="no slimformer quantized layer"):
+        save_quantized(tiny_bert(), tmp_path / "float")
