@@ -440,6 +440,11 @@ def _ddp_worker(rank, world_size, init_file, state, ids, mask, results):
     # ranks' means (what DDP's all-reduce gives) is the full batch's mean
     ddp(ids, attention_mask=mask, labels=ids).loss.backward()
     torch.save({name: p.grad for name, p in model.named_parameters()}, f"{results}{rank}.pt")
+    # Free DDP's Reducer while the process group is still registered. Freed last by
+    # the Reducer (pybind keeps the GIL), ~ProcessGroupGloo joins a worker thread that
+    # waits for the GIL: a deadlock (pytorch/pytorch#56297). destroy_process_group
+    # frees the group through a binding that releases the GIL first.
+    del ddp
     dist.destroy_process_group()
 
 
