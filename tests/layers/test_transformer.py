@@ -172,6 +172,26 @@ def test_torch_compile_fullgraph_forward_and_backward(monkeypatch):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_compiles_fullgraph_with_dropout(policy, monkeypatch):
+    # aot_eager traces forward and backward as inductor does (inductor itself is
+    # covered above) without its C++ build; the seeds come from torch's generator
+    # inside the graph, so the compiled step draws the eager step's masks.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, layer = _pair(activation="gelu", dropout=0.1, recompute=policy)
+    layer.train()
+    x = torch.randn(2, 9, D_MODEL)
+    mask = _padding(2, 9)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(3)
+    out, grads = _outputs_and_grads(compiled, x, src_key_padding_mask=mask)
+    torch.manual_seed(3)
+    expected, expected_grads = _outputs_and_grads(layer, x, src_key_padding_mask=mask)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for g, g_ref in zip(grads, expected_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+
+
 # BERT-base layer dims, seq 512, dropout 0.1, fp32; bytes per token per hidden unit
 # (torch's own layer keeps 188 measured this way). Pre-LN may keep one more hidden-sized
 # tensor (norm1's output, the attention input): +4.
