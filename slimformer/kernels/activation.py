@@ -93,7 +93,7 @@ def _activation_fwd_kernel(
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     if SEED is not None:
         keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        a = tl.where(keep, a * dropout_scale, 0.0)
+        a *= tl.where(keep, dropout_scale, 0.0)
     tl.store(OUT + offsets, a.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -118,7 +118,7 @@ def _activation_bwd_kernel(
     da = tl.load(DA + offsets, mask=mask, other=0.0).to(tl.float32)
     if SEED is not None:
         keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        da = tl.where(keep, da * dropout_scale, 0.0)
+        da *= tl.where(keep, dropout_scale, 0.0)
     width = 2 * N if ACTIVATION == 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
     z = tl.load(H + h_offsets, mask=mask, other=0.0).to(tl.float32)

@@ -34,7 +34,7 @@ def _dropout_scale_kernel(
     mask = offsets < numel
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-    out = tl.where(keep, x * dropout_scale, 0.0)
+    out = x * tl.where(keep, dropout_scale, 0.0)
     if RESIDUAL is not None:
         out += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
@@ -53,7 +53,7 @@ def _dropout_scale(x, residual, seed, dropout_p):
 def _dropout_scale_reference(x, residual, seed, dropout_p):
     """PyTorch statement of ``_dropout_scale``."""
     offsets = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
-    out = torch.where(dropout_keep_mask(seed, offsets, dropout_p), x.float() / (1.0 - dropout_p), 0.0)
+    out = x.float() * torch.where(dropout_keep_mask(seed, offsets, dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
     if residual is not None:
         out = out + residual.float()
     return out.to(x.dtype)

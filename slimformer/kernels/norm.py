@@ -72,7 +72,7 @@ def _norm_fwd_kernel(
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     if SEED is not None:
         keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        h = tl.where(keep, h * dropout_scale, 0.0)
+        h *= tl.where(keep, dropout_scale, 0.0)
     if RESIDUAL is not None:
         h += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
     if ROUND_H:
@@ -174,7 +174,7 @@ def _norm_bwd_kernel(
             tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
         if SEED is not None:
             keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-            dh = tl.where(keep, dh * dropout_scale, 0.0)
+            dh *= tl.where(keep, dropout_scale, 0.0)
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
 
         if DW_PARTIAL is not None:
@@ -193,6 +193,7 @@ class _NormSpec:
     """The static description of one norm call (everything but the tensors)."""
 
     is_rms: bool
+    normalized_ndim: int
     eps: float
     dropout_p: float
     rebuild_from_output: bool
@@ -274,7 +275,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec):
     h = x.float()
     if seed is not None:
         keep = dropout_keep_mask(seed, _flat_offsets(M, N, x.device), spec.dropout_p)
-        h = torch.where(keep, h * spec.dropout_scale, 0.0)
+        h = h * torch.where(keep, spec.dropout_scale, 0.0)
     if residual is not None:
         h = h + residual.float()
     fused = seed is not None or residual is not None
@@ -321,38 +322,60 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
     dresidual = None if residual_dtype is None else dh.to(residual_dtype)
     if seed is not None:
         keep = dropout_keep_mask(seed, _flat_offsets(M, N, dy.device), spec.dropout_p)
-        dh = torch.where(keep, dh * spec.dropout_scale, 0.0)
+        dh = dh * torch.where(keep, spec.dropout_scale, 0.0)
     dw = None if weight is None else (dy * x_hat).sum(dim=0).to(weight.dtype)
     db = None if bias is None else dy.sum(dim=0).to(bias.dtype)
     return dh.to(x_dtype), dresidual, dw, db
 
 
+def _as_rows(t: torch.Tensor, spec: _NormSpec) -> torch.Tensor:
+    """View a contiguous (..., *normalized_shape) tensor as (M, N) rows."""
+    split = t.dim() - spec.normalized_ndim
+    return t.view(math.prod(t.shape[:split]), math.prod(t.shape[split:]))
+
+
 class _NormFunction(torch.autograd.Function):
-    """Differentiable fused (dropout + residual +) LayerNorm/RMSNorm on (M, N) rows."""
+    """Differentiable fused (dropout + residual +) LayerNorm/RMSNorm over the last N features.
+
+    Takes and returns tensors of the caller's shape (contiguous) and views them as
+    (M, N) rows inside. When dx and dresidual are one tensor (no dropout, one dtype),
+    backward returns that very object twice, as torch's add does: two views of it
+    would let autograd steal both as two leaves' ``.grad`` sharing one storage, and
+    the next accumulation into one would change the other.
+    """
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, seed, spec: _NormSpec):
+        shape = x.shape
+        x = _as_rows(x, spec)
+        residual = None if residual is None else _as_rows(residual, spec)
         fwd = _norm_fwd if use_triton(x) else _norm_fwd_reference
         y, h, mean, rstd = fwd(x, residual, weight, bias, seed, spec)
         saved = y if spec.rebuild_from_output else (x if h is None else h)
         ctx.save_for_backward(saved, weight, bias, mean, rstd, seed)
         ctx.spec = spec
+        ctx.shape = shape
         ctx.x_dtype = x.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
         if spec.return_residual:
-            return y, h
-        return y
+            return y.view(shape), h.view(shape)
+        return y.view(shape)
 
     @staticmethod
     def backward(ctx, dy, dh_out=None):
         saved, weight, bias, mean, rstd, seed = ctx.saved_tensors
-        dy = dy.contiguous()
-        dh_out = None if dh_out is None else dh_out.contiguous()
+        dy = _as_rows(dy.contiguous(), ctx.spec)
+        dh_out = None if dh_out is None else _as_rows(dh_out.contiguous(), ctx.spec)
         bwd = _norm_bwd if use_triton(dy) else _norm_bwd_reference
         dx, dresidual, dw, db = bwd(
             dy, dh_out, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype, ctx.spec
         )
-        return dx, dresidual, dw, db, None, None
+        dx_full = dx.view(ctx.shape)
+        if dresidual is dx:
+            dresidual_full = dx_full
+        else:
+            dresidual_full = None if dresidual is None else dresidual.view(ctx.shape)
+        return dx_full, dresidual_full, dw, db, None, None
 
 
 def output_rebuilds_input(weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
@@ -424,23 +447,18 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
 
     spec = _NormSpec(
         is_rms=is_rms,
+        normalized_ndim=len(shape),
         eps=float(eps),
         dropout_p=float(dropout_p),
         rebuild_from_output=bool(memory_efficient),
         return_residual=bool(return_residual),
         out_dtype=_output_dtype(x, residual, autocast),
     )
-    n_rows = math.prod(x.shape[: x.dim() - len(shape)])
-    rows = x.contiguous().view(n_rows, n_cols)
-    residual_rows = None if residual is None else residual.contiguous().view(n_rows, n_cols)
     seed = new_dropout_seed(x.device) if dropout_p > 0 else None
     weight = None if weight is None else weight.contiguous().view(n_cols)
     bias = None if bias is None else bias.contiguous().view(n_cols)
-    out = _NormFunction.apply(rows, residual_rows, weight, bias, seed, spec)
-    if return_residual:
-        y, h = out
-        return y.view(x.shape), h.view(x.shape)
-    return out.view(x.shape)
+    residual = None if residual is None else residual.contiguous()
+    return _NormFunction.apply(x.contiguous(), residual, weight, bias, seed, spec)
 
 
 def layer_norm(

@@ -41,6 +41,15 @@ def test_keep_fraction(backend):
     assert abs((out != 0).float().mean().item() - 0.75) < 0.01
 
 
+def test_nan_propagates_through_dropped_elements_like_torch(backend):
+    x = torch.full((8, 64), float("nan"), requires_grad=True)
+    out = dropout_add(x, torch.zeros(8, 64), 0.5)
+    assert torch.isnan(out).all()
+    dout = torch.full((8, 64), float("nan"))
+    (dx,) = torch.autograd.grad(out, x, dout)
+    assert torch.isnan(dx).all()
+
+
 def test_bad_input():
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match="residual must have x's shape"):

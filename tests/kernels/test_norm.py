@@ -193,6 +193,31 @@ def test_nan_and_inf_propagate_like_torch(backend):
     torch.testing.assert_close(y[[0, 3]], y_ref[[0, 3]])
 
 
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_gradients_accumulate_over_steps_into_leaf_input_and_residual(backend, is_rms):
+    # dx and dresidual are one tensor here; they must not become two .grad sharing storage
+    norm, eager = (rms_norm, F.rms_norm) if is_rms else (layer_norm, F.layer_norm)
+    weight, _ = _params(16, torch.float32)
+    x, residual = torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16, requires_grad=True)
+    x_ref, residual_ref = (t.detach().clone().requires_grad_(True) for t in (x, residual))
+    dy = torch.randn(2, 3, 16)
+    for _ in range(2):
+        (norm(x, (16,), weight, residual=residual) * dy).sum().backward()
+        (eager(x_ref + residual_ref, (16,), weight) * dy).sum().backward()
+    assert x.grad.data_ptr() != residual.grad.data_ptr()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual.grad, residual_ref.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_propagates_through_dropped_elements_like_torch(backend):
+    # torch's dropout multiplies by the scaled mask, so a dropped NaN stays NaN
+    x = torch.full((4, 64), float("nan"), requires_grad=True)
+    y, h = layer_norm(x, 64, residual=torch.zeros(4, 64), dropout_p=0.5, return_residual=True)
+    assert torch.isnan(h).all() and torch.isnan(y).all()
+    y.sum().backward()
+    assert torch.isnan(x.grad).all()
+
+
 class TestDropout:
     def _dropped(self, shape, p, seed):
         """h = dropout(ones) through the fused op (residual 0), and the op's output."""
