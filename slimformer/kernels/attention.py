@@ -859,8 +859,8 @@ def self_attention(
         attn_mask, dropout_p, is_causal, key_padding_mask: as in ``attention``.
 
     Raises:
-        TypeError: x not float16/bfloat16/float32, weights of another dtype, a mask of
-            the wrong dtype.
+        TypeError: x not float16/bfloat16/float32, weights of another dtype (outside
+            autocast), a mask of the wrong dtype.
         ValueError: wrong shapes, num_heads not dividing embed, head_dim > 256,
             dropout_p outside [0, 1), masks that do not fit, tensors on other devices.
     """
@@ -874,10 +874,11 @@ def self_attention(
     weights = [("qkv_weight", qkv_weight, (3 * embed, embed))]
     if qkv_bias is not None:
         weights.append(("qkv_bias", qkv_bias, (3 * embed,)))
+    autocast = torch.is_autocast_enabled(x.device.type)
     for name, tensor, shape in weights:
         if tensor.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-        if tensor.dtype != x.dtype:
+        if tensor.dtype != x.dtype and not autocast:
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {tensor.dtype}")
         if tensor.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {tensor.device}")

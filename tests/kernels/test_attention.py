@@ -22,8 +22,6 @@ from slimformer.memory import measure_activation_memory
 from tests.aot_compile import KernelBuild, compile_for_hopper
 from tests.helpers import assert_within_reference_error
 
-# The interpreter turns loop bounds computed from program ids into ints this way.
-
 # (dtype, ulps): the absolute slack of assert_within_reference_error, in units in the
 # last place. fp32 sums keys in another order than SDPA, whose own fp32 error can be tiny.
 FP32_ULPS = 8.0

@@ -14,8 +14,6 @@ from slimformer.layers.attention import MultiheadAttention, SelfAttention
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error
 
-# The interpreter turns loop bounds computed from program ids into ints this way.
-
 DTYPES = [
     pytest.param(torch.float32, 8.0, id="fp32"),
     pytest.param(torch.float16, 1.0, id="fp16"),
@@ -157,6 +155,26 @@ def test_recompute_qkv_changes_memory_not_results(backend):
         results.append(_run(layer, x, x, x, torch.ones(2, 24, 32), True, key_padding_mask=padding))
     for name in results[0]:
         torch.testing.assert_close(results[1][name], results[0][name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("recompute_qkv", [False, True])
+def test_self_attention_under_autocast_like_torch(backend, recompute_qkv):
+    # fp32 weights, bf16 input: the projection runs in bf16 as torch's does
+    ours, torch_module, _ = _modules(torch.float32, embed_dim=32, num_heads=2, batch_first=True)
+    ours.recompute_qkv = recompute_qkv
+    x = torch.randn(2, 17, 32).to(torch.bfloat16)
+    results = []
+    for module in (ours, torch_module):
+        module.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, _ = module(x, x, x, key_padding_mask=_padding(2, 17), need_weights=False)
+        out.float().sum().backward()
+        results.append((out, module.in_proj_weight.grad))
+    (out, dweight), (out_ref, dweight_ref) = results
+    assert out.dtype == out_ref.dtype == torch.bfloat16 and dweight.dtype == torch.float32
+    # bf16 projections, softmax and output: a few bf16 ulps (2^-8) of values ~1
+    torch.testing.assert_close(out, out_ref, rtol=0.03, atol=0.03)
+    torch.testing.assert_close(dweight, dweight_ref, rtol=0.05, atol=0.05 * dweight_ref.abs().max().item())
 
 
 def _self_attention_inputs(dtype):
