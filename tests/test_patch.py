@@ -448,13 +448,33 @@ def _ddp_worker(rank, world_size, init_file, state, ids, mask, results):
     dist.destroy_process_group()
 
 
-def test_ddp_gloo_two_processes_match_one(torch_path, tmp_path):
+def _fsdp2_worker(rank, world_size, init_file, state, ids, mask, results):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    model = _model("BertForMaskedLM", dropout=0.0)
+    model.load_state_dict(state)
+    patch(model, recompute="qkv+mlp")
+    for layer in model.bert.encoder.layer:
+        fully_shard(layer)
+    fully_shard(model)
+    ids, mask = ids.chunk(world_size)[rank], mask.chunk(world_size)[rank]
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    # Gradients are sharded DTensors, averaged over the ranks as DDP's are
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    torch.save(grads, f"{results}{rank}.pt")
+    del model
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("worker", [_ddp_worker, _fsdp2_worker], ids=["ddp", "fsdp2"])
+def test_two_gloo_processes_match_one(torch_path, tmp_path, worker):
     reference = patch(_model("BertForMaskedLM", dropout=0.0), recompute="qkv+mlp")
     ids, mask = _batch(reference.config, batch=4)
     reference(ids, attention_mask=mask, labels=ids).loss.backward()
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     args = (2, tmp_path / "store", state, ids, mask, str(tmp_path / "grads"))
-    mp.spawn(_ddp_worker, args=args, nprocs=2, join=True)
+    mp.spawn(worker, args=args, nprocs=2, join=True)
     expected = {name: p.grad for name, p in reference.named_parameters()}
     for rank in range(2):
         _assert_grads_close(torch.load(tmp_path / f"grads{rank}.pt"), expected)
