@@ -4,8 +4,9 @@ Runs pytest on bench/ in a subprocess with ``--benchmark-json`` (which keeps eve
 round's time; extra arguments such as ``-k add_layer_norm`` are passed on), then
 prints one table per family/op/mode with rich and writes
 
-    bench/results/<device-slug>.md            header, tables, targets, skipped benchmarks
+    bench/results/<device-slug>.md            header, tables, targets, memory, skipped benchmarks
     bench/results/<device-slug>-<family>.png  metric vs the swept size, per op and mode
+    bench/results/<device-slug>-bert-memory.png  a BERT's activation memory vs sequence length
 
 The report knows no family: each benchmark's ``extra_info`` names its ``family``,
 ``op``, ``mode``, ``provider``, ``implementation``, the swept parameter (``sweep``, e.g.
@@ -37,6 +38,7 @@ from rich.markdown import Markdown  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import torch  # noqa: E402
+from bench.bert_memory import bert_memory_section  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -368,12 +370,16 @@ def write_report(data: dict, skipped: list[str], console: Console) -> list[Path]
     memory = memory_lines(machine)
     console.print(Markdown("\n".join(memory)))
     md += ["", *memory]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    slug = device_slug(device, machine["bench_device_type"])
+    bert_plot = RESULTS / f"{slug}-bert-memory.png"
+    bert = bert_memory_section(torch.device(machine["bench_device_type"]), bert_plot, log=console.log)
+    console.print(Markdown("\n".join(bert)))
+    md += ["", *bert]
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    slug = device_slug(device, machine["bench_device_type"])
-    written = [RESULTS / f"{slug}.md"]
+    written = [RESULTS / f"{slug}.md", bert_plot]
     written[0].write_text("\n".join(md) + "\n")
     for family, group in group_by(results, lambda r: r.family).items():
         written.append(RESULTS / f"{slug}-{family}.png")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -84,12 +84,28 @@ class _EvalMode:
             module.training = training
 
 
-def _linears_to_convert(model: nn.Module, skip: SkipRule) -> dict[str, nn.Linear]:
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if type(module) is nn.Linear and not _is_skipped(name, module, skip)
-    }
+def _linear_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """{first name: every name} of each nn.Linear; a Linear registered under several names
+    (shared between blocks, say) is one entry, so it is converted once and stays shared."""
+    names_by_module: dict[nn.Module, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if type(module) is nn.Linear:
+            names_by_module.setdefault(module, []).append(name)
+    return {names[0]: names for names in names_by_module.values()}
+
+
+def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.Linear], dict[str, list[str]]]:
+    """({first name: Linear} to convert, {first name: every name}); raises ValueError for a
+    shared Linear that ``skip`` skips under some of its names only."""
+    linears, aliases = {}, {}
+    for first, names in _linear_aliases(model).items():
+        module = model.get_submodule(first)
+        skipped = [_is_skipped(name, module, skip) for name in names]
+        if any(skipped) and not all(skipped):
+            raise ValueError(f"the Linear shared as {names} is skipped under some of its names only: skip all or none")
+        if not skipped[0]:
+            linears[first], aliases[first] = module, names
+    return linears, aliases
 
 
 def calibrate_activations(model: nn.Module, linears: Mapping[str, nn.Linear], calibration: Iterable) -> dict:
@@ -190,7 +206,7 @@ def quantize(
             raise ValueError("smooth_alpha needs calibration batches (calibration=...)")
         if not 0.0 <= smooth_alpha <= 1.0:
             raise ValueError(f"smooth_alpha must be in [0, 1], got {smooth_alpha}")
-    linears = _linears_to_convert(model, skip)
+    linears, aliases = _linears_to_convert(model, skip)
     if not linears:
         raise ValueError(f"model has no torch.nn.Linear left to quantize (skip={skip!r})")
 
@@ -200,13 +216,17 @@ def quantize(
         maxima = calibrate_activations(model, linears, calibration)
         smooth = {name: smoothing_factors(maxima[name], linear.weight, alpha) for name, linear in linears.items()}
     replacements = {name: _convert(name, linear, mode, smooth.get(name)) for name, linear in linears.items()}
-    _swap(model, replacements)
+    _swap(model, {alias: replacements[name] for name in replacements for alias in aliases[name]})
     return model
 
 
 def quantized_modules(model: nn.Module) -> dict[str, str]:
-    """{module name: mode} of every slimformer quantized layer in ``model``."""
-    return {name: m.mode for name, m in model.named_modules() if isinstance(m, (Linear8bit, Linear16bit))}
+    """{module name: mode} of every slimformer quantized layer in ``model`` (a shared layer under each name)."""
+    return {
+        name: m.mode
+        for name, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, (Linear8bit, Linear16bit))
+    }
 
 
 def save_quantized(model: nn.Module, directory: str | Path) -> Path:
@@ -226,28 +246,75 @@ def save_quantized(model: nn.Module, directory: str | Path) -> Path:
     return directory
 
 
-def load_quantized(model: nn.Module, directory: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     """Quantize a freshly built float ``model`` as recorded in ``directory`` and load its weights.
 
-    ``model`` must have the architecture that was saved (its float weights are replaced).
-    Returns ``model``. Raises FileNotFoundError without the two files, ValueError on an
-    unknown config or a module of the config that is missing or not an nn.Linear, and
-    RuntimeError (from load_state_dict) if the weights do not fit.
+    ``model`` must have the architecture that was saved (its float weights are replaced,
+    in place, on the device they are on). Everything is checked before the first module
+    is swapped, so an error leaves ``model`` untouched. Returns ``model``. Raises
+    FileNotFoundError without the two files, ValueError on an unknown config or a module
+    of the config that is missing or not an nn.Linear, and RuntimeError if the weights
+    do not fit (missing, unexpected or mis-shaped keys, or another quantization mode).
     """
     directory = Path(directory)
     config = json.loads((directory / CONFIG_FILE).read_text())
     if config.get("format") != _CONFIG_FORMAT or not isinstance(config.get("modules"), dict):
         raise ValueError(f"{directory / CONFIG_FILE} is not a slimformer quantization config (format {_CONFIG_FORMAT})")
     modules: dict[str, str] = config["modules"]
-    present = {name: module for name, module in model.named_modules() if type(module) is nn.Linear}
-    missing = sorted(set(modules) - set(present))
+    aliases = _linear_aliases(model)
+    present = {alias for names in aliases.values() for alias in names}
+    missing = sorted(set(modules) - present)
     if missing:
         raise ValueError(f"model has no nn.Linear named {missing[:5]}: it is not the architecture that was saved")
-    for mode in sorted(set(modules.values())):
-        group = {name for name, m in modules.items() if m == mode}
-        quantize(model, mode, skip=lambda name, module, group=group: name not in group)
-    load_model(model, str(directory / WEIGHTS_FILE), strict=True, device=str(device))
+    state = load_file(directory / WEIGHTS_FILE)
+    replacements = {}
+    for first, names in aliases.items():
+        modes = {modules.get(name) for name in names}
+        if len(modes) > 1:
+            raise ValueError(f"{CONFIG_FILE} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}")
+        mode = modes.pop()
+        if mode is not None:
+            replacements[first] = _convert(first, model.get_submodule(first), mode, None)
+            _load_module_state(replacements[first], first, state)
+    swaps = {alias: replacements[first] for first in replacements for alias in aliases[first]}
+    _check_remaining_state(model, set(swaps), state)
+    _swap(model, swaps)
+    load_model(model, str(directory / WEIGHTS_FILE), strict=True)  # restores tied weights save_model dropped
     return model
+
+
+def _load_module_state(module: nn.Module, name: str, state: Mapping[str, torch.Tensor]) -> None:
+    """Load the entries of ``state`` under ``name.`` into ``module`` (strict), or raise RuntimeError."""
+    prefix = f"{name}."
+    module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
+
+
+def _check_remaining_state(model: nn.Module, swapped: set[str], state: Mapping[str, torch.Tensor]) -> None:
+    """Raise RuntimeError unless ``state`` has, outside the modules to swap, the model's keys
+    and shapes (of tensors tied together, ``save_model`` keeps one name: one is enough)."""
+
+    def outside(key: str) -> bool:
+        return not any(key.startswith(f"{name}.") for name in swapped)
+
+    model_state = {k: v for k, v in model.state_dict(keep_vars=True).items() if outside(k)}
+    expected = {k: v.shape for k, v in model_state.items()}
+    given = {k: v.shape for k, v in state.items() if outside(k)}
+    tied: dict[tuple, set[str]] = {}
+    for key, tensor in model_state.items():
+        tied.setdefault((tensor.data_ptr(), tensor.shape), set()).add(key)
+    problems = [
+        f"missing {k}"
+        for k in sorted(expected.keys() - given.keys())
+        if not any(key in given for key in tied[(model_state[k].data_ptr(), model_state[k].shape)])
+    ]
+    problems += [f"unexpected {k}" for k in sorted(given.keys() - expected.keys())]
+    problems += [
+        f"{k}: saved {tuple(given[k])}, model {tuple(expected[k])}"
+        for k in sorted(expected.keys() & given.keys())
+        if given[k] != expected[k]
+    ]
+    if problems:
+        raise RuntimeError(f"the saved weights do not fit this model: {'; '.join(problems[:5])}")
 
 
 def _decibels(signal: float, noise: float) -> float:

@@ -172,6 +172,52 @@ def test_bad_arguments_raise_and_leave_the_model_unchanged():
     assert model.training is False
 
 
+@pytest.mark.parametrize("mode", ["int8", "int8-weight-only", "fp16"])
+def test_non_finite_bias_is_refused(mode):
+    model = tiny_bert()
+    with torch.no_grad():
+        model.encoder.layer[0].attention.self.query.bias[3] = float("inf")
+    with pytest.raises(ValueError, match="cannot quantize 'encoder.layer.0.attention.self.query'.*bias must be finite"):
+        quantize(model, mode)
+    assert not quantized_modules(model)
+
+
+class _SharedLinear(nn.Module):
+    """One Linear registered under two names, used twice."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(8, 8)
+        self.second = self.first
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.second(torch.relu(self.first(x))))
+
+
+def test_a_shared_linear_is_converted_once_under_every_name(tmp_path):
+    model = quantize(_SharedLinear(), "int8", skip=())
+    assert model.first is model.second and quantized_modules(model) == dict.fromkeys(["first", "second", "out"], "int8")
+    x = torch.randn(5, 8)
+    save_quantized(model, tmp_path)
+    loaded = load_quantized(_SharedLinear(), tmp_path)
+    assert loaded.first is loaded.second
+    assert torch.equal(loaded(x), model(x))
+    with pytest.raises(ValueError, match="skipped under some of its names only"):
+        quantize(_SharedLinear(), "int8", skip=("second",))
+
+
+def test_a_failed_load_leaves_the_model_untouched(tmp_path):
+    save_quantized(quantize(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), "int8", skip=()), tmp_path)
+    wider = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 16))
+    before = copy.deepcopy(wider.state_dict())
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        load_quantized(wider, tmp_path)
+    assert not quantized_modules(wider)
+    assert all(torch.equal(wider.state_dict()[k], v) for k, v in before.items())
+
+
 def test_calibration_must_reach_every_linear():
     class Unused(nn.Module):
         def __init__(self):

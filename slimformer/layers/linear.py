@@ -128,11 +128,13 @@ class Linear8bit(_InferenceLinear):
         smooth: (in_features,) positive SmoothQuant multipliers of the input (mode "int8"
         only): the weight is divided by them per input channel before quantization.
         Raises TypeError if linear is not an nn.Linear, ValueError on a bad mode or
-        smooth, or a weight with NaN/infinity.
+        smooth, or a weight or bias with NaN/infinity.
         """
         _check_linear(linear)
         if mode not in INT8_MODES:
             raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
+        if linear.bias is not None and not bool(torch.isfinite(linear.bias).all()):
+            raise ValueError("linear.bias must be finite to convert, got NaN or infinity")
         weight = linear.weight.detach()
         if smooth is not None:
             if mode != "int8":

@@ -54,6 +54,9 @@ __all__ = [
     "MemoryReport",
     "ModelMemory",
     "activation_sweep",
+    "bert_config",
+    "bert_inputs",
+    "bert_variants",
     "main",
     "measure_model",
     "plot_activation_sweep",
@@ -503,7 +506,7 @@ def _with_attention(model: nn.Module, implementation: str) -> nn.Module:
     return model
 
 
-def _models(
+def bert_variants(
     config,
     seed: int,
     max_seq: int,
@@ -587,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     baselines = list(dict.fromkeys(args.baseline))
 
     console = Console()
-    variants = _models(config, args.seed, args.seq, dtype, device, baselines, policies)
+    variants = bert_variants(config, args.seed, args.seq, dtype, device, baselines, policies)
     inputs = bert_inputs(config, args.batch, args.seq, device)
     measured = []
     with _long_lived_objects_frozen():
@@ -601,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.plot:
         seqs = [seq for seq in SWEEP_SEQS if seq <= args.max_seq]
-        variants = _models(config, args.seed, seqs[-1], dtype, device, ["eager", "sdpa"], POLICIES)
+        variants = bert_variants(config, args.seed, seqs[-1], dtype, device, ["eager", "sdpa"], POLICIES)
         with _long_lived_objects_frozen():
             sweep = activation_sweep(
                 variants, lambda seq: bert_inputs(config, args.batch, seq, device), seqs, log=console.log
