@@ -200,6 +200,11 @@ class SelfAttention(nn.Module):
         )
 
 
+# Arguments of transformers' attention functions that change the result and that the
+# kernel does not implement (a sliding window arrives as a mask and is supported).
+_UNSUPPORTED_HF_ARGUMENTS = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}
+
+
 def register_transformers_attention(name: str = "slimformer") -> str:
     """Register ``slimformer.attention`` with HuggingFace transformers (>= 5) as ``name``.
 
@@ -211,6 +216,9 @@ def register_transformers_attention(name: str = "slimformer") -> str:
     padding mask, so no (q_len, kv_len) mask is built; any other pattern (cache offsets,
     sliding windows, packed sequences, custom mask functions) is built as transformers'
     boolean sdpa mask and read through its broadcast strides. Returns ``name``.
+
+    The registered function raises NotImplementedError for a model that asks for logit
+    soft-capping or attention sinks.
 
     Raises:
         ImportError: transformers is not installed.
@@ -229,6 +237,12 @@ def register_transformers_attention(name: str = "slimformer") -> str:
         )
 
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        unsupported = sorted(name for name in _UNSUPPORTED_HF_ARGUMENTS if kwargs.get(name) is not None)
+        if unsupported:
+            raise NotImplementedError(
+                f"slimformer attention has no {', '.join(unsupported)} ({_UNSUPPORTED_HF_ARGUMENTS[unsupported[0]]}); "
+                f"use another attn_implementation for {type(module).__name__}"
+            )
         is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
         key_padding_mask = None
         if attention_mask is not None and attention_mask.dim() == 2:

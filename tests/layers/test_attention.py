@@ -308,3 +308,15 @@ def test_transformers_decoder_with_cache_and_gqa(backend):
         logits[implementation] = (prefill.logits[attention_mask.bool()], step.logits)
     for actual, expected in zip(logits[name], logits["eager"]):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("argument", ["softcap", "s_aux"])
+def test_transformers_arguments_the_kernel_lacks_raise(argument):
+    transformers = pytest.importorskip("transformers", minversion="5")
+    from slimformer.layers.attention import register_transformers_attention
+
+    forward = transformers.AttentionInterface()[register_transformers_attention()]
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(NotImplementedError, match=f"slimformer attention has no {argument}"):
+        forward(nn.Module(), q, q, q, None, **{argument: torch.ones(2) if argument == "s_aux" else 30.0})
+    assert forward(nn.Module(), q, q, q, None, softcap=None)[0].shape == (1, 5, 2, 16)
