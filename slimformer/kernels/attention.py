@@ -789,7 +789,8 @@ def attention(
     Raises:
         TypeError: a non-tensor input, dtypes other than float16/bfloat16/float32 or not
             matching, a mask of the wrong dtype.
-        ValueError: wrong ranks or shapes, kv heads that do not divide the query heads,
+        ValueError: wrong ranks or shapes (unlike SDPA, v must have k's shape: a value
+            head_dim other than q's is not supported), kv heads that do not divide the query heads,
             head_dim outside [1, 256], dropout_p outside [0, 1), a mask that does not
             broadcast or requires grad, tensors on different devices.
     """
