@@ -217,13 +217,14 @@ def _h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
     return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
 
 
-def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec):
-    """Launch the forward kernel on (M, N) rows. Returns (y, h or None, mean or None, rstd)."""
+def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Size):
+    """Launch the forward kernel on (M, N) rows. Returns (y, h or None, mean or None, rstd), with
+    y and h allocated in the caller's ``shape`` (the kernel only sees their flat storage)."""
     M, N = x.shape
     fused = seed is not None or residual is not None
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
-    y = torch.empty((M, N), dtype=spec.out_dtype, device=x.device)
-    h = torch.empty((M, N), dtype=_h_dtype(x, residual), device=x.device) if store_h else None
+    y = torch.empty(shape, dtype=spec.out_dtype, device=x.device)
+    h = torch.empty(shape, dtype=_h_dtype(x, residual), device=x.device) if store_h else None
     keep_mean = not spec.is_rms and not spec.rebuild_from_output
     mean = torch.empty(M, dtype=torch.float32, device=x.device) if keep_mean else None
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -269,7 +270,7 @@ def _flat_offsets(M: int, N: int, device: torch.device) -> torch.Tensor:
     return torch.arange(M * N, dtype=torch.int64, device=device).view(M, N)
 
 
-def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec):
+def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Size):
     """PyTorch statement of ``_norm_fwd``: same outputs, same dtypes, same mask."""
     M, N = x.shape
     h = x.float()
@@ -294,8 +295,16 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec):
         y = y + bias.float()
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
     keep_mean = not spec.is_rms and not spec.rebuild_from_output
-    h_out = h.to(_h_dtype(x, residual)) if store_h else None
-    return y.to(spec.out_dtype), h_out, mean if keep_mean else None, rstd
+    h_out = _rows_in_shape(h, _h_dtype(x, residual), shape) if store_h else None
+    return _rows_in_shape(y, spec.out_dtype, shape), h_out, mean if keep_mean else None, rstd
+
+
+def _rows_in_shape(rows: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    """A new tensor of ``shape`` and ``dtype`` holding (M, N) ``rows``: not a view, so that an
+    output of the differentiable op can be modified in place, as torch's can."""
+    out = torch.empty(shape, dtype=dtype, device=rows.device)
+    out.view(rows.shape).copy_(rows)
+    return out
 
 
 def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec):
@@ -346,24 +355,25 @@ class _NormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, seed, spec: _NormSpec):
-        shape = x.shape
-        x = _as_rows(x, spec)
-        residual = None if residual is None else _as_rows(residual, spec)
+        rows = _as_rows(x, spec)
+        residual_rows = None if residual is None else _as_rows(residual, spec)
         fwd = _norm_fwd if use_triton(x) else _norm_fwd_reference
-        y, h, mean, rstd = fwd(x, residual, weight, bias, seed, spec)
+        # y and h come back in x's shape and are not views: outputs may be changed in place.
+        y, h, mean, rstd = fwd(rows, residual_rows, weight, bias, seed, spec, x.shape)
         saved = y if spec.rebuild_from_output else (x if h is None else h)
         ctx.save_for_backward(saved, weight, bias, mean, rstd, seed)
         ctx.spec = spec
-        ctx.shape = shape
+        ctx.shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.residual_dtype = None if residual is None else residual.dtype
         if spec.return_residual:
-            return y.view(shape), h.view(shape)
-        return y.view(shape)
+            return y, h
+        return y
 
     @staticmethod
     def backward(ctx, dy, dh_out=None):
         saved, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        saved = _as_rows(saved, ctx.spec)
         dy = _as_rows(dy.contiguous(), ctx.spec)
         dh_out = None if dh_out is None else _as_rows(dh_out.contiguous(), ctx.spec)
         bwd = _norm_bwd if use_triton(dy) else _norm_bwd_reference

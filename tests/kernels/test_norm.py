@@ -209,6 +209,25 @@ def test_gradients_accumulate_over_steps_into_leaf_input_and_residual(backend, i
     torch.testing.assert_close(residual.grad, residual_ref.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fusion", ["plain", "residual"])
+def test_output_can_be_modified_in_place(backend, fusion):
+    # as F.layer_norm's can; the saved-output mode then fails loudly, as torch does for saved tensors
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    weight, bias = (p.requires_grad_(True) for p in _params(16, torch.float32))
+    residual = torch.randn(2, 3, 16) if fusion == "residual" else None
+    y = layer_norm(x, (16,), weight, bias, residual=residual)
+    F.relu(y, inplace=True)
+    y.sum().backward()
+    h = x.detach() if residual is None else x.detach() + residual
+    expected = F.layer_norm(h.requires_grad_(True), (16,), weight.detach(), bias.detach())
+    F.relu(expected).sum().backward()
+    torch.testing.assert_close(x.grad, h.grad, rtol=1e-5, atol=1e-5)
+    y = layer_norm(x, (16,), weight, bias, memory_efficient=True)
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
 def test_nan_propagates_through_dropped_elements_like_torch(backend):
     # torch's dropout multiplies by the scaled mask, so a dropped NaN stays NaN
     x = torch.full((4, 64), float("nan"), requires_grad=True)
