@@ -18,7 +18,9 @@ in two passes without races: one program per key block accumulates dK and dV ove
 every query block of every query head sharing that key/value head (GQA), and one
 program per query block accumulates dQ.
 
-A row with no allowed key (all padding, say) gets o = 0 and lse = +inf. With
+A row with no allowed key (all padding, say) gets o = 0 and lse = +inf; so does a row
+whose best score is below ``MASKED_ROW_SCORE`` (a row masked by finite additive values
+such as finfo.min, where SDPA would average v uniformly). With
 lse = +inf every p_ij of that row is exp(−inf) = 0, so the backward gives the row, and
 the keys it would have seen, zero gradient without a special case.
 
@@ -43,6 +45,12 @@ from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
+# A row whose best score (scale · q·k + additive mask) is at most this counts as having
+# no allowed key, like a row masked with −inf. Its lse would be too large for fp32 to
+# hold log Σ exp (at |lse| = 1e9 the ulp is 64), so backward could not rebuild p from it;
+# finite masks such as finfo.min or −1e9 reach here only when they mask the whole row.
+MASKED_ROW_SCORE = -(2.0**16)
+_MASKED_ROW_SCORE_LOG2 = tl.constexpr(MASKED_ROW_SCORE * 1.4426950408889634)
 _MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_MASK, _BOOL_MASK, _ADDITIVE_MASK = 0, 1, 2
@@ -90,7 +98,9 @@ def _masked_scores(
         if MASK_KIND == 1:
             allowed &= mask != 0
         else:
-            s += mask.to(tl.float32) * _LOG2E
+            bias = mask.to(tl.float32)
+            # finfo.min · log2(e) would overflow; such a key is masked either way
+            s += tl.where(bias >= -1e38, bias * _LOG2E, float("-inf"))
     return tl.where(allowed, s, float("-inf"))
 
 
@@ -179,8 +189,8 @@ def _attention_fwd_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
-    has_keys = l_i > 0.0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    has_keys = (l_i > 0.0) & (m_i > _MASKED_ROW_SCORE_LOG2)
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * _LN2, float("inf"))
     tl.store(O + tile_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_in)
     tl.store(LSE + (off_b * num_heads + off_h) * seq_q + offs_m, lse, mask=offs_m < seq_q)
@@ -578,7 +588,8 @@ def _attention_fwd_reference(
     does in the kernel's registers."""
     s = _scores_reference(q, k, attn_mask, key_padding_mask, is_causal, scale)
     lse = torch.logsumexp(s, dim=-1)
-    lse = lse.masked_fill(lse == -math.inf, math.inf)
+    best = s.amax(dim=-1) if s.shape[-1] else torch.full_like(lse, -math.inf)
+    lse = lse.masked_fill(best <= MASKED_ROW_SCORE, math.inf)
     p = torch.exp(s - lse[..., None])
     if seed is not None:
         p = p * _dropout_scale_reference(seed, p.shape, dropout_p)

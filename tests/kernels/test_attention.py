@@ -175,6 +175,32 @@ def test_matches_reference_every_combination(backend, case):
     _check_case(case, torch.float32, FP32_ULPS, "cpu")
 
 
+@pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, -1e5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_masked_by_large_finite_values_count_as_fully_masked(backend, dtype, fill):
+    # Row 2 is masked everywhere by a finite additive value, row 4 at three of its keys.
+    # Row 2 gives zeros and no gradient (its lse would not fit in fp32: SDPA averages v
+    # there); every other row, and every key's gradient, is SDPA's with row 2's dO = 0.
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=gen, dtype=torch.float64) for n in (6, 5, 5))
+    grad = torch.randn(1, 2, 6, 16, generator=gen, dtype=torch.float64)
+    mask = torch.zeros(1, 2, 6, 5, dtype=torch.float64)
+    mask[:, :, 2, :] = fill
+    mask[:, :, 4, 1:4] = fill
+    got = _forward_backward(
+        lambda q, k, v: attention(q, k, v, attn_mask=mask.to(dtype)), *(x.to(dtype) for x in (q, k, v, grad))
+    )
+    row_masked = grad.clone()
+    row_masked[:, :, 2] = 0
+    valid = mask.masked_fill(mask <= -1e5, -math.inf)
+    exact = _forward_backward(lambda q, k, v: _reference(q, k, v, valid), q, k, v, row_masked)
+    assert torch.equal(got[0][:, :, 2], torch.zeros_like(got[0][:, :, 2]))
+    assert torch.equal(got[1][:, :, 2], torch.zeros_like(got[1][:, :, 2]))
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 3e-2}[dtype]
+    for name, actual, expected in zip(("out", "dq", "dk", "dv"), got, exact):
+        torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance, msg=name)
+
+
 def _dropout_offsets(shape, device) -> torch.Tensor:
     return torch.arange(math.prod(shape), device=device).view(shape)
 
