@@ -793,7 +793,8 @@ def attention(
         key_padding_mask: bool (batch, seq_k), True = padding (as in ``nn.MultiheadAttention``).
 
     Returns:
-        (batch, heads, seq_q, head_dim) in q's dtype, stored as (batch, seq_q, heads,
+        (batch, heads, seq_q, head_dim) in q's dtype (under autocast q, k and v are
+        first cast to the autocast dtype, as for SDPA), stored as (batch, seq_q, heads,
         head_dim) so that merging the heads is a view. Rows with no allowed key are
         zero, and so is their gradient.
 
@@ -812,6 +813,10 @@ def attention(
             raise ValueError(
                 f"{name} must be 4-d (batch, heads, seq, head_dim), got shape {tuple(tensor.shape)}"
             )
+    if torch.is_autocast_enabled(q.device.type):
+        # as autocast casts SDPA's q, k, v (masks keep their dtype)
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
     if q.dtype not in _DTYPES:
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     for name, tensor in (("k", k), ("v", v)):

@@ -17,6 +17,7 @@ from slimformer.kernels.dispatch import use_triton
 from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 
 _BLOCK = 1024
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -40,9 +41,9 @@ def _dropout_scale_kernel(
     tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
 
 
-def _dropout_scale(x, residual, seed, dropout_p):
+def _dropout_scale(x, residual, seed, dropout_p, out_dtype):
     """residual + x · keep / (1 - p) (residual optional) with the Triton kernel."""
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if x.numel():
         _dropout_scale_kernel[(triton.cdiv(x.numel(), _BLOCK),)](
             x, residual, out, seed, x.numel(), dropout_p, 1.0 / (1.0 - dropout_p), BLOCK=_BLOCK
@@ -50,18 +51,18 @@ def _dropout_scale(x, residual, seed, dropout_p):
     return out
 
 
-def _dropout_scale_reference(x, residual, seed, dropout_p):
+def _dropout_scale_reference(x, residual, seed, dropout_p, out_dtype):
     """PyTorch statement of ``_dropout_scale``."""
     offsets = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
     out = x.float() * torch.where(dropout_keep_mask(seed, offsets, dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
     if residual is not None:
         out = out + residual.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype)
 
 
-def _apply_dropout(x, residual, seed, dropout_p):
+def _apply_dropout(x, residual, seed, dropout_p, out_dtype):
     fn = _dropout_scale if use_triton(x) else _dropout_scale_reference
-    return fn(x, residual, seed, dropout_p)
+    return fn(x, residual, seed, dropout_p, out_dtype)
 
 
 class _DropoutAddFunction(torch.autograd.Function):
@@ -69,29 +70,34 @@ class _DropoutAddFunction(torch.autograd.Function):
     def forward(ctx, x, residual, seed, dropout_p):
         ctx.save_for_backward(seed)
         ctx.dropout_p = dropout_p
-        return _apply_dropout(x, residual, seed, dropout_p)
+        ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+        return _apply_dropout(x, residual, seed, dropout_p, torch.promote_types(x.dtype, residual.dtype))
 
     @staticmethod
     def backward(ctx, dout):
         (seed,) = ctx.saved_tensors
         dout = dout.contiguous()
-        return _apply_dropout(dout, None, seed, ctx.dropout_p), dout, None, None
+        dx = _apply_dropout(dout, None, seed, ctx.dropout_p, ctx.x_dtype)
+        return dx, dout.to(ctx.residual_dtype), None, None
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, training: bool = True) -> torch.Tensor:
     """``residual + F.dropout(x, dropout_p, training)`` without keeping the mask.
 
-    x, residual: same shape, dtype and device, floating point. dropout_p in [0, 1).
-    The mask is drawn from torch's generator (``torch.manual_seed`` reproduces it).
-    Raises ValueError/TypeError naming the argument on mismatches.
+    x, residual: same shape and device, float32/float16/bfloat16; the result has their
+    promoted dtype, as ``residual + x`` has (a bf16 branch under autocast added to an fp32
+    residual stream gives fp32). dropout_p in [0, 1). The mask is drawn from torch's
+    generator (``torch.manual_seed`` reproduces it). Raises ValueError/TypeError naming
+    the argument on mismatches.
     """
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    if not isinstance(residual, torch.Tensor) or residual.shape != x.shape:
-        raise ValueError(f"residual must have x's shape {list(x.shape)}, got {getattr(residual, 'shape', residual)}")
-    if residual.dtype != x.dtype or residual.device != x.device:
-        raise TypeError(f"residual must match x's dtype {x.dtype} and device {x.device}, got {residual.dtype} on "
-                        f"{residual.device}")  # fmt: skip
+    for name, tensor in (("x", x), ("residual", residual)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPES:
+            got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise TypeError(f"{name} must be a float32, float16 or bfloat16 torch.Tensor, got {got}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
+    if residual.device != x.device:
+        raise ValueError(f"residual must be on x's device {x.device}, got {residual.device}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if not training or dropout_p == 0.0:

@@ -201,6 +201,25 @@ def test_rows_masked_by_large_finite_values_count_as_fully_masked(backend, dtype
         torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance, msg=name)
 
 
+def test_autocast_casts_inputs_like_sdpa(backend):
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 7, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 9, 16, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    v = torch.randn(2, 2, 9, 16, generator=gen, requires_grad=True)
+    results = []
+    for fn in (attention, F.scaled_dot_product_attention):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(q, k, v)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        results.append((out, grads))
+    (out, grads), (out_ref, grads_ref) = results
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.float32]
+    torch.testing.assert_close(out, out_ref, rtol=2e-2, atol=2e-2)  # bf16 inputs: a few bf16 ulps
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=5e-2, atol=5e-2)
+
+
 def _dropout_offsets(shape, device) -> torch.Tensor:
     return torch.arange(math.prod(shape), device=device).view(shape)
 

@@ -36,6 +36,23 @@ def test_keeps_only_the_seed_and_eval_is_identity(backend):
     torch.testing.assert_close(dropout_add(x, residual, 0.1, training=False), x + residual)
 
 
+def test_mixed_dtypes_promote_like_torch_add(backend):
+    # a bf16 branch (autocast) onto an fp32 residual stream, as in a pre-LN block
+    x = torch.randn(6, 40).to(torch.bfloat16).requires_grad_(True)
+    residual = torch.randn(6, 40, requires_grad=True)
+    torch.manual_seed(2)
+    out = dropout_add(x, residual, 0.3)
+    torch.manual_seed(2)
+    keep = dropout_keep_mask(new_dropout_seed(x.device), torch.arange(x.numel()).view(x.shape), 0.3)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, residual + torch.where(keep, x.float() / 0.7, 0.0))
+    dout = torch.randn(6, 40)
+    dx, dres = torch.autograd.grad(out, (x, residual), dout)
+    assert dx.dtype == torch.bfloat16 and dres.dtype == torch.float32
+    torch.testing.assert_close(dx, torch.where(keep, dout / 0.7, 0.0).to(torch.bfloat16))
+    torch.testing.assert_close(dres, dout, rtol=0, atol=0)
+
+
 def test_keep_fraction(backend):
     out = dropout_add(torch.ones(512, 512), torch.zeros(512, 512), 0.25)
     assert abs((out != 0).float().mean().item() - 0.75) < 0.01
@@ -54,11 +71,13 @@ def test_bad_input():
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match="residual must have x's shape"):
         dropout_add(x, torch.randn(4, 5), 0.1)
-    with pytest.raises(TypeError, match="residual must match x's dtype"):
-        dropout_add(x, torch.randn(4, 4, dtype=torch.float16), 0.1)
+    with pytest.raises(ValueError, match="residual must be on x's device"):
+        dropout_add(x, torch.randn(4, 4, device="meta"), 0.1)
+    with pytest.raises(TypeError, match="residual must be a float32, float16 or bfloat16"):
+        dropout_add(x, x.double(), 0.1)
     with pytest.raises(ValueError, match="dropout_p"):
         dropout_add(x, x, -0.1)
-    with pytest.raises(TypeError, match="x must be a floating-point"):
+    with pytest.raises(TypeError, match="x must be a float32, float16 or bfloat16"):
         dropout_add(x.long(), x, 0.1)
 
 

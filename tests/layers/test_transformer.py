@@ -141,14 +141,15 @@ class TestPolicies:
             sf.recompute(nn.Linear(2, 2), "none")
 
 
-def test_autocast_matches_torch_and_policies_agree(backend):
-    reference, _ = _pair(activation="gelu")
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_autocast_matches_torch_and_policies_agree(backend, norm_first):
+    reference, _ = _pair(norm_first=norm_first, activation="gelu")
     x = torch.randn(2, 9, D_MODEL)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out_ref, grads_ref = _outputs_and_grads(reference, x)
     results = {}
     for policy in POLICIES:
-        _, layer = _pair(activation="gelu", recompute=policy)
+        _, layer = _pair(norm_first=norm_first, activation="gelu", recompute=policy)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             results[policy] = _outputs_and_grads(layer, x)
         out, grads = results[policy]
