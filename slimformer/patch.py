@@ -331,6 +331,9 @@ class PatchSummary:
     swapped: tuple[Swap, ...]
     left: tuple[Left, ...]
     recompute: str | None
+    # nn.TransformerEncoders whose nested-tensor fast path patch turned off (their
+    # layers are slimformer's now, which take padded tensors and a padding mask)
+    nested_tensor_off: tuple[nn.Module, ...] = ()
 
     def title(self) -> str:
         return (
@@ -435,7 +438,16 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
         if swap.parent is not None:
             setattr(swap.parent, swap.attribute, swap.replacement)
     root = swaps[0].replacement if swaps[0].parent is None else model
-    setattr(root, _RECORD, PatchSummary(type(model).__name__, tuple(swaps), tuple(left), recompute))
+    nested_off = tuple(
+        encoder
+        for encoder in root.modules()
+        if isinstance(encoder, nn.TransformerEncoder)
+        and getattr(encoder, "use_nested_tensor", False)
+        and any(isinstance(layer, TransformerEncoderLayer) for layer in encoder.layers)
+    )
+    for encoder in nested_off:
+        encoder.use_nested_tensor = False
+    setattr(root, _RECORD, PatchSummary(type(model).__name__, tuple(swaps), tuple(left), recompute, nested_off))
     return root
 
 
@@ -464,5 +476,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         swap.original.train(swap.replacement.training)
         if swap.parent is not None:
             setattr(swap.parent, swap.attribute, swap.original)
+    for encoder in summary.nested_tensor_off:
+        encoder.use_nested_tensor = True
     delattr(model, _RECORD)
     return summary.swapped[0].original if summary.swapped[0].parent is None else model

@@ -97,14 +97,26 @@ def _linear_aliases(model: nn.Module) -> dict[str, list[str]]:
 def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.Linear], dict[str, list[str]]]:
     """({first name: Linear} to convert, {first name: every name}); raises ValueError for a
     shared Linear that ``skip`` skips under some of its names only."""
+    fused = {
+        name: type(module).__name__
+        for name, module in model.named_modules()
+        if type(module).__module__.startswith("slimformer.") and not isinstance(module, (Linear8bit, Linear16bit))
+    }
     linears, aliases = {}, {}
     for first, names in _linear_aliases(model).items():
         module = model.get_submodule(first)
         skipped = [_is_skipped(name, module, skip) for name in names]
         if any(skipped) and not all(skipped):
             raise ValueError(f"the Linear shared as {names} is skipped under some of its names only: skip all or none")
-        if not skipped[0]:
-            linears[first], aliases[first] = module, names
+        if skipped[0]:
+            continue
+        owner = next((name for name in fused if first.startswith(f"{name}.") or not name), None)
+        if owner is not None:
+            raise ValueError(
+                f"{first!r} is inside the slimformer {fused[owner]} {owner!r}, whose fused kernels read its float "
+                "weight: quantize the unpatched model (slimformer.unpatch), or skip it"
+            )
+        linears[first], aliases[first] = module, names
     return linears, aliases
 
 

@@ -330,6 +330,37 @@ def test_transformer_encoder(torch_path, norm_first):
     assert all(a is b for a, b in zip(encoder.layers, originals, strict=True))
 
 
+def test_encoder_built_for_nested_tensors_runs_patched_and_unpatched(torch_path):
+    # torch decides at construction to pack padded batches as nested tensors in eval;
+    # the slimformer layers take the padded batch and its mask instead
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, batch_first=True), 2).eval()
+    assert encoder.use_nested_tensor
+    x = torch.randn(2, 5, 16)
+    padding = torch.zeros(2, 5, dtype=torch.bool)
+    padding[1, 3:] = True
+    with torch.no_grad():
+        expected = encoder(x, src_key_padding_mask=padding)
+        patch(encoder)
+        out = encoder(x, src_key_padding_mask=padding)
+        assert not encoder.use_nested_tensor
+        unpatch(encoder)
+        assert encoder.use_nested_tensor
+        again = encoder(x, src_key_padding_mask=padding)
+    torch.testing.assert_close(out[~padding], expected[~padding], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, expected)
+
+
+def test_patch_and_quantize_in_either_order_say_what_they_cannot_do(torch_path):
+    encoder = sf.quantize(_encoder(False), "int8", skip=())
+    patch(encoder)
+    left = {item.name: item.reason for item in patch_summary(encoder).left}
+    assert left["layers.0"] == "linear1 must be a torch.nn.Linear for the fused MLP, got Linear8bit"
+    encoder(torch.randn(2, 5, 32))  # the norms are swapped; the quantized layers run as they were
+    with pytest.raises(ValueError, match="inside the slimformer FusedBertLayer 'bert.encoder.layer.0'.*unpatch"):
+        sf.quantize(patch(_model("BertForMaskedLM")), "int8")
+
+
 def test_transformer_encoder_layer_from_torch():
     torch_layer = nn.TransformerEncoderLayer(8, 2, 16, activation="gelu", batch_first=True).eval()
     layer = sf.TransformerEncoderLayer.from_torch(torch_layer, recompute="mlp")

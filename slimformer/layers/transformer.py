@@ -90,9 +90,15 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
 
         Raises:
             TypeError: ``module`` is not a ``torch.nn.TransformerEncoderLayer``.
-            ValueError: its activation has no fused kernel, or ``recompute`` is not a policy.
+            ValueError: its activation has no fused kernel, ``recompute`` is not a policy,
+                or ``linear1``/``linear2`` are not plain ``nn.Linear`` (quantized, say: the
+                fused MLP reads their float weights).
         """
         layer = share_parameters(cls, module, nn.TransformerEncoderLayer, ("norm_first", "activation"))
+        for name in ("linear1", "linear2"):
+            if type(getattr(module, name)) is not nn.Linear:
+                kind = type(getattr(module, name)).__name__
+                raise ValueError(f"{name} must be a torch.nn.Linear for the fused MLP, got {kind}")
         layer.fused_activation = fused_activation_name(module.activation)
         layer.recompute = check_policy(recompute)
         layer.activation_relu_or_gelu = 0  # off torch's fast path, as in __init__
