@@ -361,6 +361,20 @@ def test_patch_and_quantize_in_either_order_say_what_they_cannot_do(torch_path):
         sf.quantize(patch(_model("BertForMaskedLM")), "int8")
 
 
+def test_hooks_registered_before_patching_still_run(torch_path):
+    model = _model("BertForMaskedLM", dropout=0.0)
+    encoder = _encoder(False)
+    calls = []
+    for module in (model.bert.embeddings.LayerNorm, model.bert.encoder.layer[0], encoder.layers[0], encoder.norm):
+        module.register_forward_hook(lambda module, args, out, name=type(module).__name__: calls.append(name))
+    patch(model)
+    patch(encoder)
+    ids, mask = _batch(model.config)
+    model(ids, attention_mask=mask)
+    encoder(torch.randn(2, 5, 32))
+    assert calls == ["LayerNorm", "BertLayer", "TransformerEncoderLayer", "LayerNorm"]
+
+
 def test_transformer_encoder_layer_from_torch():
     torch_layer = nn.TransformerEncoderLayer(8, 2, 16, activation="gelu", batch_first=True).eval()
     layer = sf.TransformerEncoderLayer.from_torch(torch_layer, recompute="mlp")

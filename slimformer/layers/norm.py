@@ -37,8 +37,15 @@ class _MemoryModeMixin:
         self.refresh_memory_mode()
 
     def refresh_memory_mode(self) -> bool:
-        """Re-decide (one host sync) whether backward may rebuild the input from the output."""
-        self.saves_output = self.memory_efficient and output_rebuilds_input(self.weight, getattr(self, "bias", None))
+        """Re-decide (one host sync) whether backward may rebuild the input from the output.
+
+        Weights on the meta device have no values to judge: the layer saves its input
+        until real weights are loaded (``load_state_dict`` decides again)."""
+        weight = self.weight
+        if weight is not None and weight.is_meta:
+            self.saves_output = False
+        else:
+            self.saves_output = self.memory_efficient and output_rebuilds_input(weight, getattr(self, "bias", None))
         return self.saves_output
 
     def reset_parameters(self) -> None:

@@ -1,10 +1,19 @@
 """Building a slimformer layer around an existing torch module's Parameters."""
 
+import copy
+
 from torch import nn
+
+# nn.Module's per-call hooks (forward, forward-pre, backward), with their flags
+_CALL_HOOKS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
+)  # fmt: skip
 
 
 def share_parameters(cls: type, module: nn.Module, torch_class: type, attributes: tuple[str, ...]) -> nn.Module:
-    """A ``cls`` instance holding ``module``'s ``attributes``, Parameters and submodules (no copies).
+    """A ``cls`` instance holding ``module``'s ``attributes``, Parameters, submodules and
+    call hooks (no copies of tensors or modules).
 
     ``cls.__init__`` is not run (it would allocate new Parameters); the caller sets the
     layer's own extra attributes afterwards. Raises TypeError unless ``module`` is a
@@ -20,5 +29,8 @@ def share_parameters(cls: type, module: nn.Module, torch_class: type, attributes
         layer.register_parameter(name, parameter)
     for name, child in module._modules.items():
         layer.add_module(name, child)
+    for name in _CALL_HOOKS:
+        # copies: hooks registered on ``module`` so far run on the layer too; later ones on either do not
+        setattr(layer, name, copy.copy(getattr(module, name)))
     layer.train(module.training)
     return layer

@@ -133,3 +133,12 @@ def test_memory_efficient_norm_adds_no_activation_memory(backend, torch_class, s
             assert torch_extra == input_sized + 2 * row_stats  # its input, mean and rstd
         else:
             assert torch_extra >= input_sized
+
+
+def test_built_on_the_meta_device_then_materialised():
+    # as models are built for large-scale loading: no weights to judge until they are real
+    layer = sf.LayerNorm(8, device="meta")
+    assert layer.weight.is_meta and not layer.saves_output
+    layer.load_state_dict(torch.nn.LayerNorm(8).state_dict(), assign=True)
+    assert not layer.weight.is_meta and layer.saves_output
+    assert sf.RMSNorm(8, device="meta").weight.is_meta
