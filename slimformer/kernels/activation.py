@@ -304,8 +304,11 @@ def fused_mlp(
     Returns (..., D_out) in x's dtype (the autocast dtype under autocast, like nn.Linear).
     Raises ValueError/TypeError naming the argument on bad shapes, dtypes or devices.
     """
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point torch.Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"x must be a float32, float16 or bfloat16 torch.Tensor, got {got}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (..., D_in), got a 0-d tensor")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if not 0.0 <= dropout_p < 1.0:

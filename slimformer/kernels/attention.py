@@ -893,12 +893,16 @@ def self_attention(
         weights.append(("qkv_bias", qkv_bias, (3 * embed,)))
     autocast = torch.is_autocast_enabled(x.device.type)
     for name, tensor, shape in weights:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
         if tensor.dtype != x.dtype and not autocast:
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {tensor.dtype}")
         if tensor.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {tensor.device}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
     if num_heads < 1 or embed % num_heads != 0:
         raise ValueError(f"num_heads must divide embed {embed}, got {num_heads}")
     _check_head_dim(embed // num_heads)

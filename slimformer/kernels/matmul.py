@@ -35,6 +35,10 @@ MAX_INT8_IN_FEATURES = (2**31 - 1) // 127**2
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 # Rows of ``quantize_per_token``'s program read at most this many elements per step.
 _QUANTIZE_BLOCK_ELEMENTS = 4096
+# Rows whose max |x| is below this quantize as zero rows (scale 1): 127 / absmax would
+# overflow fp32 near the subnormals, and such rows are zero to any output's precision.
+MIN_ROW_ABSMAX = 2.0**-100
+_MIN_ROW_ABSMAX = tl.constexpr(MIN_ROW_ABSMAX)
 
 
 @triton.jit
@@ -65,7 +69,7 @@ def _quantize_rows_kernel(
         if SMOOTH is not None:
             x *= tl.load(SMOOTH + ks, mask=ks < K, other=0.0)[None, :]
         absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
-    nonzero = absmax > 0
+    nonzero = absmax >= _MIN_ROW_ABSMAX
     # div_rn: IEEE division, so the compiled kernel rounds exactly like the reference.
     inv_scale = tl.where(nonzero, tl.math.div_rn(127.0, tl.where(nonzero, absmax, 1.0)), 1.0)
     tl.store(SCALE + rows, tl.where(nonzero, tl.math.div_rn(absmax, 127.0), 1.0), mask=row_ok)
@@ -272,7 +276,7 @@ def _quantize_rows_reference(x, smooth):
     if smooth is not None:
         x = x * smooth
     absmax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
-    nonzero = absmax > 0
+    nonzero = absmax >= MIN_ROW_ABSMAX
     # Tensor by tensor: torch divides by a Python scalar as a multiplication by its
     # reciprocal (two roundings) in some kernels; the Triton kernel divides exactly.
     c127 = torch.full_like(absmax, 127.0)

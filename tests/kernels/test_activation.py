@@ -168,8 +168,12 @@ class TestBadInput:
             fused_mlp(x, torch.randn(12, 8, device="meta"), None, torch.randn(8, 12), None)
         with pytest.raises(ValueError, match="even number of rows"):
             fused_mlp(x, torch.randn(13, 8), None, torch.randn(8, 6), None, "swiglu")
-        with pytest.raises(TypeError, match="x must be a floating-point"):
+        with pytest.raises(TypeError, match="x must be a float32, float16 or bfloat16"):
             fused_mlp(x.long(), torch.randn(12, 8), None, torch.randn(8, 12), None)
+        with pytest.raises(TypeError, match="x must be a float32, float16 or bfloat16"):
+            fused_mlp(x.double(), torch.randn(12, 8), None, torch.randn(8, 12), None)
+        with pytest.raises(ValueError, match="x must have at least one dimension"):
+            fused_mlp(torch.tensor(1.0), torch.randn(12, 8), None, torch.randn(8, 12), None)
 
 
 @pytest.mark.gpu

@@ -399,6 +399,9 @@ BAD_SELF_ATTENTION_INPUTS = [
     (_self_attention_inputs(qkv_weight=torch.randn(96, 32, dtype=torch.float16)), TypeError,
      "qkv_weight must have x's dtype"),
     (_self_attention_inputs(num_heads=3), ValueError, "num_heads must divide embed 32, got 3"),
+    (_self_attention_inputs(num_heads=2.0), TypeError, "num_heads must be an int, got float"),
+    (_self_attention_inputs(qkv_weight=None), TypeError, "qkv_weight must be a torch.Tensor, got NoneType"),
+    (_self_attention_inputs(qkv_bias=[0.0] * 96), TypeError, "qkv_bias must be a torch.Tensor, got list"),
     (_self_attention_inputs(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
      "key_padding_mask must have shape"),
 ]
