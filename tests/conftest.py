@@ -15,6 +15,12 @@ import pytest  # noqa: E402
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Each xdist worker gets its share of the cores: with torch's default of one thread
+    # per core in every worker, their spinning OpenMP threads slow small ops many times over.
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
