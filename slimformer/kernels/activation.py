@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
-from slimformer.kernels.dispatch import use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
 from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
@@ -304,7 +304,7 @@ def fused_mlp(
     Returns (..., D_out) in x's dtype (the autocast dtype under autocast, like nn.Linear).
     Raises ValueError/TypeError naming the argument on bad shapes, dtypes or devices.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"x must be a float32, float16 or bfloat16 torch.Tensor, got {got}")
     if x.dim() == 0:

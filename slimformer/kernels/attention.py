@@ -50,7 +50,7 @@ _LN2 = tl.constexpr(0.6931471805599453)
 # hold log Σ exp (at |lse| = 1e9 the ulp is 64), so backward could not rebuild p from it;
 # finite masks such as finfo.min or −1e9 reach here only when they mask the whole row.
 MASKED_ROW_SCORE = -(2.0**16)
-_MASKED_ROW_SCORE_LOG2 = tl.constexpr(MASKED_ROW_SCORE * 1.4426950408889634)
+_MASKED_ROW_SCORE_LOG2 = tl.constexpr(MASKED_ROW_SCORE * _LOG2E.value)
 _MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_MASK, _BOOL_MASK, _ADDITIVE_MASK = 0, 1, 2

@@ -5,6 +5,9 @@ import os
 
 import torch
 
+# The dtypes every kernel takes as input (fp32 statistics and accumulators inside).
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def use_triton(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s op should launch the Triton kernel.

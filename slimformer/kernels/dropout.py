@@ -13,11 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
 from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 
 _BLOCK = 1024
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -91,7 +90,7 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, train
     the argument on mismatches.
     """
     for name, tensor in (("x", x), ("residual", residual)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in _DTYPES:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in FLOAT_DTYPES:
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
             raise TypeError(f"{name} must be a float32, float16 or bfloat16 torch.Tensor, got {got}")
     if residual.shape != x.shape:
