@@ -16,7 +16,7 @@ tensors without masks or dropout. Modes: ``fwd`` is the training forward (inputs
 grad), ``bwd`` the backward of a retained forward, ``full`` forward + backward; gradients
 of q, k and v are taken with ``torch.autograd.grad``, so nothing accumulates between rounds.
 
-TFLOP/s divides ``attention_flops`` (DESIGN.md: forward 4·b·h·s²·d, halved if causal,
+TFLOP/s divides ``attention_flops`` (docs/architecture.md: forward 4·b·h·s²·d, halved if causal,
 backward 2.5x forward; the same for every provider) by the median time.
 """
 
