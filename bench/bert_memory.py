@@ -60,10 +60,11 @@ def bert_memory_section(
     layers, batch, seq, dtype, sweep_seqs = SETTINGS[device.type]
     config = bert_config("bert-base")
     config.num_hidden_layers = layers
-    variants = bert_variants(config, 0, max(seq, *sweep_seqs), dtype, device, BASELINES, POLICIES)
-    variants = {name: ready for name, ready in variants.items() if selected(name)}
-    if not variants:
+    baselines = [name for name in BASELINES if selected(name)]
+    policies = [policy for policy in POLICIES if selected(f"slimformer ({policy})")]
+    if not baselines and not policies:
         return []
+    variants = bert_variants(config, 0, max(seq, *sweep_seqs), dtype, device, baselines, policies)
     inputs = bert_inputs(config, batch, seq, device)
     measured = []
     models = {name: ready() for name, ready in variants.items()}
@@ -87,6 +88,6 @@ def bert_memory_section(
         *(line.rstrip() for line in str(report).strip("\n").splitlines()),
         "```",
     ]
-    if device.type == "cuda":
+    if device.type == "cuda" and {TARGET_POLICY, TARGET_BASELINE} <= set(variants):
         lines += ["", *_target_lines(report)]
     return lines

@@ -592,9 +592,10 @@ def bert_variants(
     implementation switched), the policies one patched copy of it (policy switched)."""
     torch.manual_seed(seed)
     eager = build_bert(config, max_seq=max_seq, dtype=dtype, device=device)
-    slim = patch(copy.deepcopy(eager), recompute=policies[0])
     variants = {name: (lambda name=name: _with_attention(eager, name)) for name in baselines}
-    variants.update({f"slimformer ({p})": (lambda p=p: recompute(slim, p)) for p in policies})
+    if policies:
+        slim = patch(copy.deepcopy(eager), recompute=policies[0])
+        variants.update({f"slimformer ({p})": (lambda p=p: recompute(slim, p)) for p in policies})
     return variants
 
 
