@@ -448,8 +448,8 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
     bert = bert_memory_section(
         torch.device(device_type), bert_plot, log=console.log, selected=lambda name: chosen.selects(f"bert_memory {name}")
     )
-    if bert:
-        console.print(Markdown("\n".join(bert)))
+    if bert:  # plain text: the table's lines fit a log's width, a Markdown code block would indent them
+        console.print("\n".join(bert), markup=False, highlight=False, soft_wrap=True)
         md += ["", *bert]
         written.append(bert_plot)
     if skipped:

@@ -41,7 +41,7 @@ if DEVICE.type == "cuda":
     PROVIDERS = ["slimformer", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math"]
 else:
     TOKENS, WIDTH, HEAD_DIMS, DTYPE = 64, 64, [32], torch.float32
-    SEQ = [64, 128]
+    SEQ = [32, 64, 128, 256]  # four points: a trend to read
     PROVIDERS = ["slimformer", "sdpa-math"]
 MODES = ["fwd", "bwd", "full"]
 SDPA_BACKENDS = {
