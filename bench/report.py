@@ -446,7 +446,10 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
     written = [RESULTS / f"{stem}.md"]
     bert_plot = RESULTS / f"{stem}-bert-memory.png"
     bert = bert_memory_section(
-        torch.device(device_type), bert_plot, log=console.log, selected=lambda name: chosen.selects(f"bert_memory {name}")
+        torch.device(device_type),
+        bert_plot,
+        log=console.log,
+        selected=lambda name: chosen.selects(f"bert_memory {name}"),
     )
     if bert:  # plain text: the table's lines fit a log's width, a Markdown code block would indent them
         console.print("\n".join(bert), markup=False, highlight=False, soft_wrap=True)

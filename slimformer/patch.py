@@ -76,7 +76,16 @@ from slimformer.layers.norm import LayerNorm, RMSNorm
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.recompute import check_policy
 
-__all__ = ["FusedBertFamilyLayer", "FusedLlamaStyleRMSNorm", "Left", "PatchSummary", "Swap", "patch", "patch_summary", "unpatch"]
+__all__ = [
+    "FusedBertFamilyLayer",
+    "FusedLlamaStyleRMSNorm",
+    "Left",
+    "PatchSummary",
+    "Swap",
+    "patch",
+    "patch_summary",
+    "unpatch",
+]
 
 # Encoder layers whose classes (layer, attention, self-attention, output, intermediate)
 # are BERT's line for line in transformers 5, named by module and class so that
@@ -279,13 +288,13 @@ def _llama_style_rmsnorm_problem(norm: nn.Module) -> str | None:
             source = textwrap.dedent(inspect.getsource(kind.forward))
         except (OSError, TypeError):
             source = None
-        _LLAMA_STYLE[kind] = (
-            None if source == _LLAMA_RMSNORM_FORWARD else "its forward is not LlamaRMSNorm's (checked against its source)"
-        )
+        same = source == _LLAMA_RMSNORM_FORWARD
+        _LLAMA_STYLE[kind] = None if same else "its forward is not LlamaRMSNorm's (checked against its source)"
     if _LLAMA_STYLE[kind] is not None:
         return _LLAMA_STYLE[kind]
     parameters = dict(norm.named_parameters(recurse=False))
-    if list(parameters) != ["weight"] or parameters["weight"].dim() != 1 or list(norm.children()) or list(norm.buffers()):
+    extra = list(norm.children()) or list(norm.buffers())
+    if list(parameters) != ["weight"] or parameters["weight"].dim() != 1 or extra:
         return "holds more than LlamaRMSNorm's one 1-d weight"
     if not isinstance(norm.variance_epsilon, float):
         return f"variance_epsilon is a {type(norm.variance_epsilon).__name__}, not a float"

@@ -116,7 +116,11 @@ def test_bench_report_selection_and_partial_files(tmp_path, monkeypatch):
     }  # fmt: skip
     data = {
         "machine_info": machine,
-        "benchmarks": [_benchmark("layer_norm", p, s, t) for s in (128, 768) for p, t in (("slimformer", 2e-4), ("torch", 1e-4))],
+        "benchmarks": [
+            _benchmark("layer_norm", provider, size, seconds)
+            for size in (128, 768)
+            for provider, seconds in (("slimformer", 2e-4), ("torch", 1e-4))
+        ],
     }
     (tmp_path / "cpu-test-cpu.md").write_text("the full report\n")
     written = bench_report.write_report(data, [], Console(width=bench_report.LOG_WIDTH, quiet=True), chosen)

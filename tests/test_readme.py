@@ -32,7 +32,11 @@ def test_readme_has_blocks_to_run():
 
 @pytest.mark.parametrize(
     "path, line, code",
-    [pytest.param(path, line, code, id=f"{path.name}:{line}") for path in (README, *DOCS) for line, code in python_blocks(path)],
+    [
+        pytest.param(path, line, code, id=f"{path.name}:{line}")
+        for path in (README, *DOCS)
+        for line, code in python_blocks(path)
+    ],
 )
 def test_block_runs_as_written(path, line, code, monkeypatch, tmp_path, capsys):
     pytest.importorskip("transformers")
