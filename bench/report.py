@@ -89,6 +89,7 @@ class Result:
     metric: float
     peak_memory_mib: float | None
     ratio: dict[str, float] = field(default_factory=dict)  # baseline median / this median
+    dtype: str = ""
 
     @property
     def table_key(self) -> tuple[str, str, str]:
@@ -188,6 +189,7 @@ def load_results(benchmarks: list[dict]) -> list[Result]:
                 unit=info["unit"],
                 metric=info["work"] / p50 / UNIT_SCALE[info["unit"]],
                 peak_memory_mib=info.get("peak_memory_mib"),
+                dtype=info.get("dtype", ""),
             )
         )
     medians = {(*r.table_key, r.size, r.provider): r.p50 for r in results}
@@ -388,7 +390,8 @@ def plot(results: list[Result], device: str, device_type: str, path: Path) -> No
     labels, handles = list(legend), list(legend.values())
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
     path = " - PyTorch reference path (CPU)" if device_type == "cpu" else ""
-    fig.suptitle(f"{results[0].family} on {device}{path}", y=1.04)
+    dtypes = ", ".join(sorted({r.dtype for r in results if r.dtype}))
+    fig.suptitle(f"{results[0].family}{f' ({dtypes})' if dtypes else ''} on {device}{path}", y=1.04)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

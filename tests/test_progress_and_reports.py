@@ -89,7 +89,7 @@ def _benchmark(op, provider, size, seconds):
     return {
         "extra_info": {
             "family": "norm", "op": op, "mode": "fwd", "provider": provider, "implementation": "x",
-            "sweep": "hidden", "hidden": size, "unit": "GB/s", "work": 1e6,
+            "sweep": "hidden", "hidden": size, "unit": "GB/s", "work": 1e6, "dtype": "float32",
         },
         "stats": {"data": [seconds] * 5},
     }  # fmt: skip
@@ -142,7 +142,7 @@ def test_bench_plot_title_says_pytorch_reference_path_on_cpu(tmp_path, monkeypat
     monkeypatch.setattr(plt.Figure, "suptitle", lambda self, text, **kwargs: titles.append(text))
     results = bench_report.load_results([_benchmark("layer_norm", "torch", s, 1e-4) for s in (128, 256, 512, 768)])
     bench_report.plot(results, "Test CPU", "cpu", tmp_path / "norm.png")
-    assert titles == ["norm on Test CPU - PyTorch reference path (CPU)"]
+    assert titles == ["norm (float32) on Test CPU - PyTorch reference path (CPU)"]
 
 
 def test_quantize_bert_shows_progress(tmp_path, capsys):
