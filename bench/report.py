@@ -7,6 +7,7 @@ prints one table per family/op/mode with rich and writes
     bench/results/<device-slug>.md            header, tables, targets, memory, skipped benchmarks
     bench/results/<device-slug>-<family>.png  metric vs the swept size, per op and mode
     bench/results/<device-slug>-bert-memory.png  a BERT's activation memory vs sequence length
+    bench/results/<device-slug>-int8.png  INT8 inference of all-MiniLM-L6-v2: latency and fidelity per mode
 
 The report knows no family: each benchmark's ``extra_info`` names its ``family``,
 ``op``, ``mode``, ``provider``, ``implementation``, the swept parameter (``sweep``, e.g.
@@ -39,6 +40,7 @@ from rich.table import Table  # noqa: E402
 
 import torch  # noqa: E402
 from bench.bert_memory import bert_memory_section  # noqa: E402
+from bench.int8_inference import int8_inference_section  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -376,10 +378,14 @@ def write_report(data: dict, skipped: list[str], console: Console) -> list[Path]
     bert = bert_memory_section(torch.device(machine["bench_device_type"]), bert_plot, log=console.log)
     console.print(Markdown("\n".join(bert)))
     md += ["", *bert]
+    int8_plot = RESULTS / f"{slug}-int8.png"
+    int8 = int8_inference_section(torch.device(machine["bench_device_type"]), int8_plot, log=console.log)
+    console.print(Markdown("\n".join(int8)))
+    md += ["", *int8]
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
 
-    written = [RESULTS / f"{slug}.md", bert_plot]
+    written = [RESULTS / f"{slug}.md", bert_plot] + ([int8_plot] if int8_plot.exists() else [])
     written[0].write_text("\n".join(md) + "\n")
     for family, group in group_by(results, lambda r: r.family).items():
         written.append(RESULTS / f"{slug}-{family}.png")

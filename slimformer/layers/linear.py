@@ -21,10 +21,20 @@ Scales, ``smooth`` and the 16-bit weight keep their dtype under ``model.half()``
 another mode is an error. These are inference layers: backward raises RuntimeError.
 """
 
+import weakref
+
 import torch
 from torch import nn
 
-from slimformer.kernels.matmul import FLOAT_DTYPES, int8_linear, int8_weight_only_linear, linear, quantize_per_channel
+from slimformer.kernels.matmul import (
+    FLOAT_DTYPES,
+    int8_linear,
+    int8_matmul,
+    int8_weight_only_linear,
+    linear,
+    quantize_per_channel,
+    quantize_per_token,
+)
 
 INT8_MODES = ("int8", "int8-weight-only")
 FLOAT16_MODES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -44,6 +54,34 @@ def state_dict_mode(state_dict, prefix: str = "") -> str | None:
         return "int8" if prefix + "smooth" in state_dict else "int8-weight-only"
     modes = {dtype: mode for mode, dtype in FLOAT16_MODES.items()}
     return modes.get(weight.dtype, "float")
+
+
+# (weak reference to the input, its version counter, its quantization): the last input
+# an unsmoothed W8A8 layer quantized. Q, K and V of an attention block read one tensor,
+# so two of the three per-token quantizations are this lookup.
+_last_quantized: tuple | None = None
+
+
+def _shared_quantization(input) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``quantize_per_token(input)``, reused while ``input`` is the same tensor, unmodified
+    (same object, same version counter: every in-place write bumps it). None where that
+    cannot be known or autograd records (then ``int8_linear`` runs, whose backward raises):
+    not a float tensor, an inference-mode tensor (no version counter)."""
+    global _last_quantized
+    if (
+        not isinstance(input, torch.Tensor)
+        or input.dtype not in FLOAT_DTYPES
+        or input.dim() == 0
+        or input.is_inference()
+        or (input.requires_grad and torch.is_grad_enabled())
+    ):
+        return None
+    last = _last_quantized
+    if last is not None and last[0]() is input and last[1] == input._version:
+        return last[2]
+    quantized = quantize_per_token(input)
+    _last_quantized = (weakref.ref(input), input._version, quantized)
+    return quantized
 
 
 def _check_linear(linear) -> None:
@@ -118,6 +156,7 @@ class Linear8bit(_InferenceLinear):
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         if mode == "int8":
             self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device))
+            self._smooth_key = None
         bias_tensor = torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None
         self.register_buffer("bias", bias_tensor)
 
@@ -163,9 +202,24 @@ class Linear8bit(_InferenceLinear):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8":
-            return int8_linear(input, self.weight, self.weight_scale, self.bias, smooth=self.smooth)
-        return int8_weight_only_linear(input, self.weight, self.weight_scale, self.bias)
+        if self.mode == "int8-weight-only":
+            return int8_weight_only_linear(input, self.weight, self.weight_scale, self.bias)
+        smooth = self._applied_smooth()
+        quantized = _shared_quantization(input) if smooth is None else None
+        if quantized is None:
+            return int8_linear(input, self.weight, self.weight_scale, self.bias, smooth=smooth)
+        q, scale = quantized
+        return int8_matmul(q, scale, self.weight, self.weight_scale, self.bias, out_dtype=input.dtype)
+
+    def _applied_smooth(self) -> torch.Tensor | None:
+        """``smooth``, or None while it is all ones (no calibration): multiplying by ones
+        is an extra pass over the input for nothing. The check reruns only when the buffer
+        is replaced or written in place (``load_state_dict``, ``.to``)."""
+        key = (self.smooth.data_ptr(), self.smooth.device, self.smooth._version)
+        if self._smooth_key != key:
+            self._smooth_is_one = bool((self.smooth == 1).all())
+            self._smooth_key = key
+        return None if self._smooth_is_one else self.smooth
 
     def dequantized_weight(self) -> torch.Tensor:
         """The (out_features, in_features) fp32 weight this layer multiplies by, smoothing undone."""

@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+import slimformer.layers.linear as linear_module
+from slimformer.kernels.matmul import int8_linear
 from slimformer.layers.linear import Linear8bit, Linear16bit, state_dict_mode
 from slimformer.quantize import sqnr_db
 
@@ -147,3 +149,40 @@ def test_bad_arguments_raise():
         linear.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match="weight must be finite to quantize"):
         Linear8bit.from_float(linear)
+
+
+def test_int8_layers_reading_one_input_share_its_quantization(backend, monkeypatch):
+    # Q, K and V of an attention block read one tensor: it is quantized once, and again
+    # after an in-place write (its version counter moves).
+    torch.manual_seed(0)
+    layers = [Linear8bit.from_float(nn.Linear(33, n), "int8") for n in (5, 7, 9)]
+    calls = []
+    quantize = linear_module.quantize_per_token
+    monkeypatch.setattr(linear_module, "quantize_per_token", lambda x: calls.append(x) or quantize(x))
+    x = torch.randn(2, 4, 33)
+    with torch.no_grad():
+        for layer in layers:
+            assert torch.equal(layer(x), int8_linear(x, layer.weight, layer.weight_scale, layer.bias))
+        assert len(calls) == 1
+        x.mul_(-3)
+        assert torch.equal(layers[0](x), int8_linear(x, layers[0].weight, layers[0].weight_scale, layers[0].bias))
+        assert len(calls) == 2
+        other = x.clone()
+        layers[1](other)
+        assert len(calls) == 3
+
+
+def test_int8_layer_follows_its_smooth_buffer(backend):
+    # All ones is skipped (no multiplication); a buffer written in place or loaded is applied.
+    torch.manual_seed(1)
+    layer = Linear8bit.from_float(nn.Linear(33, 5), "int8")
+    x = torch.randn(4, 33)
+    args = (layer.weight, layer.weight_scale, layer.bias)
+    with torch.no_grad():
+        assert torch.equal(layer(x), int8_linear(x, *args))
+        layer.smooth.copy_(torch.rand(33) + 0.5)
+        assert torch.equal(layer(x), int8_linear(x, *args, smooth=layer.smooth))
+        fresh = Linear8bit(33, 5, mode="int8")
+        fresh(x)
+        fresh.load_state_dict(layer.state_dict())
+        assert torch.equal(fresh(x), layer(x))
