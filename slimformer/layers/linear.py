@@ -21,19 +21,17 @@ Scales, ``smooth`` and the 16-bit weight keep their dtype under ``model.half()``
 another mode is an error. These are inference layers: backward raises RuntimeError.
 """
 
-import weakref
-
 import torch
 from torch import nn
 
 from slimformer.kernels.matmul import (
     FLOAT_DTYPES,
+    MAX_INT8_IN_FEATURES,
     int8_linear,
-    int8_matmul,
+    int8_linear_unchecked,
     int8_weight_only_linear,
     linear,
     quantize_per_channel,
-    quantize_per_token,
 )
 
 INT8_MODES = ("int8", "int8-weight-only")
@@ -54,34 +52,6 @@ def state_dict_mode(state_dict, prefix: str = "") -> str | None:
         return "int8" if prefix + "smooth" in state_dict else "int8-weight-only"
     modes = {dtype: mode for mode, dtype in FLOAT16_MODES.items()}
     return modes.get(weight.dtype, "float")
-
-
-# (weak reference to the input, its version counter, its quantization): the last input
-# an unsmoothed W8A8 layer quantized. Q, K and V of an attention block read one tensor,
-# so two of the three per-token quantizations are this lookup.
-_last_quantized: tuple | None = None
-
-
-def _shared_quantization(input) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``quantize_per_token(input)``, reused while ``input`` is the same tensor, unmodified
-    (same object, same version counter: every in-place write bumps it). None where that
-    cannot be known or autograd records (then ``int8_linear`` runs, whose backward raises):
-    not a float tensor, an inference-mode tensor (no version counter)."""
-    global _last_quantized
-    if (
-        not isinstance(input, torch.Tensor)
-        or input.dtype not in FLOAT_DTYPES
-        or input.dim() == 0
-        or input.is_inference()
-        or (input.requires_grad and torch.is_grad_enabled())
-    ):
-        return None
-    last = _last_quantized
-    if last is not None and last[0]() is input and last[1] == input._version:
-        return last[2]
-    quantized = quantize_per_token(input)
-    _last_quantized = (weakref.ref(input), input._version, quantized)
-    return quantized
 
 
 def _check_linear(linear) -> None:
@@ -205,11 +175,21 @@ class Linear8bit(_InferenceLinear):
         if self.mode == "int8-weight-only":
             return int8_weight_only_linear(input, self.weight, self.weight_scale, self.bias)
         smooth = self._applied_smooth()
-        quantized = _shared_quantization(input) if smooth is None else None
-        if quantized is None:
+        if not self._is_plain_inference_input(input):
             return int8_linear(input, self.weight, self.weight_scale, self.bias, smooth=smooth)
-        q, scale = quantized
-        return int8_matmul(q, scale, self.weight, self.weight_scale, self.bias, out_dtype=input.dtype)
+        return int8_linear_unchecked(input, self.weight, self.weight_scale, self.bias, smooth)
+
+    def _is_plain_inference_input(self, input) -> bool:
+        """Whether ``input`` needs none of ``int8_linear``'s checks (its errors, its backward
+        that raises): a float (..., in_features) tensor on the weight's device, no autograd."""
+        return (
+            isinstance(input, torch.Tensor)
+            and input.dtype in FLOAT_DTYPES
+            and input.dim() >= 1
+            and input.shape[-1] == self.in_features <= MAX_INT8_IN_FEATURES
+            and input.device == self.weight.device
+            and not (input.requires_grad and torch.is_grad_enabled())
+        )
 
     def _applied_smooth(self) -> torch.Tensor | None:
         """``smooth``, or None while it is all ones (no calibration): multiplying by ones

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-import slimformer.layers.linear as linear_module
+from slimformer.kernels import matmul
 from slimformer.kernels.matmul import int8_linear
 from slimformer.layers.linear import Linear8bit, Linear16bit, state_dict_mode
 from slimformer.quantize import sqnr_db
@@ -153,22 +153,26 @@ def test_bad_arguments_raise():
 
 def test_int8_layers_reading_one_input_share_its_quantization(backend, monkeypatch):
     # Q, K and V of an attention block read one tensor: it is quantized once, and again
-    # after an in-place write (its version counter moves).
+    # after an in-place write (its version counter moves) or for another tensor.
     torch.manual_seed(0)
     layers = [Linear8bit.from_float(nn.Linear(33, n), "int8") for n in (5, 7, 9)]
-    calls = []
-    quantize = linear_module.quantize_per_token
-    monkeypatch.setattr(linear_module, "quantize_per_token", lambda x: calls.append(x) or quantize(x))
     x = torch.randn(2, 4, 33)
+
+    def expected(layer, x):
+        return int8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+
+    before = [expected(layer, x) for layer in layers]
+    after = expected(layers[0], x * -3)
+    calls = []
+    quantize = matmul._run_quantize_rows
+    monkeypatch.setattr(matmul, "_run_quantize_rows", lambda rows, smooth: calls.append(1) or quantize(rows, smooth))
     with torch.no_grad():
-        for layer in layers:
-            assert torch.equal(layer(x), int8_linear(x, layer.weight, layer.weight_scale, layer.bias))
+        assert all(torch.equal(layer(x), y) for layer, y in zip(layers, before))
         assert len(calls) == 1
         x.mul_(-3)
-        assert torch.equal(layers[0](x), int8_linear(x, layers[0].weight, layers[0].weight_scale, layers[0].bias))
+        assert torch.equal(layers[0](x), after)
         assert len(calls) == 2
-        other = x.clone()
-        layers[1](other)
+        layers[1](x.clone())
         assert len(calls) == 3
 
 
