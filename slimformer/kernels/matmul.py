@@ -356,6 +356,9 @@ def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     N = weight.shape[0]
     if x_scale is not None:
         if _int_mm_supports(M, K, N, x.device):
+            # For torch.compile: with sizes traced as symbols, _int_mm's shape check needs the
+            # contraction dimensions known equal.
+            torch._check(weight.shape[1] == K)
             acc = torch._int_mm(x, weight.t())
         else:
             acc = (x.double() @ weight.double().t()).float()
@@ -607,9 +610,11 @@ _last_quantized: tuple | None = None
 def _shared_quantization(input: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``_run_quantize_rows(rows, None)`` for ``rows`` = ``input`` as (M, K), reused while
     ``input`` is the same tensor object with the same version counter (every in-place
-    write bumps it; an inference-mode tensor has none, so it is never reused)."""
+    write bumps it; an inference-mode tensor has none, so it is never reused; nor under
+    torch.compile)."""
     global _last_quantized
-    if input.is_inference():
+    if input.is_inference() or torch.compiler.is_compiling():
+        # torch.compile traces this once: object identity and versions are not guarded.
         return _run_quantize_rows(rows, None)
     last = _last_quantized
     if last is not None and last[0]() is input and last[1] == input._version:
