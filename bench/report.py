@@ -7,6 +7,7 @@ prints one table per family/op/mode with rich and writes
     bench/results/<device-slug>.md            header, tables, targets, memory, skipped benchmarks
     bench/results/<device-slug>-<family>.png  metric vs the swept size, per op and mode
     bench/results/<device-slug>-bert-memory.png  a BERT's activation memory vs sequence length
+    bench/results/<device-slug>-int8.png  INT8 inference of all-MiniLM-L6-v2: latency and fidelity per mode
 
 A run that selects benchmarks (``-k EXPR``, ``-m EXPR`` or test paths) is partial: its
 files are named ``<device-slug>-partial-<selection>*`` and the full report is left as it
@@ -47,8 +48,9 @@ from rich.table import Table  # noqa: E402
 import torch  # noqa: E402
 from bench.bert_memory import BASELINES as BERT_BASELINES  # noqa: E402
 from bench.bert_memory import bert_memory_section  # noqa: E402
-from slimformer.recompute import POLICIES  # noqa: E402
 from bench.harness import report_machine_info  # noqa: E402
+from bench.int8_inference import int8_inference_section  # noqa: E402
+from slimformer.recompute import POLICIES  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -458,6 +460,13 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         console.print("\n".join(bert), markup=False, highlight=False, soft_wrap=True)
         md += ["", *bert]
         written.append(bert_plot)
+    if chosen.selects("int8_inference"):
+        int8_plot = RESULTS / f"{stem}-int8.png"
+        int8 = int8_inference_section(torch.device(device_type), int8_plot, log=console.log)
+        console.print("\n".join(int8), markup=False, highlight=False, soft_wrap=True)
+        md += ["", *int8]
+        if int8_plot.exists():
+            written.append(int8_plot)
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
     written[0].write_text("\n".join(md) + "\n")

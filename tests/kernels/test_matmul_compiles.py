@@ -11,7 +11,7 @@ SHAPE_ARGS = {"M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32"}
 GEMM_POINTERS = {
     ("float", "fp16"): ("*fp16", "*fp16", None, None, "*fp16"),
     ("float", "bf16"): ("*bf16", "*bf16", None, None, "*bf16"),
-    ("float", "fp32"): ("*fp32", "*fp32", None, None, "*fp32"),
+    ("float32", "fp32"): ("*fp32", "*fp32", None, None, "*fp32"),
     ("w8a8", "fp16"): ("*i8", "*i8", "*fp32", "*fp32", "*fp16"),
     ("w8a8", "bf16"): ("*i8", "*i8", "*fp32", "*fp32", "*bf16"),
     ("w8a16", "fp16"): ("*fp16", "*i8", None, "*fp32", "*fp16"),
@@ -40,13 +40,14 @@ def _builds(kind, dtype, configs):
 
 @pytest.mark.parametrize("kind", list(matmul.GPU_CONFIGS))
 def test_every_gemm_config_compiles_for_sm90(kind):
-    compile_for_hopper(_builds(kind, "fp16", matmul.GPU_CONFIGS[kind] + [matmul.INTERPRETER_CONFIG]))
+    dtype = "fp32" if kind == "float32" else "fp16"
+    compile_for_hopper(_builds(kind, dtype, matmul.GPU_CONFIGS[kind] + [matmul.INTERPRETER_CONFIG]))
 
 
-def test_gemm_compiles_for_sm90_in_bf16_and_fp32():
+def test_gemm_compiles_for_sm90_in_bf16():
     # Other dtypes change only the loads, the dot's operand type and the store: one config each.
-    builds = [b for kind in matmul.GPU_CONFIGS for b in _builds(kind, "bf16", matmul.GPU_CONFIGS[kind][1:2])]
-    builds += _builds("float", "fp32", [matmul.GPU_CONFIGS["float"][2]])
+    kinds = [kind for kind in matmul.GPU_CONFIGS if kind != "float32"]
+    builds = [b for kind in kinds for b in _builds(kind, "bf16", matmul.GPU_CONFIGS[kind][1:2])]
     compile_for_hopper(builds)
 
 
@@ -61,7 +62,8 @@ def test_quantize_kernel_compiles_for_sm90():
                 MODULE,
                 "_quantize_rows_kernel",
                 signature | ({"SMOOTH": "*fp32"} if smooth else {}),
-                {"BLOCK_M": block_m, "BLOCK_K": block_k} | ({} if smooth else {"SMOOTH": None}),
+                {"BLOCK_M": block_m, "BLOCK_K": block_k, "ONE_BLOCK": block_k >= n_cols}
+                | ({} if smooth else {"SMOOTH": None}),
                 num_warps,
             )
         )
