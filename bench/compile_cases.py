@@ -129,7 +129,7 @@ def norm_case(
         f"+dropout{dropout:g}" if dropout else "", "memory-efficient" if memory_efficient else "",
         "return-residual" if return_residual else "",
     ]  # fmt: skip
-    name = " ".join(f for f in flags if f)
+    name = " ".join(f for f in flags if f) + f" ({rows} rows)"
 
     def run():
         torch_dtype = DTYPES[dtype]
@@ -147,7 +147,7 @@ def norm_case(
         return lambda: torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
 
     params = dict(rows=rows, n_cols=n_cols, dtype=dtype, elements=rows * n_cols, kind=kind, residual=residual,
-                  dropout=dropout, memory_efficient=memory_efficient)  # fmt: skip
+                  dropout=dropout, memory_efficient=memory_efficient, return_residual=return_residual)  # fmt: skip
     return Case(name, "norm", run, params, ci)
 
 
@@ -164,6 +164,8 @@ def norm_cases() -> list[Case]:
         for n_cols in (768, 4096):
             cases.append(norm_case(n_cols, dtype, residual=True, dropout=0.1))
     cases.append(norm_case(1000, residual=True, dropout=0.1))
+    cases.append(norm_case(4096, rows=2048))  # issue 9's LayerNorm-backward shape
+    cases.append(norm_case(65536, rows=16384))  # one row per program: the widest rows at scale
     return cases
 
 

@@ -154,3 +154,15 @@ def attention_min_bytes(params: dict, phase: str, element_size: int) -> float:
 def attention_mma_flops(launch: Launch, stats: KernelStats, params: dict) -> float:
     tiles = attention_tiles(launch, params)
     return 0.0 if tiles is None or stats.hot_loop is None else tiles * stats.hot_loop_mma_flops
+
+
+def norm_backward_min_bytes(params: dict) -> float:
+    """What a norm's backward must move: read dy (and the returned h's gradient), the saved
+    activation, the weights and the fp32 row statistics; write dx (and a separate
+    dresidual when dropout makes them differ), dw and db."""
+    element = 4 if params["dtype"] == "fp32" else 2
+    rows, cols = params["rows"], params["n_cols"]
+    tensors = 3 + bool(params.get("return_residual")) + bool(params["residual"] and params["dropout"])
+    weights = (2 if params["kind"] == "layer" else 1) * 2 * cols * element  # w, b and their gradients
+    statistics = (2 if params["kind"] == "layer" else 1) * rows * 4
+    return tensors * rows * cols * element + weights + statistics

@@ -44,6 +44,7 @@ class Collection:
     device: object
     records: list = field(default_factory=list)
     capture_errors: list = field(default_factory=list)  # (case name, error text)
+    torch_bytes: dict = field(default_factory=dict)  # case name -> {phase: bytes of slimformer's torch ops}
 
 
 def _analyse_worker(launch_json: dict, use_cache: bool):
@@ -69,11 +70,12 @@ def collect(cases, devices, jobs: int = 1, use_cache: bool = True, progress: boo
         for collection in collections:
             for case in cases:
                 try:
-                    launches = capture(collection.device, case.run, case.name)
+                    captured = capture(collection.device, case.run, case.name)
                 except Exception as error:
                     collection.capture_errors.append((case.name, f"{type(error).__name__}: {error}"))
-                    launches = []
-                collection.records += [Record(case, launch) for launch in launches]
+                    continue
+                collection.records += [Record(case, launch) for launch in captured.launches]
+                collection.torch_bytes[case.name] = captured.torch_bytes
                 bar.advance(task)
         unique = {}
         for collection in collections:
@@ -291,6 +293,36 @@ def elementwise_section(collection: Collection) -> list[str]:
     return lines + _table(header, rows) + [""]
 
 
+def norm_bytes_section(collection: Collection) -> list[str]:
+    """A norm's backward as a whole: its kernel plus the PyTorch ops slimformer runs around it
+    (zero-filled partial sums, their reduction, casts), against the minimum it must move."""
+    from bench import compile_figures as fig
+
+    rows = []
+    for name, phases in collection.torch_bytes.items():
+        records = [r for r in collection.records if r.case.name == name and r.launch.phase == "bwd"]
+        if not records or records[0].case.family != "norm":
+            continue
+        params = records[0].case.params
+        kernels = sum(fig.kernel_bytes(r.launch) for r in records)
+        minimum = fig.norm_backward_min_bytes(params)
+        total = kernels + phases["bwd"]
+        rows.append([name, f"{kernels / 1e6:.1f}", f"{phases['bwd'] / 1e6:.1f}", f"{minimum / 1e6:.1f}",
+                     f"{total / minimum:.2f}×"])  # fmt: skip
+    if not rows:
+        return []
+    header = ["case", "kernel MB", "PyTorch ops MB", "minimum MB", "total / minimum"]
+    return [
+        "### Norm backward: bytes moved vs the minimum",
+        "",
+        "kernel: every tensor the backward kernel is handed, once; PyTorch ops: what slimformer's own "
+        "torch calls in the backward read and write (zero-filled dW/dB partial rows, their sum, casts); "
+        "minimum: dy (+ the returned h's gradient), the saved activation, dx (+ a separate dresidual with "
+        "dropout), w, b, dw, db and the row statistics.",
+        "",
+    ] + _table(header, rows) + [""]
+
+
 def _elements(record) -> int:
     params = record.case.params
     return params.get("elements") or params["rows"] * params["in_features"]
@@ -415,6 +447,7 @@ def render(collection: Collection, tag: str, selection: str, plot_name: str | No
     lines += attention_section(collection)
     lines += tutorial_section(device)
     lines += elementwise_section(collection)
+    lines += norm_bytes_section(collection)
     lines += gemm_section(collection)
     return "\n".join(lines) + "\n"
 

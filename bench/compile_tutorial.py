@@ -40,7 +40,7 @@ def measure(path: str, arch: str) -> list[dict]:
     module = load_module_from_file(MODULE, path, device)
     rows = []
     for head_dim in (64, 128):
-        for launch in capture(device, _run(module, head_dim), f"tutorial d{head_dim}"):
+        for launch in capture(device, _run(module, head_dim), f"tutorial d{head_dim}").launches:
             try:
                 stats = analyse(launch)
             except Exception as error:  # the autotuner skips configs that fail to compile

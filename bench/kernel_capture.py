@@ -28,6 +28,7 @@ import importlib.util
 import json
 import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -35,6 +36,8 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from triton.backends.compiler import GPUTarget
 from triton.runtime.autotuner import Autotuner
 from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -304,19 +307,72 @@ def emulate_cuda(device: Device, sink: Callable[[Launch], None]) -> Iterator[Non
         yield
 
 
-def capture(device: Device, forward: Callable[[], Callable[[], None] | None], case: str = "") -> list[Launch]:
+class TorchTraffic(TorchDispatchMode):
+    """Bytes the PyTorch ops slimformer itself runs read and write (the memsets, reductions
+    and casts around its kernels); ops of the caller and of autograd are not counted."""
+
+    _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "randn", "randn_like",
+             "randint", "normal_", "uniform_", "random_", "detach", "alias", "lift_fresh", "set_"}  # fmt: skip
+    _WRITE_ONLY = {"fill_", "zero_"}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.ops = Counter()
+        self._package = os.path.dirname(importlib.import_module("slimformer").__file__)
+
+    def _called_from_slimformer(self) -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(self._package):
+                return True
+            frame = frame.f_back
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in self._FREE or not self._called_from_slimformer():
+            return out
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if name in self._WRITE_ONLY:
+            inputs = []
+        elif name == "copy_":
+            inputs = inputs[1:]
+        traffic = sum(_unique_bytes(t) for t in inputs) + sum(_unique_bytes(t) for t in outputs)
+        self.bytes += traffic
+        self.ops[name] += traffic
+        return out
+
+
+@dataclass
+class Capture:
+    """The launches of one case on one device and the PyTorch-op traffic around them, per phase."""
+
+    launches: list
+    torch_bytes: dict  # phase -> bytes
+    torch_ops: dict  # phase -> {op name: bytes}
+
+
+def capture(device: Device, forward: Callable[[], Callable[[], None] | None], case: str = "") -> Capture:
     """The launches ``forward()`` and then the backward it returns (if any) make on
     ``device``, in order, labelled with ``case`` and their phase ("fwd" / "bwd")."""
     launches: list[Launch] = []
+    traffic = {"fwd": TorchTraffic(), "bwd": TorchTraffic()}
     with emulate_cuda(device, launches.append):
-        backward = forward()
+        with traffic["fwd"]:
+            backward = forward()
         n_forward = len(launches)
         if backward is not None:
-            backward()
+            with traffic["bwd"]:
+                backward()
     for i, launch in enumerate(launches):
         launch.case = case
         launch.phase = "fwd" if i < n_forward else "bwd"
-    return launches
+    return Capture(
+        launches, {p: t.bytes for p, t in traffic.items()}, {p: dict(t.ops) for p, t in traffic.items()}
+    )
 
 
 def load_module_from_file(name: str, path: str, device: Device):
