@@ -368,17 +368,19 @@ def gemm_section(collection: Collection) -> list[str]:
 
 
 def tutorial_section(device) -> list[str]:
+    """The tutorial's best forward config per head dim (fewest warp-instructions per tile)
+    and its backward kernel, from ``bench.compile_tutorial``'s stored measurement."""
     if not TUTORIAL_REFERENCE.exists():
         return []
     reference = json.loads(TUTORIAL_REFERENCE.read_text())
-    rows = [row for row in reference["rows"] if row["arch"] == device.arch]
+    rows = [r for r in reference["rows"] if r["arch"] == device.arch and (r["best"] or r["kernel"] == "_attn_bwd")]
     if not rows:
         return []
-    header = ["kernel", "head dim", "config (BLOCK_M×N, warps/stages)", "regs", "spills", "smem KB", "MMA",
-              "hot-loop loads", "hot-loop SASS", "warp-instr / 128² tile"]  # fmt: skip
+    header = ["kernel", "head dim", "blocks, warps/stages", "regs", "spills B", "smem KB", "MMA", "hot-loop loads",
+              "innermost loops' SASS", "warp-instr / 128² tile"]  # fmt: skip
     table = [
-        [r["kernel"], r["head_dim"], r["config"], r["registers"], r["spills"], r["smem_kb"], r["mma"], r["loads"],
-         r["hot_loop"], r["tile"]]
+        [r["kernel"] + (" (best of its configs)" if r["best"] else ""), r["head_dim"], r["config"], r["registers"],
+         r["spills"], r["smem_kb"], r["mma"], r["loads"], ", ".join(map(str, r["loops"])), r["tile"] or "–"]
         for r in rows
     ]  # fmt: skip
     return [
@@ -472,7 +474,10 @@ def plot(collection: Collection, path: Path) -> bool:
             base[r.launch.kernel][p["head_dim"]] = tile
     elementwise = []
     for r in collection.records:
-        if r.case.family in ("norm", "dropout", "activation") and r.stats and r.case.params.get("dtype") == "bf16":
+        p = r.case.params
+        if r.case.family in ("norm", "dropout", "activation") and r.stats and p.get("dtype") == "bf16" and (
+            p.get("dropout") or r.case.family == "dropout"
+        ):
             e = fig.elementwise_estimate(r.launch, r.stats, _elements(r), collection.device)
             elementwise.append((f"{r.case.name} [{r.launch.phase}]", e.issue_s / e.memory_s))
     if not base and not elementwise:
@@ -500,7 +505,7 @@ def plot(collection: Collection, path: Path) -> bool:
         right.set_yticks(range(len(elementwise)), [n for n, _ in elementwise], fontsize=6)
         right.axvline(1.0, color="black", lw=0.8)
         right.axvline(0.8, color="gray", lw=0.8, ls="--")
-        right.set_xlabel("estimated issue time / HBM time (bf16)")
+        right.set_xlabel("estimated issue time / HBM time (bf16, with dropout)")
         right.invert_yaxis()
     fig_.tight_layout()
     fig_.savefig(path, dpi=110)

@@ -259,6 +259,9 @@ def emulated_device(device: Device) -> Iterator[None]:
         (torch.Tensor, "is_cuda", property(lambda self: True)),
         (torch.cuda, "get_device_properties", lambda *a, **k: properties),
         (torch.cuda, "get_device_capability", lambda *a, **k: (device.arch // 10, device.arch % 10)),
+        (torch.cuda, "is_available", lambda: True),
+        (torch.cuda, "device_count", lambda: 1),
+        (torch.cuda, "current_device", lambda: 0),
     ]
     # Launchers size grids by the SM count (``dispatch.multiprocessor_count``, which says
     # a handful for a CPU tensor): answer the emulated device's, wherever it was imported.
