@@ -38,14 +38,14 @@ def _attention_inputs(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, lay
     head_dim) projections transposed to heads-first (Hugging Face); bhsd: contiguous.
     """
     if layout == "fused-qkv":
-        qkv = torch.randn(batch, seq_q, 3 * heads * head_dim, dtype=dtype, requires_grad=True)
+        qkv = torch.zeros(batch, seq_q, 3 * heads * head_dim, dtype=dtype, requires_grad=True)
         return rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=heads).unbind(0)
     if layout == "bshd":
-        q = torch.randn(batch, seq_q, heads, head_dim, dtype=dtype, requires_grad=True)
-        k, v = (torch.randn(batch, seq_k, kv_heads, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+        q = torch.zeros(batch, seq_q, heads, head_dim, dtype=dtype, requires_grad=True)
+        k, v = (torch.zeros(batch, seq_k, kv_heads, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    q = torch.randn(batch, heads, seq_q, head_dim, dtype=dtype, requires_grad=True)
-    k, v = (torch.randn(batch, kv_heads, seq_k, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
+    q = torch.zeros(batch, heads, seq_q, head_dim, dtype=dtype, requires_grad=True)
+    k, v = (torch.zeros(batch, kv_heads, seq_k, head_dim, dtype=dtype, requires_grad=True) for _ in range(2))
     return q, k, v
 
 
@@ -77,7 +77,7 @@ def attention_case(
         out = attention(
             q, k, v, attn_mask, dropout, causal, enable_gqa=kv_heads != heads, key_padding_mask=padding
         )
-        return lambda: out.backward(torch.randn_like(out))
+        return lambda: out.backward(torch.zeros_like(out))
 
     params = dict(
         head_dim=head_dim, dtype=dtype, batch=batch, heads=heads, kv_heads=kv_heads, seq_q=seq, seq_k=seq,
@@ -133,8 +133,8 @@ def norm_case(
 
     def run():
         torch_dtype = DTYPES[dtype]
-        x = torch.randn(rows, n_cols, dtype=torch_dtype, requires_grad=True)
-        r = torch.randn(rows, n_cols, dtype=torch_dtype, requires_grad=True) if residual else None
+        x = torch.zeros(rows, n_cols, dtype=torch_dtype, requires_grad=True)
+        r = torch.zeros(rows, n_cols, dtype=torch_dtype, requires_grad=True) if residual else None
         w = torch.ones(n_cols, dtype=torch_dtype, requires_grad=True)
         options = dict(residual=r, dropout_p=dropout, memory_efficient=memory_efficient,
                        return_residual=return_residual)  # fmt: skip
@@ -144,7 +144,7 @@ def norm_case(
         else:
             out = rms_norm(x, n_cols, w, **options)
         outs = out if isinstance(out, tuple) else (out,)
-        return lambda: torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+        return lambda: torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
 
     params = dict(rows=rows, n_cols=n_cols, dtype=dtype, elements=rows * n_cols, kind=kind, residual=residual,
                   dropout=dropout, memory_efficient=memory_efficient, return_residual=return_residual)  # fmt: skip
@@ -176,10 +176,10 @@ def dropout_case(dtype="bf16", *, rows=4096, n_cols=768, ci=False) -> Case:
     from slimformer.kernels.dropout import dropout_add
 
     def run():
-        x = torch.randn(rows, n_cols, dtype=DTYPES[dtype], requires_grad=True)
-        r = torch.randn(rows, n_cols, dtype=DTYPES[dtype], requires_grad=True)
+        x = torch.zeros(rows, n_cols, dtype=DTYPES[dtype], requires_grad=True)
+        r = torch.zeros(rows, n_cols, dtype=DTYPES[dtype], requires_grad=True)
         out = dropout_add(x, r, 0.1)
-        return lambda: out.backward(torch.randn_like(out))
+        return lambda: out.backward(torch.zeros_like(out))
 
     params = dict(rows=rows, n_cols=n_cols, dtype=dtype, elements=rows * n_cols)
     return Case(f"dropout_add {rows}x{n_cols} {dtype}", "dropout", run, params, ci)
@@ -190,11 +190,11 @@ def activation_case(activation, dtype="bf16", *, dropout=0.1, rows=512, d_model=
 
     def run():
         torch_dtype = DTYPES[dtype]
-        x = torch.randn(rows, d_model, dtype=torch_dtype, requires_grad=True)
-        w1 = torch.randn(hidden * (2 if activation == "swiglu" else 1), d_model, dtype=torch_dtype, requires_grad=True)
-        w2 = torch.randn(d_model, hidden, dtype=torch_dtype, requires_grad=True)
+        x = torch.zeros(rows, d_model, dtype=torch_dtype, requires_grad=True)
+        w1 = torch.zeros(hidden * (2 if activation == "swiglu" else 1), d_model, dtype=torch_dtype, requires_grad=True)
+        w2 = torch.zeros(d_model, hidden, dtype=torch_dtype, requires_grad=True)
         out = fused_mlp(x, w1, None, w2, None, activation, dropout)
-        return lambda: out.backward(torch.randn_like(out))
+        return lambda: out.backward(torch.zeros_like(out))
 
     name = f"mlp {activation} {rows}x{hidden} {dtype}" + (f" +dropout{dropout:g}" if dropout else "")
     params = dict(rows=rows, n_cols=hidden, dtype=dtype, elements=rows * hidden, activation=activation,
@@ -221,9 +221,9 @@ def gemm_case(kind, dtype="bf16", *, rows=256, in_features=768, out_features=307
 
     def run():
         torch_dtype = DTYPES[dtype]
-        x = torch.randn(rows, in_features, dtype=torch_dtype)
-        w = torch.randn(out_features, in_features, dtype=torch_dtype)
-        bias = torch.randn(out_features, dtype=torch_dtype)
+        x = torch.zeros(rows, in_features, dtype=torch_dtype)
+        w = torch.zeros(out_features, in_features, dtype=torch_dtype)
+        bias = torch.zeros(out_features, dtype=torch_dtype)
         if kind == "float":
             matmul.linear(x, w, bias, activation="gelu")
             return None

@@ -83,12 +83,19 @@ def collect(cases, devices, jobs: int = 1, use_cache: bool = True, progress: boo
                 unique.setdefault(record.launch.key(), record.launch)
         task = bar.add_task(f"compiling {len(unique)} distinct kernels", total=len(unique))
         results = {}
-        context = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            futures = {pool.submit(_analyse_worker, launch.to_json(), use_cache): key for key, launch in unique.items()}
-            for future in concurrent.futures.as_completed(futures):
-                results[futures[future]] = future.result()
+        if jobs == 1:
+            for key, launch in unique.items():
+                results[key] = _analyse_worker(launch.to_json(), use_cache)
                 bar.advance(task)
+        else:
+            context = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+                futures = {
+                    pool.submit(_analyse_worker, launch.to_json(), use_cache): key for key, launch in unique.items()
+                }
+                for future in concurrent.futures.as_completed(futures):
+                    results[futures[future]] = future.result()
+                    bar.advance(task)
     for collection in collections:
         for record in collection.records:
             status, value = results[record.launch.key()]
