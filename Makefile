@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test bench clean
+.PHONY: test bench compile-report clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "[1/4] virtual environment $(VENV) (python: $(PYTHON))"
@@ -28,6 +28,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.report
+
+# Registers, spills, shared memory, MMA/load kinds and hot-loop SASS of every kernel for
+# sm_90 and sm_80, compiled without a GPU (bench/results/compile-sm*.md); e.g.
+# make compile-report ARGS='-k "attn d128" --arch sm90'
+compile-report: $(STAMP)
+	env -u TRITON_INTERPRET $(PY) -m bench.compile_report $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks
