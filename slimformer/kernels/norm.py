@@ -432,11 +432,15 @@ class MemoryModes:
     weight, ``with torch.no_grad(): w.zero_()``. The first stale norm that runs after an
     optimizer step re-decides all of them, so a training step costs one sync for the
     whole model, not one per layer. Writes through ``.data`` bypass the version counter:
-    call ``refresh`` after those. Under ``torch.compile`` the last decision is used.
+    call ``refresh`` after those. Code traced by ``torch.compile`` cannot read version
+    counters: it uses the decision last made in eager mode (kept on the norm as a bool
+    attribute, which the compiled code guards on), or keeps the input if there was none.
     """
 
+    _ATTRIBUTE = "_slimformer_rebuilds_input"
+
     def __init__(self) -> None:
-        self._decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # norm -> state decided on
 
     @staticmethod
     def _state(norm) -> tuple:
@@ -447,7 +451,7 @@ class MemoryModes:
     def track(self, norm) -> None:
         """Have ``norm`` decided with the next refresh (so a model's first step decides
         all its norms with one sync)."""
-        self._decisions.setdefault(norm, (None, False))
+        self._decisions.setdefault(norm, None)
 
     @staticmethod
     def _is_current(state: tuple | None, norm) -> bool:
@@ -461,29 +465,32 @@ class MemoryModes:
 
     def rebuilds_input(self, norm) -> bool:
         """Whether ``norm``'s backward may rebuild its input from its output now."""
-        decision = self._decisions.get(norm)
         if torch.compiler.is_compiling():
-            return False if decision is None else decision[1]
-        if decision is None or not self._is_current(decision[0], norm):
+            return getattr(norm, self._ATTRIBUTE, False)
+        if not self._is_current(self._decisions.get(norm), norm):
             self.refresh(norm)
-        return self._decisions[norm][1]
+        return getattr(norm, self._ATTRIBUTE)
 
     def refresh(self, *norms) -> None:
         """Re-decide ``norms`` and every other stale norm: one host sync per device."""
-        stale = [norm for norm, (state, _) in list(self._decisions.items()) if not self._is_current(state, norm)]
+        stale = [norm for norm, state in list(self._decisions.items()) if not self._is_current(state, norm)]
         stale += [norm for norm in norms if not any(norm is other for other in stale)]
         by_device: dict[torch.device, list] = {}
         for norm in stale:
             weight = norm.weight
             if weight is not None and weight.is_meta:
-                self._decisions[norm] = (self._state(norm), False)
+                self._decide(norm, False)
             else:
                 flag = _rebuilds_input_flag(weight, getattr(norm, "bias", None))
                 by_device.setdefault(flag.device, []).append((norm, flag))
         for pairs in by_device.values():
             flags = torch.stack([flag for _, flag in pairs]).tolist()  # the one host sync
             for (norm, _), ok in zip(pairs, flags):
-                self._decisions[norm] = (self._state(norm), ok)
+                self._decide(norm, ok)
+
+    def _decide(self, norm, rebuilds: bool) -> None:
+        self._decisions[norm] = self._state(norm)
+        setattr(norm, self._ATTRIBUTE, rebuilds)
 
 
 MEMORY_MODES = MemoryModes()
