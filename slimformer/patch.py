@@ -68,6 +68,7 @@ from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm
 from slimformer.layers.norm import LayerNorm, RMSNorm
+from slimformer.layers.sharing import NotScriptable
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.recompute import check_policy
 
@@ -137,7 +138,7 @@ def _rebuild_fused_layer(original_class: type, state: dict) -> nn.Module:
     return layer
 
 
-class FusedBertFamilyLayer:
+class FusedBertFamilyLayer(NotScriptable):
     """Forward of a patched BERT-family encoder layer, mixed before the layer's own class.
 
     ``patch`` makes ``Fused<Layer>(FusedBertFamilyLayer, <Layer>)`` and an instance that shares

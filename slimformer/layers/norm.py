@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, check_eps, check_normalized_shape
-from slimformer.layers.sharing import share_parameters
+from slimformer.layers.sharing import NotScriptable, share_parameters
 
 
-class _MemoryModeMixin:
+class _MemoryModeMixin(NotScriptable):
     """Shared by both layers: the memory mode, ``from_torch`` and the repr.
 
     ``saves_output`` is True when memory_efficient was asked for and the current weights
