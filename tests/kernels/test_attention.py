@@ -628,3 +628,14 @@ def test_kernels_compile_for_sm90():
         *_hopper_builds(torch.float16, 64, 0),
     ]
     compile_for_hopper(builds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["q_nan", "k_inf", "v_nan", "scale_nan", "mask_nan", "mask_inf"])
+def test_nan_and_inf_propagate_like_sdpa_on_gpu(where):
+    # compiled max reductions skip NaN where numpy's propagate it: the epilogue must not care
+    q, k, v, grad, kwargs = _poisoned(where)
+    kwargs = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+    ours, sdpa = _sdpa_and_ours(q.cuda(), k.cuda(), v.cuda(), grad.cuda(), **kwargs)
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), ours, sdpa):
+        assert torch.equal(got.isnan(), expected.isnan()), name
