@@ -225,7 +225,8 @@ class FusedBertFamilyLayer(NotScriptable):
     @property
     def saves_output(self) -> tuple[bool, bool]:
         """Whether each LayerNorm may keep its output instead of its input, for the current weights."""
-        return tuple(MEMORY_MODES.rebuilds_input(norm) for norm in (self.attention.output.LayerNorm, self.output.LayerNorm))
+        norms = (self.attention.output.LayerNorm, self.output.LayerNorm)
+        return tuple(MEMORY_MODES.rebuilds_input(norm) for norm in norms)
 
     def refresh_memory_mode(self) -> tuple[bool, bool]:
         """Re-decide now (one host sync); needed only after writing the weights through ``.data``."""

@@ -291,7 +291,9 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     for first, names in aliases.items():
         modes = {modules.get(name) for name in names}
         if len(modes) > 1:
-            raise ValueError(f"{config_path} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}")
+            raise ValueError(
+                f"{config_path} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}"
+            )
         mode = modes.pop()
         if mode is not None:
             replacements[first] = _convert(first, model.get_submodule(first), mode, None)
@@ -331,7 +333,9 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(path)
     except (OSError, SafetensorError) as error:
-        raise ValueError(f"{path}: cannot read the quantized weights (truncated or not safetensors?): {error}") from error
+        raise ValueError(
+            f"{path}: cannot read the quantized weights (truncated or not safetensors?): {error}"
+        ) from error
 
 
 def _load_module_state(module: nn.Module, name: str, state: Mapping[str, torch.Tensor], path: Path) -> None:

@@ -125,11 +125,17 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
                 "query, key and value must all be 3-d (batched) or all 2-d (unbatched), got shapes "
                 f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
             )
-        for name, tensor, features in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
+        widths = (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim))
+        for name, tensor, features in widths:
             if tensor.shape[-1] != features:
-                raise ValueError(f"{name} must have {features} features in its last dim, got shape {tuple(tensor.shape)}")
+                raise ValueError(
+                    f"{name} must have {features} features in its last dim, got shape {tuple(tensor.shape)}"
+                )
         if key.shape[:-1] != value.shape[:-1]:
-            raise ValueError(f"key and value must have the same batch and sequence sizes, got {tuple(key.shape)} and {tuple(value.shape)}")
+            raise ValueError(
+                "key and value must have the same batch and sequence sizes, got "
+                f"{tuple(key.shape)} and {tuple(value.shape)}"
+            )
         batch_dim = 0 if self.batch_first or query.dim() == 2 else 1
         if query.dim() == 3 and query.shape[batch_dim] != key.shape[batch_dim]:
             raise ValueError(f"key must have query's batch size {query.shape[batch_dim]}, got shape {tuple(key.shape)}")
