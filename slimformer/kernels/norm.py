@@ -473,12 +473,17 @@ class MemoryModes:
 
     def refresh(self, *norms) -> None:
         """Re-decide ``norms`` and every other stale norm: one host sync per device."""
-        stale = [norm for norm, state in list(self._decisions.items()) if not self._is_current(state, norm)]
+        # Weights that are tensor subclasses (FSDP2's sharded DTensors between calls) are
+        # judged when their norm runs on plain tensors, or kept safe (input saved) if not.
+        stale = [
+            norm for norm, state in list(self._decisions.items())
+            if not self._is_current(state, norm) and not _has_subclass_weights(norm)
+        ]  # fmt: skip
         stale += [norm for norm in norms if not any(norm is other for other in stale)]
         by_device: dict[torch.device, list] = {}
         for norm in stale:
             weight = norm.weight
-            if weight is not None and weight.is_meta:
+            if (weight is not None and weight.is_meta) or _has_subclass_weights(norm):
                 self._decide(norm, False)
             else:
                 flag = _rebuilds_input_flag(weight, getattr(norm, "bias", None))
@@ -491,6 +496,11 @@ class MemoryModes:
     def _decide(self, norm, rebuilds: bool) -> None:
         self._decisions[norm] = self._state(norm)
         setattr(norm, self._ATTRIBUTE, rebuilds)
+
+
+def _has_subclass_weights(norm) -> bool:
+    tensors = (norm.weight, getattr(norm, "bias", None))
+    return any(t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 MEMORY_MODES = MemoryModes()
