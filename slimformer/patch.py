@@ -40,9 +40,16 @@ checkpoints the projections together with the attention (non-reentrant, RNG rest
 which also repeats the attention forward in backward (about 3% of a BERT-base layer's
 FLOPs at seq 512) and keeps neither q, k, v nor the log-sum-exp.
 
-Limits of the fused BERT layer: ``output_attentions`` yields no weights (they are
-never formed, as with transformers' sdpa and flash implementations); a call with
-``past_key_values`` runs the original code; decoder layers (causal, cache,
+The fused BERT layer calls the q, k, v and attention-output Linears as modules (their
+hooks fire; an adapter wrapped around one, such as a PEFT LoRA layer, is used). A call
+runs the layer's original, unfused forward instead, for that call only, when it asks
+for ``output_attentions`` (as ``MultiheadAttention(need_weights=True)`` does: the
+weights are formed only there; under ``attn_implementation="sdpa"`` transformers then
+warns that sdpa gives none), when a submodule the fused forward does not call
+(``attention``, ``attention.self``, ``attention.output``, ``intermediate``, ``output``,
+the dropouts, LayerNorms, the MLP Linears and activation) has a forward or backward
+hook (transformers' inactive output-capturing hooks excepted) or was replaced by a
+module of another type, and with ``past_key_values``. Other limits: decoder layers (causal, cache,
 cross-attention) and activations other than gelu / gelu_new / gelu_pytorch_tanh /
 relu are left; ``chunk_size_feed_forward`` is not needed (the fused MLP keeps less
 than a chunked one) and is ignored. The attention mask transformers builds for the
@@ -63,16 +70,16 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention
-from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
+from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
 from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.norm import LayerNorm, RMSNorm
+from slimformer.layers.sharing import NotScriptable
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.recompute import check_policy
 
@@ -106,6 +113,16 @@ _BERT_LAYERS = frozenset(
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _MAX_HEAD_DIM = 256
 _RECORD = "_slimformer_patch"
+# Submodules that the fused forward runs without calling, and the types it computes
+# for (None: a container whose own forward is replaced); the Linears it does call
+# (q, k, v, attention.output.dense) are not listed.
+_BYPASSED = {
+    "attention": None, "attention.self": None, "attention.self.dropout": (nn.Dropout,),
+    "attention.output": None, "attention.output.dropout": (nn.Dropout,),
+    "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate": None,
+    "intermediate.dense": (nn.Linear,), "intermediate.intermediate_act_fn": None, "output": None,
+    "output.dense": (nn.Linear,), "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+}  # fmt: skip
 
 
 def _kernel_masks(attention_mask, batch: int, seq: int):
@@ -134,11 +151,6 @@ def _kernel_masks(attention_mask, batch: int, seq: int):
     )
 
 
-def _refresh_after_load(module, incompatible_keys) -> None:
-    # A module-level function (not a lambda) keeps the layer picklable.
-    module.refresh_memory_mode()
-
-
 def _rebuild_fused_layer(original_class: type, state: dict, mixin: type | None = None) -> nn.Module:
     fused_class = _fused_class(original_class, mixin or FusedBertFamilyLayer)
     layer = fused_class.__new__(fused_class)
@@ -146,15 +158,14 @@ def _rebuild_fused_layer(original_class: type, state: dict, mixin: type | None =
     return layer
 
 
-class FusedBertFamilyLayer:
+class FusedBertFamilyLayer(NotScriptable):
     """Forward of a patched BERT-family encoder layer, mixed before the layer's own class.
 
     ``patch`` makes ``Fused<Layer>(FusedBertFamilyLayer, <Layer>)`` and an instance that shares
     the original's submodules and hooks. Attributes it adds: ``recompute`` (a policy of
     ``slimformer.recompute``), ``fused_activation`` and ``saves_output`` (whether each
-    of the two LayerNorms may keep its output instead of its input, decided from the
-    weights when patched and after ``load_state_dict``; call ``refresh_memory_mode()``
-    after changing them by hand).
+    of the two LayerNorms may keep its output instead of its input, re-decided whenever
+    their weights change, see ``slimformer.kernels.norm.MemoryModes``).
 
     ``forward(hidden_states, attention_mask=None, ...)`` takes what the original does and
     returns the layer output (batch, seq, hidden) in hidden_states' dtype.
@@ -169,9 +180,10 @@ class FusedBertFamilyLayer:
         past_key_values=None,
         **kwargs,
     ):
-        if past_key_values is not None:
-            # The original attention writes the cache; an encoder layer gets one only when
-            # a caller passes it explicitly.
+        if past_key_values is not None or kwargs.get("output_attentions") or self._unfused_reason():
+            # The original attention writes the cache (an encoder layer gets one only when
+            # a caller passes it explicitly) and forms the attention weights; hooks and
+            # replaced submodules need the original's calls.
             return super().forward(
                 hidden_states, attention_mask, encoder_hidden_states,
                 encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values, **kwargs,
@@ -182,24 +194,37 @@ class FusedBertFamilyLayer:
             return checkpoint(self._fused_block, hidden_states, attn_mask, padding, "none", use_reentrant=False)
         return self._fused_block(hidden_states, attn_mask, padding, policy)
 
+    def _unfused_reason(self) -> str | None:
+        """Why this call must run the original forward (see the module docstring), or None."""
+        for path, types in _BYPASSED.items():
+            try:
+                module = self.get_submodule(path)
+            except AttributeError:  # an activation that is a plain function
+                continue
+            if types is not None and type(module) not in types:
+                return f"{path} is a {type(module).__name__}"
+            if _has_user_hooks(module):
+                return f"{path} has hooks"
+        return None
+
     def _fused_block(self, x, attn_mask, padding, policy):
         if "qkv" in policy and torch.is_grad_enabled():
             context = checkpoint(self._self_attention, x, attn_mask, padding, use_reentrant=False)
         else:
             context = self._self_attention(x, attn_mask, padding)
         out = self.attention.output
-        y = self._add_norm(F.linear(context, out.dense.weight, out.dense.bias), x, out, self.saves_output[0])
+        y = self._add_norm(out.dense(context), x, out)
         h = fused_mlp(
             y, self.intermediate.dense.weight, self.intermediate.dense.bias, self.output.dense.weight,
             self.output.dense.bias, self.fused_activation, 0.0, recompute_fc1="mlp" in policy,
         )  # fmt: skip
-        return self._add_norm(h, y, self.output, self.saves_output[1])
+        return self._add_norm(h, y, self.output)
 
     def _self_attention(self, x, attn_mask, padding):
         """(batch, seq, hidden) context, before the output projection."""
         attn = self.attention.self
         q, k, v = (
-            rearrange(F.linear(x, proj.weight, proj.bias), "b s (h d) -> b h s d", h=attn.num_attention_heads)
+            rearrange(proj(x), "b s (h d) -> b h s d", h=attn.num_attention_heads)
             for proj in (attn.query, attn.key, attn.value)
         )
         dropout_p = attn.dropout.p if attn.training else 0.0
@@ -207,19 +232,25 @@ class FusedBertFamilyLayer:
         return rearrange(out, "b h s d -> b s (h d)")
 
     @staticmethod
-    def _add_norm(branch, residual, block, saves_output):
+    def _add_norm(branch, residual, block):
         """``block.LayerNorm(block.dropout(branch) + residual)`` (BertSelfOutput, BertOutput), one kernel."""
         norm = block.LayerNorm
         dropout_p = block.dropout.p if block.dropout.training else 0.0
-        return layer_norm(
-            branch, norm.normalized_shape, norm.weight, norm.bias, norm.eps,
-            residual=residual, dropout_p=dropout_p, memory_efficient=saves_output,
+        rebuilds_input = torch.is_grad_enabled() and MEMORY_MODES.rebuilds_input(norm)
+        return _fused_norm(
+            branch, norm.normalized_shape, norm.weight, norm.bias, norm.eps, residual, dropout_p,
+            rebuilds_input, False, False,
         )  # fmt: skip
 
-    def refresh_memory_mode(self) -> tuple[bool, bool]:
-        """Re-decide (one host sync) whether each LayerNorm may rebuild its input from its output."""
+    @property
+    def saves_output(self) -> tuple[bool, bool]:
+        """Whether each LayerNorm may keep its output instead of its input, for the current weights."""
         norms = (self.attention.output.LayerNorm, self.output.LayerNorm)
-        self.saves_output = tuple(output_rebuilds_input(norm.weight, norm.bias) for norm in norms)
+        return tuple(MEMORY_MODES.rebuilds_input(norm) for norm in norms)
+
+    def refresh_memory_mode(self) -> tuple[bool, bool]:
+        """Re-decide now (one host sync); needed only after writing the weights through ``.data``."""
+        MEMORY_MODES.refresh(self.attention.output.LayerNorm, self.output.LayerNorm)
         return self.saves_output
 
     def __reduce_ex__(self, protocol):
@@ -385,9 +416,18 @@ def _fuse_bert_layer(layer: nn.Module) -> nn.Module:
     fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
     fused.fused_activation = _HF_ACTIVATIONS[layer.attention.self.config.hidden_act]
     fused.recompute = "none"
-    fused.refresh_memory_mode()
-    fused.register_load_state_dict_post_hook(_refresh_after_load)
+    for norm in (fused.attention.output.LayerNorm, fused.output.LayerNorm):
+        MEMORY_MODES.track(norm)
     return fused
+
+
+def _has_user_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks, other than transformers' output
+    capturing hooks (inactive unless outputs such as attentions are asked for)."""
+    hooks = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
+    return any(
+        "output_capturing_hook" not in getattr(hook, "__qualname__", "") for table in hooks for hook in table.values()
+    )
 
 
 def _is_slimformer(module: nn.Module) -> bool:

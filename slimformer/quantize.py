@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_model
 from torch import nn
 from tqdm.auto import tqdm
@@ -263,42 +264,98 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
 
     ``model`` must have the architecture that was saved (its float weights are replaced,
     in place, on the device they are on). Everything is checked before the first module
-    is swapped, so an error leaves ``model`` untouched. Returns ``model``. Raises
-    FileNotFoundError without the two files, ValueError on an unknown config or a module
-    of the config that is missing or not an nn.Linear, and RuntimeError if the weights
-    do not fit (missing, unexpected or mis-shaped keys, or another quantization mode).
+    is swapped, so an error leaves ``model`` untouched. Returns ``model``. Every error
+    names the file (and the module, where one is at fault): FileNotFoundError without
+    the two files; ValueError for a file that cannot be read (not a directory, truncated
+    or corrupt safetensors, a config that is not JSON or not a slimformer config, an
+    unknown mode) or a module of the config that is missing or not an nn.Linear; and
+    RuntimeError if the weights do not fit (missing, unexpected or mis-shaped keys, a
+    tensor of another dtype than the layer's, or another quantization mode).
     """
     directory = Path(directory)
-    config = json.loads((directory / CONFIG_FILE).read_text())
-    if config.get("format") != _CONFIG_FORMAT or not isinstance(config.get("modules"), dict):
-        raise ValueError(f"{directory / CONFIG_FILE} is not a slimformer quantization config (format {_CONFIG_FORMAT})")
-    modules: dict[str, str] = config["modules"]
+    if not directory.is_dir():
+        kind = "a file" if directory.exists() else "missing"
+        error = ValueError if directory.exists() else FileNotFoundError
+        raise error(f"load_quantized needs the directory save_quantized wrote, got {str(directory)!r} ({kind})")
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    modules = _read_config(config_path)
     aliases = _linear_aliases(model)
     present = {alias for names in aliases.values() for alias in names}
     missing = sorted(set(modules) - present)
     if missing:
-        raise ValueError(f"model has no nn.Linear named {missing[:5]}: it is not the architecture that was saved")
-    state = load_file(directory / WEIGHTS_FILE)
+        raise ValueError(
+            f"{config_path}: model has no nn.Linear named {missing[:5]}: it is not the architecture that was saved"
+        )
+    state = _read_weights(weights_path)
     replacements = {}
     for first, names in aliases.items():
         modes = {modules.get(name) for name in names}
         if len(modes) > 1:
-            raise ValueError(f"{CONFIG_FILE} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}")
+            raise ValueError(
+                f"{config_path} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}"
+            )
         mode = modes.pop()
         if mode is not None:
             replacements[first] = _convert(first, model.get_submodule(first), mode, None)
-            _load_module_state(replacements[first], first, state)
+            _load_module_state(replacements[first], first, state, weights_path)
     swaps = {alias: replacements[first] for first in replacements for alias in aliases[first]}
-    _check_remaining_state(model, set(swaps), state)
+    try:
+        _check_remaining_state(model, set(swaps), state)
+    except RuntimeError as error:
+        raise RuntimeError(f"{weights_path}: {error}") from None
     _swap(model, swaps)
-    load_model(model, str(directory / WEIGHTS_FILE), strict=True)  # restores tied weights save_model dropped
+    load_model(model, str(weights_path), strict=True)  # restores tied weights save_model dropped
     return model
 
 
-def _load_module_state(module: nn.Module, name: str, state: Mapping[str, torch.Tensor]) -> None:
-    """Load the entries of ``state`` under ``name.`` into ``module`` (strict), or raise RuntimeError."""
+def _read_config(path: Path) -> dict[str, str]:
+    """{module name: mode} from a ``save_quantized`` config; errors name the file."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no slimformer quantization config (save_quantized writes it)")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: cannot read the slimformer quantization config: {error}") from error
+    if not isinstance(config, dict) or config.get("format") != _CONFIG_FORMAT:
+        raise ValueError(f"{path} is not a slimformer quantization config (format {_CONFIG_FORMAT})")
+    modules = config.get("modules")
+    if not isinstance(modules, dict) or not all(isinstance(name, str) for name in modules):
+        raise ValueError(f"{path}: 'modules' must map module names to modes, got {modules!r:.80}")
+    for name, mode in modules.items():
+        if mode not in MODES:
+            raise ValueError(f"{path}: module {name!r} has mode {mode!r}, not one of {MODES}")
+    return modules
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no quantized weights (save_quantized writes them)")
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError) as error:
+        raise ValueError(
+            f"{path}: cannot read the quantized weights (truncated or not safetensors?): {error}"
+        ) from error
+
+
+def _load_module_state(module: nn.Module, name: str, state: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Load the entries of ``state`` under ``name.`` into ``module`` (strict), or raise
+    RuntimeError naming ``path`` and the module; a tensor of another dtype than the
+    layer's (which load_state_dict would convert) is refused."""
     prefix = f"{name}."
-    module.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
+    own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+    expected = module.state_dict()
+    wrong = [
+        f"{key} is {tensor.dtype}, the layer's is {expected[key].dtype}"
+        for key, tensor in own.items()
+        if key in expected and tensor.dtype != expected[key].dtype
+    ]
+    if wrong:
+        raise RuntimeError(f"{path}: module {name!r}: {'; '.join(wrong)}")
+    try:
+        module.load_state_dict(own, strict=True)
+    except RuntimeError as error:
+        raise RuntimeError(f"{path}: module {name!r}: {error}") from None
 
 
 def _check_remaining_state(model: nn.Module, swapped: set[str], state: Mapping[str, torch.Tensor]) -> None:

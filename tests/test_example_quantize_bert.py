@@ -64,3 +64,17 @@ def test_minilm_meets_the_fidelity_targets(monkeypatch):
         row = by_mode[mode]
         assert row.min_layer_sqnr_db > 20, f"{mode}: {row.worst_layer} at {row.min_layer_sqnr_db:.1f} dB"
         assert row.mean_cosine >= least_cosine, f"{mode}: mean cosine {row.mean_cosine:.5f}"
+
+
+def test_bad_model_dir_and_device_are_one_line_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="model_dir must be a Hugging Face BERT folder with a config.json, got"):
+        quantize_bert.compare(tmp_path / "missing")
+    for argv, message in (
+        ([str(tmp_path / "missing")], "model_dir must be a Hugging Face BERT folder"),
+        *([([str(tmp_path), "--device", "cuda"], "--device: device 'cuda' needs CUDA")] if not torch.cuda.is_available() else []),
+    ):
+        (tmp_path / "config.json").write_text("{}")
+        with pytest.raises(SystemExit) as exit_info:
+            quantize_bert.main(argv)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err

@@ -243,6 +243,11 @@ def test_cli_rejects_bad_arguments(tiny_bert_config, capsys):
         (["--model", str(tiny_bert_config), "--batch", "0"], "--batch must be at least 1, got 0"),
         (["--model", str(tiny_bert_config), "--plot", "x.png", "--max-seq", "64"], "--max-seq must be at least 128"),
         (["--recompute", "some"], "invalid choice: 'some'"),
+        (["--model", str(tiny_bert_config), "--device", "gpu"], "--device: device must be a torch device"),
+        *(
+            [(["--model", str(tiny_bert_config), "--device", "cuda"], "--device: device 'cuda' needs CUDA")]
+            if not torch.cuda.is_available() else []
+        ),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

@@ -374,6 +374,96 @@ def test_hooks_registered_before_patching_still_run(torch_path):
     assert calls == ["LayerNorm", "BertLayer", "TransformerEncoderLayer", "LayerNorm"]
 
 
+def test_output_attentions_runs_the_original_path_for_that_call(torch_path):
+    reference = _model("BertModel", dropout=0.0).eval()
+    model = patch(copy.deepcopy(reference))
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        out, expected = (m(ids, attention_mask=mask, output_attentions=True) for m in (model, reference))
+    assert len(out.attentions) == len(expected.attentions) == model.config.num_hidden_layers
+    for got, want in zip((*out.attentions, out.last_hidden_state), (*expected.attentions, expected.last_hidden_state)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class _LoRA(nn.Module):
+    """A low-rank adapter around a Linear, the way PEFT wraps one: base(x) + B(A(x)) · scale."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4):
+        super().__init__()
+        self.base_layer, self.scale = base, 2.0
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False)
+        nn.init.normal_(self.lora_B.weight)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * self.scale
+
+
+@pytest.mark.parametrize("paths", [("attention.self.query", "attention.self.value"), ("intermediate.dense",)])
+def test_adapter_put_around_a_projection_after_patching_is_used(torch_path, paths):
+    reference = _model("BertModel", dropout=0.0).train()
+    model = patch(copy.deepcopy(reference))
+    for m in (model, reference):
+        torch.manual_seed(3)
+        for layer in m.encoder.layer:
+            for path in paths:
+                parent, _, name = path.rpartition(".")
+                setattr(layer.get_submodule(parent), name, _LoRA(layer.get_submodule(path)))
+        for name, p in m.named_parameters():
+            p.requires_grad_("lora_" in name)
+    ids, mask = _batch(model.config)
+    results = []
+    for m in (model, reference):
+        out = m(ids, attention_mask=mask).last_hidden_state
+        out.square().mean().backward()
+        results.append((out, {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    (out, grads), (expected_out, expected_grads) = results
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == expected_grads.keys() and grads
+    _assert_grads_close(grads, expected_grads)
+
+
+def test_hooks_on_submodules_of_a_fused_layer_fire(torch_path):
+    reference = _model("BertModel", dropout=0.0).eval()
+    model = patch(copy.deepcopy(reference))
+    calls = {}
+    for m in (model, reference):
+        layer = m.encoder.layer[0]
+        for path in ("attention.self", "attention.self.query", "intermediate", "output.LayerNorm"):
+            layer.get_submodule(path).register_forward_hook(
+                lambda module, args, out, key=(id(m), path): calls.setdefault(key, []).append(out)
+            )
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).last_hidden_state, reference(ids, attention_mask=mask).last_hidden_state
+        )
+    for path in ("attention.self", "attention.self.query", "intermediate", "output.LayerNorm"):
+        got, want = calls[(id(model), path)], calls[(id(reference), path)]
+        assert len(got) == len(want) == 1
+        torch.testing.assert_close(got, want)
+
+
+def test_patch_on_the_meta_device_then_materialise(torch_path):
+    reference = _model("BertModel", dropout=0.0).eval()
+    with torch.device("meta"):
+        model = BertModel(reference.config)
+    model = patch(model)
+    assert isinstance(model.encoder.layer[0], FusedBertFamilyLayer)
+    assert model.encoder.layer[0].saves_output == (False, False)  # no weights to judge yet
+    model.to_empty(device="cpu").load_state_dict(reference.state_dict())
+    with torch.no_grad():  # the non-persistent buffers (position ids) are not in a state_dict
+        for name, buffer in reference.named_buffers():
+            model.get_buffer(name).copy_(buffer)
+    assert model.encoder.layer[0].saves_output == (True, True)
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.eval()(ids, attention_mask=mask).last_hidden_state,
+            reference(ids, attention_mask=mask).last_hidden_state, rtol=1e-5, atol=1e-5,
+        )
+
+
 def test_transformer_encoder_layer_from_torch():
     torch_layer = nn.TransformerEncoderLayer(8, 2, 16, activation="gelu", batch_first=True).eval()
     layer = sf.TransformerEncoderLayer.from_torch(torch_layer, recompute="mlp")

@@ -252,3 +252,54 @@ def test_loader_rejects_another_architecture(tmp_path):
         load_quantized(nn.Sequential(nn.Linear(4, 4)), tmp_path)
     with pytest.raises(ValueError, match="no slimformer quantized layer"):
         save_quantized(tiny_bert(), tmp_path / "float")
+
+
+def _saved_sequential(tmp_path):
+    model = quantize(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), "int8", skip=())
+    save_quantized(model, tmp_path)
+    return model
+
+
+def _fresh_sequential():
+    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+
+def test_loader_refuses_a_tensor_of_another_dtype(tmp_path):
+    _saved_sequential(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    scale_key = next(k for k in state if k.startswith("0.") and state[k].is_floating_point() and "scale" in k)
+    state[scale_key] = (state[scale_key] * 1000).to(torch.int32)
+    save_file(state, tmp_path / "model.safetensors")
+    fresh = _fresh_sequential()
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(RuntimeError, match=rf"model.safetensors: module '0': {scale_key[2:]} is torch.int32, the layer's is torch.float"):
+        load_quantized(fresh, tmp_path)
+    assert not quantized_modules(fresh)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("damage", ["truncated_weights", "corrupt_config", "config_is_a_list", "unknown_mode", "file_path"])
+def test_load_errors_name_the_file_and_leave_the_model_untouched(tmp_path, damage):
+    _saved_sequential(tmp_path)
+    weights, config = tmp_path / "model.safetensors", tmp_path / "slimformer_quantization.json"
+    directory, error, message = tmp_path, ValueError, None
+    if damage == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[:100])
+        message = rf"{weights}: cannot read the quantized weights"
+    elif damage == "corrupt_config":
+        config.write_text(config.read_text()[:20])
+        message = rf"{config}: cannot read the slimformer quantization config"
+    elif damage == "config_is_a_list":
+        config.write_text("[1, 2]")
+        message = rf"{config} is not a slimformer quantization config"
+    elif damage == "unknown_mode":
+        config.write_text(config.read_text().replace('"0": "int8"', '"0": "int4"'))
+        message = rf"{config}: module '0' has mode 'int4'"
+    else:
+        directory, message = weights, rf"needs the directory save_quantized wrote, got '{weights}' \(a file\)"
+    fresh = _fresh_sequential()
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(error, match=message):
+        load_quantized(fresh, directory)
+    assert not quantized_modules(fresh)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())

@@ -18,11 +18,16 @@ in two passes without races: one program per key block accumulates dK and dV ove
 every query block of every query head sharing that key/value head (GQA), and one
 program per query block accumulates dQ.
 
-A row with no allowed key (all padding, say) gets o = 0 and lse = +inf; so does a row
-whose best score is below ``MASKED_ROW_SCORE`` (a row masked by finite additive values
-such as finfo.min, where SDPA would average v uniformly). With
-lse = +inf every p_ij of that row is exp(−inf) = 0, so the backward gives the row, and
-the keys it would have seen, zero gradient without a special case.
+A key is not allowed where a bool mask is False, the key is padding, it lies in the
+causal future, or its additive mask value is at most ``MASKED_BIAS`` (−inf, finfo.min,
+−1e9: a row masked only by such values would have an lse too large for fp32 to rebuild
+p from, and SDPA would average v uniformly there). Which rows have no allowed key is
+decided from the masks alone, never from the scores: a row of very negative scores
+(``scale=2e4``) gives SDPA's answer. A row with no allowed key gets o = 0 and
+lse = +inf; with lse = +inf every p_ij of that row is exp(−inf) = 0, so the backward
+gives the row, and the keys it would have seen, zero gradient without a special case.
+NaN and inf in q, k, v, ``scale`` or an additive mask propagate as in SDPA (a NaN mask
+value masks nothing).
 
 The kernels read q, k, v through their strides (only head_dim must be contiguous), so
 the heads of a fused QKV projection are used in place, and write o as (batch, seq,
@@ -33,24 +38,26 @@ and keeps only the input, o and lse.
 """
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from einops import rearrange
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from slimformer.kernels.dispatch import use_triton
 from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
-# A row whose best score (scale · q·k + additive mask) is at most this counts as having
-# no allowed key, like a row masked with −inf. Its lse would be too large for fp32 to
-# hold log Σ exp (at |lse| = 1e9 the ulp is 64), so backward could not rebuild p from it;
-# finite masks such as finfo.min or −1e9 reach here only when they mask the whole row.
-MASKED_ROW_SCORE = -(2.0**16)
-_MASKED_ROW_SCORE_LOG2 = tl.constexpr(MASKED_ROW_SCORE * _LOG2E.value)
+# An additive mask value at or below this masks its key, like −inf: finfo.min of every
+# float dtype and −1e9 do. A row masked only by such values would have an lse too large
+# for fp32 to hold log Σ exp (at |lse| = 1e9 the ulp is 64), so backward could not
+# rebuild p from it; masks of −1e4 (older HF models) still weigh their keys, as in SDPA.
+MASKED_BIAS = -(2.0**15)
+_MASKED_BIAS = tl.constexpr(MASKED_BIAS)
 _MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NO_MASK, _BOOL_MASK, _ADDITIVE_MASK = 0, 1, 2
@@ -99,8 +106,11 @@ def _masked_scores(
             allowed &= mask != 0
         else:
             bias = mask.to(tl.float32)
-            # finfo.min · log2(e) would overflow; such a key is masked either way
-            s += tl.where(bias >= -1e38, bias * _LOG2E, float("-inf"))
+            # NaN is not <= MASKED_BIAS: that key stays allowed and its NaN score propagates.
+            # (finfo.min · log2(e) would overflow; such a key is masked either way.)
+            weighs = (bias > _MASKED_BIAS) | (bias != bias)
+            allowed &= weighs
+            s += tl.where(weighs, bias, 0.0) * _LOG2E
     return tl.where(allowed, s, float("-inf"))
 
 
@@ -189,7 +199,9 @@ def _attention_fwd_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         m_i = m_new
 
-    has_keys = (l_i > 0.0) & (m_i > _MASKED_ROW_SCORE_LOG2)
+    # l_i >= 1 (the best key adds exp2(0)) or NaN once a row has an allowed key; only a
+    # row with none has l_i = 0. NaN scores leave l_i NaN, so o and lse come out NaN.
+    has_keys = l_i != 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * _LN2, float("inf"))
     tl.store(O + tile_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_in)
@@ -463,6 +475,12 @@ def _empty_output(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(batch, seq_q, heads, head_dim, dtype=q.dtype, device=q.device).transpose(1, 2)
 
 
+def _attention_fwd_empty(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of an empty problem: zeros, and +inf as for rows with no allowed key."""
+    lse = torch.full(q.shape[:3], math.inf, dtype=_reference_dtype(q), device=q.device)
+    return _empty_output(q).zero_(), lse
+
+
 def _attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -477,10 +495,10 @@ def _attention_fwd(
     """Launch the forward kernel; q, k, v have a contiguous last dim. Returns (out, lse)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:
+        return _attention_fwd_empty(q)
     out = _empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
-    if q.numel() == 0 or k.numel() == 0:
-        return out.zero_(), lse.fill_(math.inf)
     config = _block_config(head_dim, q.dtype, "fwd")
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     _attention_fwd_kernel[(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
@@ -538,6 +556,11 @@ def _attention_bwd(
     )
 
 
+def _reference_dtype(q: torch.Tensor) -> torch.dtype:
+    """The references' compute dtype: fp32, or fp64 for fp64 inputs (gradcheck)."""
+    return torch.promote_types(q.dtype, torch.float32)
+
+
 def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(batch, heads, ...) -> (batch, kv_heads, heads per kv head, ...)."""
     return rearrange(x, "b (k g) ... -> b k g ...", k=kv_heads)
@@ -551,12 +574,16 @@ def _scores_reference(
     is_causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    """fp32 scores (batch, heads, seq_q, seq_k), −inf where a key is not allowed."""
+    """Scores (batch, heads, seq_q, seq_k) in fp32 (fp64 for fp64 inputs), −inf where a
+    key is not allowed."""
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    s = torch.einsum("bkgqd,bksd->bkgqs", _grouped(q.float(), kv_heads), k.float()) * scale
+    dtype = _reference_dtype(q)
+    s = torch.einsum("bkgqd,bksd->bkgqs", _grouped(q.to(dtype), kv_heads), k.to(dtype)) * scale
     s = rearrange(s, "b k g q s -> b (k g) q s")
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        s = s.masked_fill(~attn_mask, -math.inf)
+    elif attn_mask is not None:
+        s = s + attn_mask.to(dtype).masked_fill(attn_mask <= MASKED_BIAS, -math.inf)
     if key_padding_mask is not None:
         s = s.masked_fill(key_padding_mask[:, None, None, :], -math.inf)
     if is_causal:
@@ -583,17 +610,20 @@ def _attention_fwd_reference(
     scale: float,
     seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``_attention_fwd`` computes, in fp32 PyTorch: (out in q's dtype and the
-    kernel's layout, fp32 lse). The score matrix lives only inside this call, as it
-    does in the kernel's registers."""
+    """What ``_attention_fwd`` computes, in fp32 PyTorch (fp64 for fp64 inputs): (out in
+    q's dtype and the kernel's layout, lse). The score matrix lives only inside this
+    call, as it does in the kernel's registers."""
+    if q.numel() == 0 or k.numel() == 0:
+        return _attention_fwd_empty(q)
     s = _scores_reference(q, k, attn_mask, key_padding_mask, is_causal, scale)
     lse = torch.logsumexp(s, dim=-1)
-    best = s.amax(dim=-1) if s.shape[-1] else torch.full_like(lse, -math.inf)
-    lse = lse.masked_fill(best <= MASKED_ROW_SCORE, math.inf)
+    # A +inf score makes the row NaN (inf − inf), as in the kernel and SDPA; a row with no
+    # allowed key gets +inf.
+    lse = torch.where(lse == math.inf, math.nan, torch.where(lse == -math.inf, math.inf, lse))
     p = torch.exp(s - lse[..., None])
     if seed is not None:
         p = p * _dropout_scale_reference(seed, p.shape, dropout_p)
-    out = torch.einsum("bkgqs,bksd->bkgqd", _grouped(p, k.shape[1]), v.float())
+    out = torch.einsum("bkgqs,bksd->bkgqd", _grouped(p, k.shape[1]), v.to(p.dtype))
     return _empty_output(q).copy_(rearrange(out, "b k g q d -> b (k g) q d")), lse
 
 
@@ -614,20 +644,30 @@ def _attention_bwd_reference(
     dk: torch.Tensor,
     dv: torch.Tensor,
 ) -> None:
-    """What ``_attention_bwd`` computes, in fp32 PyTorch, written into dq, dk, dv."""
-    kv_heads = k.shape[1]
+    """What ``_attention_bwd`` computes, in fp32 PyTorch (fp64 for fp64 inputs), written
+    into dq, dk, dv."""
+    if q.numel() == 0 or k.numel() == 0:
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return
+    kv_heads, dtype = k.shape[1], _reference_dtype(q)
     p = torch.exp(_scores_reference(q, k, attn_mask, key_padding_mask, is_causal, scale) - lse[..., None])
-    do = grad_out.float()
-    dp = rearrange(torch.einsum("bkgqd,bksd->bkgqs", _grouped(do, kv_heads), v.float()), "b k g q s -> b (k g) q s")
+    do = grad_out.to(dtype)
+    dp = rearrange(torch.einsum("bkgqd,bksd->bkgqs", _grouped(do, kv_heads), v.to(dtype)), "b k g q s -> b (k g) q s")
     p_kept = p
     if seed is not None:
         dropout_scale = _dropout_scale_reference(seed, p.shape, dropout_p)
         p_kept, dp = p * dropout_scale, dp * dropout_scale
-    delta = (do * out.float()).sum(-1, keepdim=True)
+    delta = (do * out.to(dtype)).sum(-1, keepdim=True)
     ds = _grouped(p * (dp - delta), kv_heads)
     dv.copy_(torch.einsum("bkgqs,bkgqd->bksd", _grouped(p_kept, kv_heads), _grouped(do, kv_heads)))
-    dk.copy_(torch.einsum("bkgqs,bkgqd->bksd", ds, _grouped(q.float(), kv_heads)) * scale)
-    dq.copy_(rearrange(torch.einsum("bkgqs,bksd->bkgqd", ds, k.float()) * scale, "b k g q d -> b (k g) q d"))
+    dk.copy_(torch.einsum("bkgqs,bkgqd->bksd", ds, _grouped(q.to(dtype), kv_heads)) * scale)
+    dq.copy_(rearrange(torch.einsum("bkgqs,bksd->bkgqd", ds, k.to(dtype)) * scale, "b k g q d -> b (k g) q d"))
+
+
+def _runs_kernels(q: torch.Tensor) -> bool:
+    # fp64 (gradcheck) always takes the PyTorch reference, in fp64.
+    return use_triton(q) and q.dtype != torch.float64
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -648,7 +688,7 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         seed = new_dropout_seed(q.device) if dropout_p > 0.0 else None
-        fwd = _attention_fwd if use_triton(q) else _attention_fwd_reference
+        fwd = _attention_fwd if _runs_kernels(q) else _attention_fwd_reference
         out, lse = fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
         ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask)
         ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
@@ -658,7 +698,7 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        bwd = _attention_bwd if use_triton(q) else _attention_bwd_reference
+        bwd = _attention_bwd if _runs_kernels(q) else _attention_bwd_reference
         bwd(
             _last_dim_contiguous(grad_out), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
             ctx.dropout_p, ctx.is_causal, ctx.scale, dq, dk, dv,
@@ -677,7 +717,7 @@ class _SelfAttentionRecomputeQKV(torch.autograd.Function):
     def forward(ctx, x, weight, bias, num_heads, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
         q, k, v = _split_heads(F.linear(x, weight, bias), num_heads)
         seed = new_dropout_seed(q.device) if dropout_p > 0.0 else None
-        fwd = _attention_fwd if use_triton(q) else _attention_fwd_reference
+        fwd = _attention_fwd if _runs_kernels(q) else _attention_fwd_reference
         out, lse = fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
         ctx.save_for_backward(x, weight, bias, out, lse, seed, attn_mask, key_padding_mask)
         ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale = num_heads, dropout_p, is_causal, scale
@@ -695,7 +735,7 @@ class _SelfAttentionRecomputeQKV(torch.autograd.Function):
         dqkv = torch.empty_like(qkv)
         dq, dk, dv = _split_heads(dqkv, ctx.num_heads)
         grad_out = rearrange(_last_dim_contiguous(grad_out.to(dtype)), "b s (h d) -> b h s d", h=ctx.num_heads)
-        bwd = _attention_bwd if use_triton(q) else _attention_bwd_reference
+        bwd = _attention_bwd if _runs_kernels(q) else _attention_bwd_reference
         bwd(
             grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask,
             ctx.dropout_p, ctx.is_causal, ctx.scale, dq, dk, dv,
@@ -710,7 +750,7 @@ def _check_masks(
     attn_mask: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
     device: torch.device,
-    batch: int,
+    batch_shape: tuple[int, ...],
     heads: int,
     seq_q: int,
     seq_k: int,
@@ -722,8 +762,8 @@ def _check_masks(
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
         if attn_mask.device != device:
             raise ValueError(f"attn_mask must be on q's device {device}, got {attn_mask.device}")
-        target = (batch, heads, seq_q, seq_k)
-        if attn_mask.dim() > 4 or any(
+        target = (*batch_shape, heads, seq_q, seq_k)
+        if attn_mask.dim() > len(target) or any(
             size not in (1, want) for size, want in zip(reversed(attn_mask.shape), reversed(target))
         ):
             raise ValueError(
@@ -741,14 +781,16 @@ def _check_masks(
             raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
         if key_padding_mask.device != device:
             raise ValueError(f"key_padding_mask must be on q's device {device}, got {key_padding_mask.device}")
-        if key_padding_mask.shape != (batch, seq_k):
+        if key_padding_mask.shape != (*batch_shape, seq_k):
             raise ValueError(
-                f"key_padding_mask must have shape (batch, seq_k) = {(batch, seq_k)}, "
+                f"key_padding_mask must have shape (batch, seq_k) = {(*batch_shape, seq_k)}, "
                 f"got {tuple(key_padding_mask.shape)}"
             )
 
 
 def _check_dropout_p(dropout_p: float) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
 
@@ -758,10 +800,45 @@ def _check_head_dim(head_dim: int) -> None:
         raise ValueError(f"head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
 
 
+def _causal_bias_as_mask(
+    bias: CausalBias, is_causal: bool, seq_q: int, seq_k: int, device: torch.device
+) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) computing what SDPA computes for a ``CausalBias`` mask.
+
+    Upper-left alignment (and lower-right with seq_q == seq_k) is the kernels' causal
+    path; lower-right with seq_q != seq_k lets row i see keys j <= i + seq_k - seq_q,
+    which goes in as a (seq_q, seq_k) bool mask (seq_q · seq_k bytes, read block by block).
+    """
+    if is_causal:
+        raise ValueError("is_causal must be False when attn_mask is a CausalBias (the bias already is causal)")
+    if (bias.seq_len_q, bias.seq_len_kv) != (seq_q, seq_k):
+        raise ValueError(
+            f"attn_mask CausalBias must be for (seq_q, seq_k) = {(seq_q, seq_k)}, "
+            f"got {(bias.seq_len_q, bias.seq_len_kv)}"
+        )
+    if bias.variant == CausalVariant.UPPER_LEFT or seq_q == seq_k:
+        return None, True
+    return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(seq_k - seq_q), False
+
+
+def _as_batch_heads(x: torch.Tensor) -> torch.Tensor:
+    """(..., heads, seq, d) -> (batch, heads, seq, d), the leading dims flattened (a view)."""
+    return x.reshape(-1, *x.shape[-3:])
+
+
+def _mask_as_batch_heads(mask: torch.Tensor | None, batch_shape: tuple[int, ...]) -> torch.Tensor | None:
+    """An attn_mask broadcastable to (*batch_shape, heads, seq_q, seq_k), as a 4-d mask."""
+    if mask is None or mask.dim() <= 3 or len(batch_shape) == 1:
+        return mask
+    mask = mask[(None,) * (len(batch_shape) + 3 - mask.dim())]
+    # a view, unless the mask's own leading dims are broadcast only in part
+    return mask.expand(*batch_shape, *mask.shape[-3:]).reshape(-1, *mask.shape[-3:])
+
+
 def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
@@ -771,81 +848,103 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention that never materialises the score matrix.
 
-    Same contract as ``torch.nn.functional.scaled_dot_product_attention`` on 4-d inputs,
+    Same contract and argument names as ``torch.nn.functional.scaled_dot_product_attention``,
     plus ``key_padding_mask``; all masks may be combined.
 
     Args:
-        q: (batch, heads, seq_q, head_dim), float16, bfloat16 or float32.
-        k, v: (batch, kv_heads, seq_k, head_dim), q's dtype and device. ``kv_heads`` equals
-            ``heads``, or divides it when ``enable_gqa`` (query head h reads kv head
-            h // (heads // kv_heads), as in SDPA); k and v are never repeated in memory.
-            head_dim is at most 256. Any strides are read in place as long as the last
-            dim is contiguous (head views of a fused projection need no copy).
-        attn_mask: bool (True = may attend) or an additive float mask, broadcastable to
-            (batch, heads, seq_q, seq_k); read through broadcast strides, never expanded.
-            It gets no gradient.
+        query: (..., heads, seq_q, head_dim) with any number of leading (batch) dims,
+            3-d (N, L, E) included; float16, bfloat16 or float32 run the fused kernels,
+            float64 (``torch.autograd.gradcheck``) runs the PyTorch reference in float64.
+        key, value: (..., kv_heads, seq_k, head_dim), query's leading dims, dtype and
+            device. ``kv_heads`` equals ``heads``, or divides it when ``enable_gqa`` (query
+            head h reads kv head h // (heads // kv_heads), as in SDPA); k and v are never
+            repeated in memory. head_dim is at most 256. Any strides are read in place as
+            long as the last dim is contiguous (head views of a fused projection need no copy).
+        attn_mask: bool (True = may attend), an additive float mask broadcastable to
+            (..., heads, seq_q, seq_k) and read through broadcast strides, never
+            expanded, or a ``torch.nn.attention.bias.CausalBias`` (``causal_upper_left``
+            / ``causal_lower_right``), honoured as SDPA does. It gets no gradient. An
+            additive value <= -2**15 (finfo.min, -1e9) masks its key like -inf.
         dropout_p: attention dropout probability in [0, 1), applied whenever it is > 0 (as
             in SDPA). The mask is drawn from torch's generator, so ``torch.manual_seed``
             reproduces it, and regenerated in backward rather than stored.
         is_causal: row i attends keys j <= i (top-left aligned, as in SDPA).
         scale: score scale, default ``1 / sqrt(head_dim)``.
         enable_gqa: allow fewer kv heads than query heads.
-        key_padding_mask: bool (batch, seq_k), True = padding (as in ``nn.MultiheadAttention``).
+        key_padding_mask: bool (..., seq_k) with query's leading dims, True = padding (as
+            in ``nn.MultiheadAttention``).
 
     Returns:
-        (batch, heads, seq_q, head_dim) in q's dtype (under autocast q, k and v are
-        first cast to the autocast dtype, as for SDPA), stored as (batch, seq_q, heads,
-        head_dim) so that merging the heads is a view. Rows with no allowed key are
-        zero, and so is their gradient.
+        (..., heads, seq_q, head_dim) in query's dtype (under autocast q, k and v are
+        first cast to the autocast dtype, as for SDPA); for 4-d inputs stored as
+        (batch, seq_q, heads, head_dim) so that merging the heads is a view. Rows with
+        no allowed key are zero (as SDPA gives), and so is their gradient. NaN and inf
+        in the inputs, ``scale`` or the mask propagate as in SDPA.
 
     Raises:
-        TypeError: a non-tensor input, dtypes other than float16/bfloat16/float32 or not
-            matching, a mask of the wrong dtype.
-        ValueError: wrong ranks or shapes (unlike SDPA, v must have k's shape: a value
-            head_dim other than q's is not supported), kv heads that do not divide the query heads,
-            head_dim outside [1, 256], dropout_p outside [0, 1), a mask that does not
-            broadcast or requires grad, tensors on different devices.
+        TypeError: a non-tensor input, dtypes other than float16/bfloat16/float32/float64
+            or not matching, a mask of the wrong dtype, a dropout_p or scale that is
+            not a real number.
+        ValueError: wrong ranks or shapes (unlike SDPA, value must have key's shape: a
+            value head_dim other than query's is not supported), kv heads that do not
+            divide the query heads, head_dim outside [1, 256], dropout_p outside [0, 1),
+            a mask that does not broadcast or requires grad, tensors on different
+            devices, a CausalBias for other sequence lengths or with is_causal=True.
     """
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() != 4:
+        if tensor.dim() < 3:
             raise ValueError(
-                f"{name} must be 4-d (batch, heads, seq, head_dim), got shape {tuple(tensor.shape)}"
+                f"{name} must be at least 3-d (..., heads, seq, head_dim), got shape {tuple(tensor.shape)}"
             )
-    if torch.is_autocast_enabled(q.device.type):
+    if torch.is_autocast_enabled(query.device.type):
         # as autocast casts SDPA's q, k, v (masks keep their dtype)
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, tensor in (("k", k), ("v", v)):
-        if tensor.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {tensor.dtype}")
-        if tensor.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {tensor.device}")
-    batch, heads, seq_q, head_dim = q.shape
-    if v.shape != k.shape:
-        raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[0] != batch:
-        raise ValueError(f"k and v must have q's batch size {batch}, got {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k and v must have q's head_dim {head_dim}, got {k.shape[3]}")
-    _check_head_dim(head_dim)
-    kv_heads, seq_k = k.shape[1], k.shape[2]
-    if enable_gqa:
-        if kv_heads == 0 or heads % kv_heads != 0:
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+    if query.dtype not in (*_DTYPES, torch.float64):
+        raise TypeError(f"query must be float16, bfloat16, float32 or float64, got {query.dtype}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != query.dtype:
+            raise TypeError(f"{name} must have query's dtype {query.dtype}, got {tensor.dtype}")
+        if tensor.device != query.device:
+            raise ValueError(f"{name} must be on query's device {query.device}, got {tensor.device}")
+    *batch_shape, heads, seq_q, head_dim = query.shape
+    batch_shape = tuple(batch_shape)
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dim() != query.dim() or tuple(tensor.shape[:-3]) != batch_shape:
             raise ValueError(
-                f"k and v heads must divide q's {heads} heads when enable_gqa=True, got {kv_heads}"
+                f"{name} must have query's leading (batch) dims {batch_shape}, got shape {tuple(tensor.shape)}"
+            )
+        if tensor.shape[-1] != head_dim:
+            raise ValueError(f"{name} must have query's head_dim {head_dim}, got shape {tuple(tensor.shape)}")
+    if value.shape != key.shape:
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    _check_head_dim(head_dim)
+    kv_heads, seq_k = key.shape[-3], key.shape[-2]
+    if enable_gqa:
+        if heads % max(kv_heads, 1) != 0 or (kv_heads == 0) != (heads == 0):
+            raise ValueError(
+                f"key and value heads must divide query's {heads} heads when enable_gqa=True, got {kv_heads}"
             )
     elif kv_heads != heads:
         raise ValueError(
-            f"k and v must have q's {heads} heads (pass enable_gqa=True for fewer), got {kv_heads}"
+            f"key and value must have query's {heads} heads (pass enable_gqa=True for fewer), got {kv_heads}"
         )
     _check_dropout_p(dropout_p)
-    _check_masks(attn_mask, key_padding_mask, q.device, batch, heads, seq_q, seq_k)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if isinstance(attn_mask, CausalBias):
+        attn_mask, is_causal = _causal_bias_as_mask(attn_mask, is_causal, seq_q, seq_k, query.device)
+    _check_masks(attn_mask, key_padding_mask, query.device, batch_shape, heads, seq_q, seq_k)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    return _Attention.apply(q, k, v, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal), scale)
+    if query.dim() != 4:
+        attn_mask = _mask_as_batch_heads(attn_mask, batch_shape)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.reshape(-1, seq_k)
+        query, key, value = _as_batch_heads(query), _as_batch_heads(key), _as_batch_heads(value)
+    out = _Attention.apply(query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal), scale)
+    return out.view(*batch_shape, heads, seq_q, head_dim)
 
 
 def self_attention(
@@ -907,7 +1006,7 @@ def self_attention(
         raise ValueError(f"num_heads must divide embed {embed}, got {num_heads}")
     _check_head_dim(embed // num_heads)
     _check_dropout_p(dropout_p)
-    _check_masks(attn_mask, key_padding_mask, x.device, batch, num_heads, seq, seq)
+    _check_masks(attn_mask, key_padding_mask, x.device, (batch,), num_heads, seq, seq)
     if not recompute_qkv:
         q, k, v = _split_heads(F.linear(x, qkv_weight, qkv_bias), num_heads)
         out = attention(q, k, v, attn_mask, dropout_p, is_causal, key_padding_mask=key_padding_mask)

@@ -21,6 +21,26 @@ def use_triton(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` as a torch.device (None: cuda when available, else cpu).
+
+    Raises ValueError naming the device when it is not a device name, or is a CUDA
+    device that this torch cannot use (no GPU, or a CPU-only build).
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from error
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no visible CUDA device"
+        raise ValueError(f"device {str(device)!r} needs CUDA, which is not available here ({build}); use 'cpu'")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+    return resolved
+
+
 @functools.lru_cache(maxsize=None)
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors on a CUDA device (a handful when interpreting)."""

@@ -21,6 +21,8 @@ summed.
 """
 
 import math
+import numbers
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -372,7 +374,16 @@ class _NormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dh_out=None):
-        saved, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        try:
+            saved, weight, bias, mean, rstd, seed = ctx.saved_tensors
+        except RuntimeError as error:
+            if ctx.spec.rebuild_from_output and "inplace operation" in str(error):
+                raise RuntimeError(
+                    "the output of a memory-efficient slimformer LayerNorm/RMSNorm was modified in place, "
+                    "but its backward rebuilds the input from that output; use memory_efficient=False "
+                    "(it keeps the input, as torch.nn.LayerNorm does) or an out-of-place op"
+                ) from error
+            raise
         saved = _as_rows(saved, ctx.spec)
         dy = _as_rows(dy.contiguous(), ctx.spec)
         dh_out = None if dh_out is None else _as_rows(dh_out.contiguous(), ctx.spec)
@@ -388,27 +399,135 @@ class _NormFunction(torch.autograd.Function):
         return dx_full, dresidual_full, dw, db, None, None
 
 
+def _rebuilds_input_flag(weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``output_rebuilds_input`` as a 0-d bool tensor on the weights' device (no host sync)."""
+    if weight is None:
+        return torch.tensor(True)
+    w = weight.detach().float().abs()
+    ok = torch.isfinite(w).all() & (w >= _MIN_ABS_WEIGHT).all()
+    if bias is not None:
+        ok &= (bias.detach().float().abs() <= _MAX_BIAS_OVER_WEIGHT * w).all()
+    return ok
+
+
 def output_rebuilds_input(weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
     """Whether x̂ = (y - b) / w can be trusted, so the memory-efficient mode is safe.
 
     True when every |w| >= 1e-3 and |b| <= 7 |w| (y's rounding error then grows at most
-    8x in x̂). Reads the weights once (a host sync): call it when a layer gets its
-    weights, not per step.
+    8x in x̂). Reads the weights (a host sync); ``MemoryModes`` decides it for many
+    norms with one sync. Weights on the meta device have no values to judge: False.
     """
-    if weight is None:
-        return True
-    w = weight.detach().float().abs()
-    if not bool(torch.isfinite(w).all()) or bool((w < _MIN_ABS_WEIGHT).any()):
+    if weight is not None and weight.is_meta:
         return False
-    if bias is None:
-        return True
-    return bool((bias.detach().float().abs() <= _MAX_BIAS_OVER_WEIGHT * w).all())
+    return bool(_rebuilds_input_flag(weight, bias))
+
+
+class MemoryModes:
+    """Which norms may keep their output instead of their input, re-decided whenever their
+    weights change, with one host sync per device for every stale norm at once.
+
+    A norm (any module with ``weight`` and optionally ``bias``) is stale when its weight
+    or bias is another tensor, or has been written in place (its version counter, read
+    without a sync, moved): an optimizer step, ``load_state_dict``, pruning's recomputed
+    weight, ``with torch.no_grad(): w.zero_()``. The first stale norm that runs after an
+    optimizer step re-decides all of them, so a training step costs one sync for the
+    whole model, not one per layer. Writes through ``.data`` bypass the version counter:
+    call ``refresh`` after those. Code traced by ``torch.compile`` cannot read version
+    counters: it uses the decision last made in eager mode (kept on the norm as a bool
+    attribute, which the compiled code guards on), or keeps the input if there was none.
+    """
+
+    _ATTRIBUTE = "_slimformer_rebuilds_input"
+
+    def __init__(self) -> None:
+        self._decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # norm -> state decided on
+
+    @staticmethod
+    def _state(norm) -> tuple:
+        """(weak reference, version) of the weight and the bias, as decided on."""
+        tensors = (norm.weight, getattr(norm, "bias", None))
+        return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+
+    def track(self, norm) -> None:
+        """Have ``norm`` decided with the next refresh (so a model's first step decides
+        all its norms with one sync)."""
+        self._decisions.setdefault(norm, None)
+
+    @staticmethod
+    def _is_current(state: tuple | None, norm) -> bool:
+        if state is None:
+            return False
+        tensors = (norm.weight, getattr(norm, "bias", None))
+        return all(
+            (t is None) if held is None else (t is not None and held[0]() is t and held[1] == t._version)
+            for held, t in zip(state, tensors)
+        )
+
+    def rebuilds_input(self, norm) -> bool:
+        """Whether ``norm``'s backward may rebuild its input from its output now."""
+        if torch.compiler.is_compiling():
+            return getattr(norm, self._ATTRIBUTE, False)
+        if not self._is_current(self._decisions.get(norm), norm):
+            self.refresh(norm)
+        return getattr(norm, self._ATTRIBUTE)
+
+    def refresh(self, *norms) -> None:
+        """Re-decide ``norms`` and every other stale norm: one host sync per device."""
+        # Weights that are tensor subclasses (FSDP2's sharded DTensors between calls) are
+        # judged when their norm runs on plain tensors, or kept safe (input saved) if not.
+        stale = [
+            norm for norm, state in list(self._decisions.items())
+            if not self._is_current(state, norm) and not _has_subclass_weights(norm)
+        ]  # fmt: skip
+        stale += [norm for norm in norms if not any(norm is other for other in stale)]
+        by_device: dict[torch.device, list] = {}
+        for norm in stale:
+            weight = norm.weight
+            if (weight is not None and weight.is_meta) or _has_subclass_weights(norm):
+                self._decide(norm, False)
+            else:
+                flag = _rebuilds_input_flag(weight, getattr(norm, "bias", None))
+                by_device.setdefault(flag.device, []).append((norm, flag))
+        for pairs in by_device.values():
+            flags = torch.stack([flag for _, flag in pairs]).tolist()  # the one host sync
+            for (norm, _), ok in zip(pairs, flags):
+                self._decide(norm, ok)
+
+    def _decide(self, norm, rebuilds: bool) -> None:
+        self._decisions[norm] = self._state(norm)
+        setattr(norm, self._ATTRIBUTE, rebuilds)
+
+
+def _has_subclass_weights(norm) -> bool:
+    tensors = (norm.weight, getattr(norm, "bias", None))
+    return any(t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+MEMORY_MODES = MemoryModes()
+
+
+def check_normalized_shape(normalized_shape) -> tuple[int, ...]:
+    """``normalized_shape`` (an int or a sequence of ints) as a tuple; TypeError/ValueError otherwise."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+    if not isinstance(shape, Sequence) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise TypeError(
+            f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__} "
+            f"{normalized_shape!r}"
+        )
+    if not shape or any(d < 0 for d in shape):
+        raise ValueError(f"normalized_shape must be a non-empty sequence of sizes, got {normalized_shape!r}")
+    return tuple(shape)
+
+
+def check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
 
 
 def _normalized_size(x: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    if not all(isinstance(d, int) and d >= 0 for d in shape) or not shape:
-        raise ValueError(f"normalized_shape must be a non-empty sequence of sizes, got {normalized_shape!r}")
+    shape = check_normalized_shape(normalized_shape)
     if tuple(x.shape[len(x.shape) - len(shape) :]) != shape or len(shape) > x.dim():
         raise ValueError(
             f"normalized_shape {list(shape)} must match the last dimensions of input, got input shape {list(x.shape)}"
@@ -450,6 +569,9 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
     _check_tensor("weight", weight, x, shape, autocast)
     _check_tensor("bias", bias, x, shape, autocast)
     _check_tensor("residual", residual, x, x.shape, autocast)
+    check_eps(eps)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if return_residual and residual is None:
@@ -471,6 +593,13 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
     return _NormFunction.apply(x.contiguous(), residual, weight, bias, seed, spec)
 
 
+def _checked_memory_mode(memory_efficient: bool, weight, bias) -> bool:
+    """The functional's ``memory_efficient``: kept only when the weights allow rebuilding."""
+    if not isinstance(memory_efficient, bool):
+        raise TypeError(f"memory_efficient must be a bool, got {type(memory_efficient).__name__}")
+    return memory_efficient and torch.is_grad_enabled() and output_rebuilds_input(weight, bias)
+
+
 def layer_norm(
     input: torch.Tensor,
     normalized_shape: int | Sequence[int],
@@ -490,13 +619,17 @@ def layer_norm(
     input: (..., *normalized_shape), float32/float16/bfloat16, at most 65536 features.
     weight, bias: normalized_shape, same dtype as input (outside autocast), or None.
     residual: same shape as input, or None. dropout_p: in [0, 1); pass 0 in eval.
-    memory_efficient: save the output instead of h and rebuild x̂ from it in backward;
-        only correct if ``output_rebuilds_input(weight, bias)``.
+    memory_efficient: save the output instead of h and rebuild x̂ from it in backward,
+        when ``output_rebuilds_input(weight, bias)`` says that is exact enough (checked
+        on every call that records a graph: one host sync; the layers decide it once per
+        weight update); otherwise h is saved. The output must not then be modified in
+        place (backward raises an error saying so).
     return_residual: also return h (the sum, for the next pre-LN block).
     Returns y shaped like input (float32 under CUDA autocast, else the dtype of
     input + residual), or
     (y, h). Raises ValueError/TypeError naming the argument on bad shapes, dtypes, devices.
     """
+    memory_efficient = _checked_memory_mode(memory_efficient, weight, bias)
     return _fused_norm(
         input, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, False
     )
@@ -522,6 +655,7 @@ def rms_norm(
     """
     if eps is None:
         eps = torch.finfo(torch.float32).eps
+    memory_efficient = _checked_memory_mode(memory_efficient, weight, None)
     return _fused_norm(
         input, normalized_shape, weight, None, eps, residual, dropout_p, memory_efficient, return_residual, True
     )

@@ -15,10 +15,10 @@ from einops import rearrange
 from torch import nn
 
 from slimformer.kernels.attention import attention, self_attention
-from slimformer.layers.sharing import share_parameters
+from slimformer.layers.sharing import NotScriptable, share_parameters
 
 
-class MultiheadAttention(nn.MultiheadAttention):
+class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` on ``slimformer.attention``.
 
     Same constructor, parameters, ``state_dict`` and ``forward`` signature, plus the
@@ -85,6 +85,7 @@ class MultiheadAttention(nn.MultiheadAttention):
                 query, key, value, key_padding_mask=key_padding_mask, need_weights=need_weights,
                 attn_mask=attn_mask, average_attn_weights=average_attn_weights, is_causal=is_causal,
             )  # fmt: skip
+        self._check_shapes(query, key, value)
         self_attending = query is key and key is value
         batched = query.dim() == 3
         if not batched:
@@ -113,6 +114,31 @@ class MultiheadAttention(nn.MultiheadAttention):
         if not batched:
             return out.squeeze(0), None
         return (out if self.batch_first else out.transpose(0, 1)), None
+
+    def _check_shapes(self, query, key, value) -> None:
+        """torch's shape checks of the fused path's inputs, as ValueErrors naming the argument."""
+        for name, tensor in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+            raise ValueError(
+                "query, key and value must all be 3-d (batched) or all 2-d (unbatched), got shapes "
+                f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            )
+        widths = (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim))
+        for name, tensor, features in widths:
+            if tensor.shape[-1] != features:
+                raise ValueError(
+                    f"{name} must have {features} features in its last dim, got shape {tuple(tensor.shape)}"
+                )
+        if key.shape[:-1] != value.shape[:-1]:
+            raise ValueError(
+                "key and value must have the same batch and sequence sizes, got "
+                f"{tuple(key.shape)} and {tuple(value.shape)}"
+            )
+        batch_dim = 0 if self.batch_first or query.dim() == 2 else 1
+        if query.dim() == 3 and query.shape[batch_dim] != key.shape[batch_dim]:
+            raise ValueError(f"key must have query's batch size {query.shape[batch_dim]}, got shape {tuple(key.shape)}")
 
     def _projection_weights(self):
         if self._qkv_same_embed_dim:
@@ -155,7 +181,7 @@ class MultiheadAttention(nn.MultiheadAttention):
         return f"recompute_qkv={self.recompute_qkv}"
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(NotScriptable, nn.Module):
     """Multi-head self-attention with a fused QKV projection, inputs (batch, seq, embed).
 
     ``qkv_proj`` maps embed -> 3 · embed (q, k, v rows stacked), ``out_proj`` embed ->

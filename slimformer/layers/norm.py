@@ -5,53 +5,47 @@ Both subclass the torch modules they replace (same constructor, same state_dict,
 and the fused dropout + residual add of ``slimformer.kernels.norm``.
 
 The memory-efficient mode (the default) keeps the output instead of the input for
-backward. Whether the weights allow rebuilding the input from the output is decided
-when the layer gets its weights (construction, ``reset_parameters``,
-``load_state_dict``, ``from_torch``) and cached, so a training step never syncs with
-the host; call ``refresh_memory_mode()`` after changing the weights by hand.
+backward. Whether the weights allow rebuilding the input from the output is re-decided
+whenever they change (an optimizer step, ``load_state_dict``, an in-place edit under
+``no_grad``: see ``slimformer.kernels.norm.MemoryModes``), for every layer at once with
+one host sync per step; call ``refresh_memory_mode()`` after writing through ``.data``.
 """
 
+import torch
 from torch import nn
 
-from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
-from slimformer.layers.sharing import share_parameters
+from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, check_eps, check_normalized_shape
+from slimformer.layers.sharing import NotScriptable, share_parameters
 
 
-def _refresh_after_load(module, incompatible_keys) -> None:
-    # A module-level function (not a lambda) keeps the layer picklable.
-    module.refresh_memory_mode()
+class _MemoryModeMixin(NotScriptable):
+    """Shared by both layers: the memory mode, ``from_torch`` and the repr.
 
-
-class _MemoryModeMixin:
-    """Shared by both layers: the cached memory mode, ``from_torch`` and the repr.
-
-    ``saves_output`` is True when memory_efficient was asked for and the weights allow
-    rebuilding the input from the output.
+    ``saves_output`` is True when memory_efficient was asked for and the current weights
+    allow rebuilding the input from the output (weights on the meta device do not).
     """
 
     _copied_attributes = ("normalized_shape", "eps", "elementwise_affine")
 
     def _init_memory_mode(self, memory_efficient: bool) -> None:
+        if not isinstance(memory_efficient, bool):
+            raise TypeError(f"memory_efficient must be a bool, got {type(memory_efficient).__name__}")
         self.memory_efficient = memory_efficient
-        self.register_load_state_dict_post_hook(_refresh_after_load)
-        self.refresh_memory_mode()
+        MEMORY_MODES.track(self)
+
+    @property
+    def saves_output(self) -> bool:
+        return self.memory_efficient and MEMORY_MODES.rebuilds_input(self)
+
+    def _rebuilds_input(self) -> bool:
+        # Only a call that records a graph needs (and pays for) the decision.
+        return self.memory_efficient and torch.is_grad_enabled() and MEMORY_MODES.rebuilds_input(self)
 
     def refresh_memory_mode(self) -> bool:
-        """Re-decide (one host sync) whether backward may rebuild the input from the output.
-
-        Weights on the meta device have no values to judge: the layer saves its input
-        until real weights are loaded (``load_state_dict`` decides again)."""
-        weight = self.weight
-        if weight is not None and weight.is_meta:
-            self.saves_output = False
-        else:
-            self.saves_output = self.memory_efficient and output_rebuilds_input(weight, getattr(self, "bias", None))
+        """Re-decide now (one host sync) whether backward may rebuild the input from the
+        output; needed only after writing the weights through ``.data``."""
+        MEMORY_MODES.refresh(self)
         return self.saves_output
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if hasattr(self, "memory_efficient"):  # torch's __init__ calls this before ours runs
-            self.refresh_memory_mode()
 
     @classmethod
     def from_torch(cls, module: nn.Module, *, memory_efficient: bool = True):
@@ -86,21 +80,16 @@ class LayerNorm(_MemoryModeMixin, nn.LayerNorm):
         *,
         memory_efficient: bool = True,
     ):
+        check_normalized_shape(normalized_shape)
+        check_eps(eps)
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self._init_memory_mode(memory_efficient)
 
     def forward(self, input, residual=None, *, dropout_p: float = 0.0, return_residual: bool = False):
-        return layer_norm(
-            input,
-            self.normalized_shape,
-            self.weight,
-            self.bias,
-            self.eps,
-            residual=residual,
-            dropout_p=dropout_p,
-            memory_efficient=self.saves_output,
-            return_residual=return_residual,
-        )
+        return _fused_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps, residual, dropout_p,
+            self._rebuilds_input(), return_residual, False,
+        )  # fmt: skip
 
 
 class RMSNorm(_MemoryModeMixin, nn.RMSNorm):
@@ -118,17 +107,15 @@ class RMSNorm(_MemoryModeMixin, nn.RMSNorm):
         *,
         memory_efficient: bool = True,
     ):
+        check_normalized_shape(normalized_shape)
+        if eps is not None:
+            check_eps(eps)
         super().__init__(normalized_shape, eps, elementwise_affine, device, dtype)
         self._init_memory_mode(memory_efficient)
 
     def forward(self, input, residual=None, *, dropout_p: float = 0.0, return_residual: bool = False):
-        return rms_norm(
-            input,
-            self.normalized_shape,
-            self.weight,
-            self.eps,
-            residual=residual,
-            dropout_p=dropout_p,
-            memory_efficient=self.saves_output,
-            return_residual=return_residual,
-        )
+        eps = torch.finfo(torch.float32).eps if self.eps is None else self.eps
+        return _fused_norm(
+            input, self.normalized_shape, self.weight, None, eps, residual, dropout_p,
+            self._rebuilds_input(), return_residual, True,
+        )  # fmt: skip

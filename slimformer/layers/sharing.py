@@ -1,4 +1,5 @@
-"""Building a slimformer layer around an existing torch module's Parameters."""
+"""Building a slimformer layer around an existing torch module's Parameters, and what
+every slimformer module shares."""
 
 import copy
 
@@ -34,3 +35,14 @@ def share_parameters(cls: type, module: nn.Module, torch_class: type, attributes
         setattr(layer, name, copy.copy(getattr(module, name)))
     layer.train(module.training)
     return layer
+
+
+class NotScriptable:
+    """Mixin: ``torch.jit.script`` of the module (or of a model holding it) says why it
+    cannot work, instead of failing somewhere inside TorchScript's compiler."""
+
+    def __prepare_scriptable__(self):
+        raise RuntimeError(
+            f"slimformer.{type(self).__name__} is not scriptable with torch.jit.script: it runs Triton kernels "
+            "through torch.autograd.Function, which TorchScript cannot compile; use torch.compile(model) instead"
+        )

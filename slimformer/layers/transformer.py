@@ -26,7 +26,7 @@ from slimformer.kernels.attention import self_attention
 from slimformer.kernels.dropout import dropout_add
 from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.norm import LayerNorm
-from slimformer.layers.sharing import share_parameters
+from slimformer.layers.sharing import NotScriptable, share_parameters
 from slimformer.recompute import check_policy
 
 _SUPPORTED_ACTIVATIONS = '"relu", "gelu", F.relu, F.gelu, torch.relu, nn.ReLU(), nn.GELU() or nn.GELU("tanh")'
@@ -43,7 +43,7 @@ def fused_activation_name(activation) -> str:
     raise ValueError(f"activation must be one of {_SUPPORTED_ACTIVATIONS} to be fused, got {activation!r}")
 
 
-class TransformerEncoderLayer(nn.TransformerEncoderLayer):
+class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
     """Drop-in ``torch.nn.TransformerEncoderLayer``; extra keyword ``recompute`` (a policy).
 
     ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)`` takes
@@ -109,6 +109,14 @@ class TransformerEncoderLayer(nn.TransformerEncoderLayer):
 
     def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal: bool = False):
         check_policy(self.recompute)
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(f"src must be a torch.Tensor, got {type(src).__name__}")
+        d_model = self.self_attn.embed_dim
+        if src.dim() not in (2, 3) or src.shape[-1] != d_model:
+            raise ValueError(
+                f"src must be (batch, seq, d_model) or (seq, batch, d_model) or (seq, d_model) with d_model = "
+                f"{d_model}, got shape {tuple(src.shape)}"
+            )
         batch_first = self.self_attn.batch_first
         x = src if batch_first or src.dim() == 2 else src.transpose(0, 1)
         batched = x.dim() == 3

@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from slimformer.kernels.dispatch import resolve_device
 from slimformer.memory.measure import ActivationMemory, _tensors, format_bytes, measure_activation_memory
 from slimformer.patch import patch
 from slimformer.recompute import POLICIES, recompute
@@ -658,7 +659,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = bert_config(args.model)
     except (ValueError, OSError) as error:
         parser.error(str(error))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device: {error}")
     dtype = DTYPES[args.dtype]
     policies = list(POLICIES) if "all" in args.recompute else list(dict.fromkeys(args.recompute))
     baselines = list(dict.fromkeys(args.baseline))

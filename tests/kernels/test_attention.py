@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from slimformer.kernels import attention as attention_module
 from slimformer.kernels.attention import attention, self_attention
@@ -298,6 +299,133 @@ def test_empty_inputs_give_zeros(backend, q_shape, kv_shape):
     assert k.grad.shape == kv_shape and not k.grad.any() and not v.grad.any()
 
 
+def _sdpa_and_ours(q, k, v, grad, **kwargs):
+    """(ours, SDPA's math path): each (out, dq, dk, dv) for the same inputs and kwargs."""
+    with sdpa_kernel(SDPBackend.MATH):
+        sdpa = _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **kwargs), q, k, v, grad)
+    return _forward_backward(lambda q, k, v: attention(q, k, v, **kwargs), q, k, v, grad), sdpa
+
+
+def _poisoned(where: str):
+    """Small inputs with one NaN or inf placed where ``where`` says, and attention's kwargs."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, n, 16, generator=gen) for n in (7, 9, 9))
+    grad = torch.randn(2, 2, 7, 16, generator=gen)
+    mask = torch.randn(2, 1, 7, 9, generator=gen)
+    kwargs = {"attn_mask": mask}
+    if where == "q_nan":
+        q[0, 1, 3, 5] = math.nan
+    elif where == "k_inf":
+        k[1, 0, 4, 2] = math.inf
+    elif where == "v_nan":
+        v[0, 0, 6, 7] = math.nan
+    elif where == "scale_nan":
+        kwargs["scale"] = math.nan
+    elif where == "scale_inf":
+        kwargs["scale"] = math.inf
+    elif where == "mask_nan":
+        mask[1, 0, 2, 3] = math.nan
+    elif where == "mask_inf":
+        mask[0, 0, 5, 1] = math.inf
+    return q, k, v, grad, kwargs
+
+
+@pytest.mark.parametrize("where", ["q_nan", "k_inf", "v_nan", "scale_nan", "scale_inf", "mask_nan", "mask_inf"])
+def test_nan_and_inf_propagate_like_sdpa(backend, where):
+    q, k, v, grad, kwargs = _poisoned(where)
+    ours, sdpa = _sdpa_and_ours(q, k, v, grad, **kwargs)
+    assert not sdpa[0].isfinite().all(), "the case must poison SDPA's output"
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), ours, sdpa):
+        assert torch.equal(got.isnan(), expected.isnan()), f"{name}: NaNs where SDPA has none, or none where it has"
+        finite = expected.isfinite()
+        torch.testing.assert_close(got[finite], expected[finite], msg=name)
+
+
+def test_nan_in_additive_mask_is_not_masked(backend):
+    # a row whose only finite-or-NaN keys are NaN is not a "fully masked" row of zeros
+    q, k, v = torch.randn(1, 1, 3, 16), torch.randn(1, 1, 4, 16), torch.randn(1, 1, 4, 16)
+    mask = torch.full((3, 4), -math.inf)
+    mask[:, 0] = 0.0
+    mask[1] = math.nan
+    out = attention(q, k, v, attn_mask=mask)
+    assert out[0, 0, 1].isnan().all() and out[0, 0, [0, 2]].isfinite().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_negative_scores_are_not_a_masked_row(backend, dtype):
+    # Every score is about -1e5 (q > 0, k < 0, scale 2e4), far below any lse threshold,
+    # yet nothing is masked: SDPA gives (close to) the best key's v, not zeros.
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.rand(1, 2, 5, 16, generator=gen) + 0.1).to(dtype)
+    k = -(torch.rand(1, 2, 6, 16, generator=gen) + 0.1).to(dtype)
+    v = torch.randn(1, 2, 6, 16, generator=gen).to(dtype)
+    grad = torch.randn(1, 2, 5, 16, generator=gen).to(dtype)
+    ours, sdpa = _sdpa_and_ours(q, k, v, grad, scale=2e4)
+    assert (q.float() @ k.float().mT * 2e4).amax() < -2.0**16
+    assert sdpa[0].abs().amax() > 0.1
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(ours[0], sdpa[0], rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(ours[3], sdpa[3], rtol=tolerance, atol=tolerance)
+
+
+def test_zero_heads_give_an_empty_result_like_sdpa(backend):
+    q, k, v = torch.randn(2, 0, 8, 16, requires_grad=True), torch.randn(2, 0, 9, 16), torch.randn(2, 0, 9, 16)
+    out = attention(q, k, v)
+    out.sum().backward()
+    assert out.shape == F.scaled_dot_product_attention(q, k, v).shape == (2, 0, 8, 16)
+    assert q.grad.shape == (2, 0, 8, 16)
+
+
+def test_float64_runs_the_reference_and_passes_gradcheck(backend):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for n in (5, 6, 6))
+    mask = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    padding = torch.tensor([[False, False, False, False, True, True]])
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: attention(q, k, v, attn_mask=mask, is_causal=True, key_padding_mask=padding), (q, k, v)
+    )
+    bias = mask.masked_fill(padding[0], -math.inf).masked_fill(torch.ones(5, 6).triu(1).bool(), -math.inf)
+    torch.testing.assert_close(
+        attention(q, k, v, attn_mask=mask, is_causal=True, key_padding_mask=padding),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=bias), rtol=1e-12, atol=1e-12,
+    )
+
+
+@pytest.mark.parametrize(
+    "q_shape, kv_shape, mask_shape",
+    [((3, 7, 16), (3, 9, 16), (3, 7, 9)), ((3, 7, 16), (3, 9, 16), (7, 9)),
+     ((2, 3, 2, 7, 16), (2, 3, 2, 9, 16), (3, 1, 7, 9)), ((2, 3, 2, 7, 16), (2, 3, 2, 9, 16), (2, 1, 1, 7, 9))],
+    ids=["3d", "3d-shared-mask", "5d", "5d-batch-mask"],
+)
+def test_any_number_of_leading_dims_like_sdpa(backend, q_shape, kv_shape, mask_shape):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(q_shape, generator=gen), torch.randn(kv_shape, generator=gen), torch.randn(kv_shape, generator=gen)
+    grad = torch.randn(q_shape, generator=gen)
+    mask = torch.rand(mask_shape, generator=gen) > 0.3
+    mask[..., 0] = True
+    ours, sdpa = _sdpa_and_ours(q, k, v, grad, attn_mask=mask)
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), ours, sdpa):
+        assert got.shape == expected.shape
+        torch.testing.assert_close(got, expected, msg=name)
+
+
+def test_takes_sdpa_keyword_names(backend):
+    q, k, v = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+    kwargs = dict(query=q, key=k, value=v, attn_mask=None, dropout_p=0.0, is_causal=True, scale=0.3, enable_gqa=False)
+    torch.testing.assert_close(attention(**kwargs), F.scaled_dot_product_attention(**kwargs))
+
+
+@pytest.mark.parametrize("make_bias", [causal_upper_left, causal_lower_right], ids=["upper_left", "lower_right"])
+@pytest.mark.parametrize("seq_q, seq_k", [(6, 6), (4, 9), (9, 4)])
+def test_causal_bias_is_honoured_like_sdpa(backend, make_bias, seq_q, seq_k):
+    gen = torch.Generator().manual_seed(0)
+    q, grad = torch.randn(2, 2, seq_q, 16, generator=gen), torch.randn(2, 2, seq_q, 16, generator=gen)
+    k, v = torch.randn(2, 2, seq_k, 16, generator=gen), torch.randn(2, 2, seq_k, 16, generator=gen)
+    ours, sdpa = _sdpa_and_ours(q, k, v, grad, attn_mask=make_bias(seq_q, seq_k))
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), ours, sdpa):
+        torch.testing.assert_close(got, expected.nan_to_num(), msg=name)
+
+
 def test_noncontiguous_inputs_and_broadcast_grad(backend):
     batch, seq, heads, head_dim = 2, 33, 3, 40
     qkv = torch.randn(batch, seq, 3, heads, head_dim)
@@ -354,16 +482,23 @@ def _small(**overrides):
 
 
 BAD_INPUTS = [
-    (_small(q=torch.randn(4, 8, 16)), {}, ValueError, "q must be 4-d"),
-    (_small(q=torch.randn(2, 4, 8, 16, dtype=torch.float64)), {}, TypeError, "q must be float16"),
-    (_small(k=torch.randn(2, 4, 9, 16, dtype=torch.float16)), {}, TypeError, "k must have q's dtype"),
-    (_small(v=torch.randn(2, 4, 9, 16, device="meta")), {}, ValueError, "v must be on q's device"),
-    (_small(k=torch.randn(3, 4, 9, 16), v=torch.randn(3, 4, 9, 16)), {}, ValueError, "batch size 2"),
+    (_small(q=torch.randn(8, 16)), {}, ValueError, "query must be at least 3-d"),
+    (_small(q=torch.ones(2, 4, 8, 16, dtype=torch.int32)), {}, TypeError, "query must be float16"),
+    (_small(k=torch.randn(2, 4, 9, 16, dtype=torch.float16)), {}, TypeError, "key must have query's dtype"),
+    (_small(v=torch.randn(2, 4, 9, 16, device="meta")), {}, ValueError, "value must be on query's device"),
+    (_small(k=torch.randn(3, 4, 9, 16), v=torch.randn(3, 4, 9, 16)), {}, ValueError, "leading (batch) dims (2,)"),
     (_small(k=torch.randn(2, 4, 9, 8), v=torch.randn(2, 4, 9, 8)), {}, ValueError, "head_dim 16"),
-    (_small(v=torch.randn(2, 4, 10, 16)), {}, ValueError, "v must have k's shape"),
+    (_small(v=torch.randn(2, 4, 10, 16)), {}, ValueError, "value must have key's shape"),
+    # a wrong key is blamed on key, not on the value that matches query
+    (_small(k=torch.randn(2, 4, 9, 8)), {}, ValueError, "key must have query's head_dim 16, got shape (2, 4, 9, 8)"),
+    (_small(k=torch.randn(4, 9, 16)), {}, ValueError, "key must have query's leading (batch) dims (2,)"),
     (_small(k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16)), {}, ValueError, "enable_gqa=True"),
     (_small(k=torch.randn(2, 3, 9, 16), v=torch.randn(2, 3, 9, 16)), {"enable_gqa": True}, ValueError,
-     "must divide q's 4 heads"),
+     "must divide query's 4 heads"),
+    (_small(), {"dropout_p": "0.1"}, TypeError, "dropout_p must be a float in [0, 1), got str '0.1'"),
+    (_small(), {"scale": "0.5"}, TypeError, "scale must be a float or None, got str '0.5'"),
+    (_small(), {"attn_mask": causal_upper_left(8, 8)}, ValueError, "CausalBias must be for (seq_q, seq_k) = (8, 9)"),
+    (_small(), {"attn_mask": causal_upper_left(8, 9), "is_causal": True}, ValueError, "is_causal must be False"),
     (_small(q=torch.randn(1, 1, 2, 257), k=torch.randn(1, 1, 2, 257), v=torch.randn(1, 1, 2, 257)), {},
      ValueError, "head_dim must be in"),
     (_small(), {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
@@ -493,3 +628,14 @@ def test_kernels_compile_for_sm90():
         *_hopper_builds(torch.float16, 64, 0),
     ]
     compile_for_hopper(builds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["q_nan", "k_inf", "v_nan", "scale_nan", "mask_nan", "mask_inf"])
+def test_nan_and_inf_propagate_like_sdpa_on_gpu(where):
+    # compiled max reductions skip NaN where numpy's propagate it: the epilogue must not care
+    q, k, v, grad, kwargs = _poisoned(where)
+    kwargs = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in kwargs.items()}
+    ours, sdpa = _sdpa_and_ours(q.cuda(), k.cuda(), v.cuda(), grad.cuda(), **kwargs)
+    for name, got, expected in zip(("out", "dq", "dk", "dv"), ours, sdpa):
+        assert torch.equal(got.isnan(), expected.isnan()), name

@@ -5,11 +5,13 @@ error in the tested dtype (``assert_within_reference_error``).
 """
 
 import math
+import re
 
 import pytest
 import torch
 from torch import nn
 
+import slimformer as sf
 from slimformer.layers.attention import MultiheadAttention, SelfAttention
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error
@@ -320,3 +322,36 @@ def test_transformers_arguments_the_kernel_lacks_raise(argument):
     with pytest.raises(NotImplementedError, match=f"slimformer attention has no {argument}"):
         forward(nn.Module(), q, q, q, None, **{argument: torch.ones(2) if argument == "s_aux" else 30.0})
     assert forward(nn.Module(), q, q, q, None, softcap=None)[0].shape == (1, 5, 2, 16)
+
+
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((2, 5, 16), (2, 5, 16), (2, 5, 16)), "query must have 32 features in its last dim, got shape (2, 5, 16)"),
+        (((2, 5, 32), (2, 6, 32), (2, 5, 32)), "key and value must have the same batch and sequence sizes"),
+        (((2, 5, 32), (3, 5, 32), (3, 5, 32)), "key must have query's batch size 2, got shape (3, 5, 32)"),
+        (((2, 5, 32), (5, 32), (5, 32)), "query, key and value must all be 3-d (batched) or all 2-d (unbatched)"),
+        (((1, 2, 5, 32),) * 3, "query, key and value must all be 3-d"),
+    ],
+)
+def test_fused_path_validates_shapes_like_torch(shapes, message):
+    layer, reference = sf.MultiheadAttention(32, 4, batch_first=True), nn.MultiheadAttention(32, 4, batch_first=True)
+    tensors = [torch.randn(shape) for shape in shapes]
+    with pytest.raises(Exception):  # torch refuses the same misuse (with AssertionError or RuntimeError)
+        reference(*tensors, need_weights=False)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        layer(*tensors, need_weights=False)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: sf.MultiheadAttention(16, 2), lambda: sf.SelfAttention(16, 2), lambda: sf.LayerNorm(16),
+        lambda: sf.RMSNorm(16), lambda: sf.TransformerEncoderLayer(16, 2, 32),
+        lambda: nn.Sequential(nn.Linear(16, 16), sf.LayerNorm(16)),
+    ],
+    ids=["MultiheadAttention", "SelfAttention", "LayerNorm", "RMSNorm", "TransformerEncoderLayer", "inside a model"],
+)
+def test_torch_jit_script_says_to_use_torch_compile(build):
+    with pytest.raises(RuntimeError, match="is not scriptable with torch.jit.script.*use torch.compile"):
+        torch.jit.script(build())

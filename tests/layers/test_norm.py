@@ -142,3 +142,101 @@ def test_built_on_the_meta_device_then_materialised():
     layer.load_state_dict(torch.nn.LayerNorm(8).state_dict(), assign=True)
     assert not layer.weight.is_meta and layer.saves_output
     assert sf.RMSNorm(8, device="meta").weight.is_meta
+
+
+def test_training_that_drives_the_weight_to_zero_keeps_exact_gradients(backend):
+    # Rows come in pairs (x, x) with upstream gradients (dy, -dy), so the task gives w no
+    # gradient and SGD (lr 1) on the task + |w|² / 2 sets w to 0 (to rounding) in one step:
+    # the next backward can no longer rebuild x̂ = (y - b) / w and must not silently try.
+    torch.manual_seed(0)
+    ours, reference = sf.LayerNorm(16), nn.LayerNorm(16)
+    _randomize(ours)
+    reference.load_state_dict(ours.state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (ours, reference)]
+    x, dy = torch.randn(4, 16).repeat(2, 1), torch.randn(4, 16)
+    dy = torch.cat([dy, -dy])
+    for step in range(3):
+        grads = []
+        for module, optimizer in zip((ours, reference), optimizers):
+            optimizer.zero_grad()
+            leaf = x.clone().requires_grad_(True)
+            (module(leaf) * dy).sum().add(module.weight.square().sum() / 2).backward()
+            grads.append((leaf.grad, module.weight.grad, module.bias.grad))
+            optimizer.step()
+        for got, expected in zip(*grads):
+            assert got.isfinite().all()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        if step > 0:
+            assert ours.weight.abs().max() < 1e-6 and not ours.saves_output
+
+
+def test_in_place_weight_edit_is_seen_without_refresh(backend):
+    layer = sf.LayerNorm(16)
+    assert layer.saves_output
+    with torch.no_grad():
+        layer.weight[5] = 0.0  # pruning a column
+    x = torch.randn(4, 16, requires_grad=True)
+    layer(x).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    nn.functional.layer_norm(x_ref, (16,), layer.weight, layer.bias).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    assert not layer.saves_output
+
+
+def test_one_host_sync_per_optimizer_step_for_the_whole_model(monkeypatch):
+    model = nn.Sequential(*(sf.LayerNorm(8) for _ in range(4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    syncs = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: syncs.append(1) or real_tolist(self))
+    for _ in range(3):
+        syncs.clear()
+        model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+        optimizer.step()
+        assert len(syncs) <= 1
+    syncs.clear()
+    model(torch.randn(2, 8, requires_grad=True)).sum().backward()
+    assert len(syncs) == 1  # the step changed every weight: all four re-decided together
+
+
+def test_functional_memory_efficient_handles_weights_it_cannot_rebuild_from(backend):
+    weight, bias = torch.ones(16), torch.zeros(16)
+    weight[2] = 0.0
+    x = torch.randn(4, 16, requires_grad=True)
+    sf.layer_norm(x, (16,), weight, bias, memory_efficient=True).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    nn.functional.layer_norm(x_ref, (16,), weight, bias).square().sum().backward()
+    assert x.grad.isfinite().all()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("torch_class, sf_class", LAYER_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_in_place_op_on_the_output(backend, torch_class, sf_class):
+    x = torch.randn(4, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="use memory_efficient=False"):
+        sf_class(16)(x).mul_(2).sum().backward()
+    ours, reference = sf_class(16, memory_efficient=False), torch_class(16)
+    for module in (ours, reference):
+        module(x).mul_(2).square().sum().backward()
+    grad_ours = x.grad.clone()
+    x.grad = None
+    reference(x).mul_(2).square().sum().backward()
+    torch.testing.assert_close(grad_ours / 2, x.grad)
+
+
+@pytest.mark.parametrize(
+    "build, error, message",
+    [
+        (lambda: sf.LayerNorm(8.0), TypeError, "normalized_shape must be an int or a sequence of ints, got float 8.0"),
+        (lambda: sf.RMSNorm([8, 2.0]), TypeError, r"normalized_shape must be an int or a sequence of ints, got list \[8, 2.0\]"),
+        (lambda: sf.LayerNorm(8, eps="1e-5"), TypeError, "eps must be a float, got str '1e-5'"),
+        (lambda: sf.LayerNorm(8, memory_efficient="yes"), TypeError, "memory_efficient must be a bool, got str"),
+        (lambda: sf.layer_norm(torch.randn(2, 8), 8.0), TypeError, "normalized_shape must be an int or a sequence"),
+        (lambda: sf.layer_norm(torch.randn(2, 8), 8, eps="1e-5"), TypeError, "eps must be a float, got str"),
+        (lambda: sf.layer_norm(torch.randn(2, 8), 8, dropout_p="0.1"), TypeError, "dropout_p must be a float in"),
+        (lambda: sf.LayerNorm(8)(torch.randn(2, 8), dropout_p="0.1"), TypeError, "dropout_p must be a float in"),
+    ],
+)
+def test_bad_arguments_name_the_argument(build, error, message):
+    with pytest.raises(error, match=message):
+        build()

@@ -1,5 +1,6 @@
 """slimformer.TransformerEncoderLayer vs torch's, recompute policies, and memory targets."""
 
+import re
 
 import pytest
 import torch
@@ -212,3 +213,10 @@ def test_memory_targets_bert_base(monkeypatch, policy, norm_first):
     per_unit = kept.per_token(512, 768)
     target = MEMORY_TARGETS[policy] + (4 if norm_first and policy != "full" else 0)
     assert per_unit <= target, f"{policy}: {per_unit:.2f} B/token/hidden, {kept}"
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16), (5, 2, 8, 32), (32,)], ids=["narrow", "4-d", "1-d"])
+def test_input_of_the_wrong_width_names_src(shape):
+    layer = sf.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    with pytest.raises(ValueError, match=re.escape(f"d_model = 32, got shape {shape}")):
+        layer(torch.randn(shape))
