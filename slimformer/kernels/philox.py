@@ -67,13 +67,10 @@ def _join4(a0, a1, a2, a3):
 def _keep_bytes(seed, counters, threshold):
     """Keep decisions [*counters.shape, 2, 2, 2, 2] (flattened trailing index s = 4 · word + byte)."""
     w0, w1, w2, w3 = tl.randint4x(seed, counters)
+    words = _join4(w0, w1, w2, w3)
     # byte b of w is >= t  <=>  w << (24 - 8b) >= t << 24 as unsigned 32-bit words.
     t = threshold << 24
-    by_byte0 = _join4(w0 << 24 >= t, w1 << 24 >= t, w2 << 24 >= t, w3 << 24 >= t)
-    by_byte1 = _join4(w0 << 16 >= t, w1 << 16 >= t, w2 << 16 >= t, w3 << 16 >= t)
-    by_byte2 = _join4(w0 << 8 >= t, w1 << 8 >= t, w2 << 8 >= t, w3 << 8 >= t)
-    by_byte3 = _join4(w0 >= t, w1 >= t, w2 >= t, w3 >= t)
-    return _join4(by_byte0, by_byte1, by_byte2, by_byte3)
+    return _join4(words << 24 >= t, words << 16 >= t, words << 8 >= t, words >= t)
 
 
 @triton.jit
