@@ -29,6 +29,7 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
+from slimformer.kernels.dropout import tile_origin
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -85,8 +86,8 @@ def _activation_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, col_start = tile_origin(M, N, BLOCK_M, BLOCK_N)
+    cols = col_start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     width = 2 * N if ACTIVATION == 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
@@ -99,7 +100,7 @@ def _activation_fwd_kernel(
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     if SEED is not None:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        keep = dropout_keep_tile(tl.load(SEED), rows, tl.program_id(1) * BLOCK_N, N, threshold, BLOCK_N)
+        keep = dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N)
         a *= tl.where(keep, scale, 0.0)
     tl.store(OUT + offsets, a.to(OUT.dtype.element_ty), mask=mask)
 
@@ -117,14 +118,14 @@ def _activation_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, col_start = tile_origin(M, N, BLOCK_M, BLOCK_N)
+    cols = col_start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     da = tl.load(DA + offsets, mask=mask, other=0.0).to(tl.float32)
     if SEED is not None:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        keep = dropout_keep_tile(tl.load(SEED), rows, tl.program_id(1) * BLOCK_N, N, threshold, BLOCK_N)
+        keep = dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N)
         da *= tl.where(keep, scale, 0.0)
     width = 2 * N if ACTIVATION == 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
@@ -141,11 +142,11 @@ def _activation_bwd_kernel(
         tl.store(DH + h_offsets, (da * derivative).to(DH.dtype.element_ty), mask=mask)
 
 
-def _grid(M: int, N: int) -> tuple[tuple[int, int], int, int]:
-    """2-D tiles of at most 4096 elements, wide along the contiguous columns."""
+def _grid(M: int, N: int) -> tuple[tuple[int], int, int]:
+    """2-D tiles of 4096 elements, wide along the contiguous columns, on one grid axis."""
     block_n = min(1024, max(DECISIONS_PER_CALL, triton.next_power_of_2(N)))
-    block_m = max(1, 4096 // block_n)
-    return (triton.cdiv(M, block_m), triton.cdiv(N, block_n)), block_m, block_n
+    block_m = 4096 // block_n
+    return (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),), block_m, block_n
 
 
 def _out_features(h: torch.Tensor, activation: str) -> int:

@@ -27,6 +27,16 @@ _TILE_ELEMENTS = 4096
 
 
 @triton.jit
+def tile_origin(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(rows [BLOCK_M], first column) of this program's tile of an (M, N) matrix, on one grid
+    axis (2**31 - 1 programs; the y and z axes stop at 65,535): tile (i, j) is program
+    i · column tiles + j."""
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    return (pid // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M), (pid % col_tiles) * BLOCK_N
+
+
+@triton.jit
 def _dropout_scale_kernel(
     X,  # (M, N) input, contiguous
     RESIDUAL,  # (M, N) residual to add, or None
@@ -38,10 +48,7 @@ def _dropout_scale_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    # One grid axis (2**31 - 1 programs): tile (i, j) of the (M, N) matrix is program i · col_tiles + j.
-    col_tiles = tl.cdiv(N, BLOCK_N)
-    rows = (tl.program_id(0) // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col_start = (tl.program_id(0) % col_tiles) * BLOCK_N
+    rows, col_start = tile_origin(M, N, BLOCK_M, BLOCK_N)
     cols = col_start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimformer.kernels import norm as norm_kernels
 from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
@@ -118,6 +119,16 @@ def test_returned_residual_and_its_gradient(backend, is_rms, dtype, n_cols, memo
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_hidden_size_65536(backend, dtype):
     _check_norm(False, dtype, 65536, True, False, True)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_rows_in_column_blocks(backend, monkeypatch, is_rms, memory_efficient):
+    # The kernels for rows wider than registers hold (here: > 64 columns, in blocks of 32,
+    # the last one partial), with dropout, residual and the returned h.
+    monkeypatch.setattr(norm_kernels, "_MAX_WHOLE_ROW", 64)
+    monkeypatch.setattr(norm_kernels, "_WIDE_BLOCK_N", 32)
+    _check_norm(is_rms, torch.float32, 100, True, True, memory_efficient, return_residual=True)
 
 
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])

@@ -10,15 +10,16 @@ MODULE = "slimformer.kernels.norm"
 
 
 def _builds(n_cols, dtype, fused):
-    block_m, block_n, num_warps = norm._block_config(n_cols)
+    block_m, block_n, num_warps, wide = norm._block_config(n_cols)
     ptr = f"*{TYPE_NAMES[dtype]}"
-    blocks = {"BLOCK_M": block_m, "BLOCK_N": block_n}
+    blocks = {"BLOCK_N": block_n} if wide else {"BLOCK_M": block_m, "BLOCK_N": block_n}
+    kernels = ("_norm_fwd_wide_kernel", "_norm_bwd_wide_kernel") if wide else ("_norm_fwd_kernel", "_norm_bwd_kernel")
     fwd_optional = {"RESIDUAL": ptr, "W": ptr, "B": ptr, "H": ptr, "MEAN": "*fp32", "SEED": "*i64"}
     bwd_optional = {"W": ptr, "B": ptr, "MEAN": "*fp32", "DH_OUT": ptr, "DRESIDUAL": ptr,
                     "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32", "SEED": "*i64"}  # fmt: skip
     forward = KernelBuild(
         MODULE,
-        "_norm_fwd_kernel",
+        kernels[0],
         {"X": ptr, "Y": ptr, "RSTD": "*fp32", "M": "i32", "N": "i32", "eps": "fp32", "dropout_p": "fp32",
          **(fwd_optional if fused else {})},
         {"IS_RMS": False, "ROUND_H": fused, "STORE_H": fused, **blocks,
@@ -28,7 +29,7 @@ def _builds(n_cols, dtype, fused):
     )  # fmt: skip
     backward = KernelBuild(
         MODULE,
-        "_norm_bwd_kernel",
+        kernels[1],
         {"DY": ptr, "SAVED": ptr, "RSTD": "*fp32", "DX": ptr, "M": "i32", "N": "i32", "dropout_p": "fp32",
          "rows_per_program": "i32", **(bwd_optional if fused else {})},
         {"IS_RMS": not fused, "REBUILD_FROM_OUTPUT": not fused, **blocks,
