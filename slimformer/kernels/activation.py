@@ -10,15 +10,16 @@ Here only h = x W1ᵀ + b1 (fc1's output) is kept, or nothing at all with
               out = a W2ᵀ + b2                  (cuBLAS); a is freed at once
     backward: a = dropout(act(h)) again         (same Philox mask, from the seed)
               dW2 = doutᵀ a,  da = dout W2
-              dh = da · mask / (1 - p) · act'(h),  db1 = Σ_rows dh
+              dh = da · mask · scale · act'(h),  db1 = Σ_rows dh   (scale = 1 / (1 - p_eff))
               dW1 = dhᵀ x,  dx = dh W1
 
 The bias is added inside fc1's GEMM, before h is rounded to its dtype, as eager
 PyTorch does: adding it to an already rounded x W1ᵀ could flip the sign ReLU sees.
 
-Activations: ``relu``, ``gelu`` (exact, erf), ``gelu_tanh`` (tanh approximation) and
-``swiglu``, for which fc1 produces [gate | up] side by side (2·F columns) and
-a = silu(gate) · up. Elementwise math runs in fp32; outputs keep the input dtype.
+Activations: ``relu``, ``gelu`` (exact: z Φ(z), Φ to < 8e-8 on the Triton path),
+``gelu_tanh`` (tanh approximation) and ``swiglu``, for which fc1 produces [gate | up] side
+by side (2·F columns) and a = silu(gate) · up. Elementwise math runs in fp32; outputs keep
+the input dtype. The dropout mask is a (rows, F) dropout matrix (see ``philox.py``).
 """
 
 import math

@@ -16,8 +16,9 @@ adds only rstd (4 bytes per row). That division is only trustworthy when no |w| 
 tiny and |b| / |w| is bounded, which ``output_rebuilds_input`` decides once, when a
 layer gets its weights, never per step. The dropout mask is regenerated from the
 seed (see ``philox.py``), never stored. dw and db are reduced in two stages without
-atomics: each program sums its rows into an fp32 partial row, then the partials are
-summed.
+atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
+the partials are summed. Rows wider than 8192 are processed in 4096-column blocks
+(``_norm_*_wide_kernel``), so no row has to fit in registers.
 """
 
 import math
