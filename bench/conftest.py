@@ -1,22 +1,13 @@
 """pytest set-up for bench/: record the software and the device with every result."""
 
 import torch
-import triton
 
-from bench.harness import bench_device, device_name
+from bench.harness import bench_device, report_machine_info
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
     """Add what the report's header needs to pytest-benchmark's ``machine_info``."""
-    device = bench_device()
-    machine_info.update(
-        torch=torch.__version__,
-        triton=triton.__version__,
-        cuda=torch.version.cuda,
-        bench_device=device_name(device),
-        bench_device_type=device.type,
-        torch_threads=torch.get_num_threads(),
-    )
+    machine_info.update(report_machine_info())
 
 
 def pytest_configure(config):

@@ -32,6 +32,22 @@ def bench_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+def report_machine_info() -> dict:
+    """What the report's header says about the software and the benchmark device."""
+    import triton
+
+    device = bench_device()
+    return {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "bench_device": device_name(device),
+        "bench_device_type": device.type,
+        "torch_threads": torch.get_num_threads(),
+        "python_version": platform.python_version(),
+    }
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name (``NVIDIA H100 80GB HBM3``) or the CPU model (``AMD EPYC``)."""
     if device.type == "cuda":

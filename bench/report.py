@@ -7,6 +7,13 @@ prints one table per family/op/mode with rich and writes
     bench/results/<device-slug>.md            header, tables, targets, memory, skipped benchmarks
     bench/results/<device-slug>-<family>.png  metric vs the swept size, per op and mode
     bench/results/<device-slug>-bert-memory.png  a BERT's activation memory vs sequence length
+    bench/results/<device-slug>-int8.png  INT8 inference of all-MiniLM-L6-v2: latency and fidelity per mode
+
+A run that selects benchmarks (``-k EXPR``, ``-m EXPR`` or test paths) is partial: its
+files are named ``<device-slug>-partial-<selection>*`` and the full report is left as it
+is. ``-k`` also selects the memory sections, matched like a test name: the norm table
+as ``norm_memory``, each column of the BERT section as ``bert_memory <column>``
+(``-k "bert_memory and not sdpa"``, ``-k "bert_memory and (eager or none)"``).
 
 The report knows no family: each benchmark's ``extra_info`` names its ``family``,
 ``op``, ``mode``, ``provider``, ``implementation``, the swept parameter (``sweep``, e.g.
@@ -24,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,7 +46,11 @@ from rich.markdown import Markdown  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import torch  # noqa: E402
+from bench.bert_memory import BASELINES as BERT_BASELINES  # noqa: E402
 from bench.bert_memory import bert_memory_section  # noqa: E402
+from bench.harness import report_machine_info  # noqa: E402
+from bench.int8_inference import int8_inference_section  # noqa: E402
+from slimformer.recompute import POLICIES  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,16 +91,67 @@ class Result:
     metric: float
     peak_memory_mib: float | None
     ratio: dict[str, float] = field(default_factory=dict)  # baseline median / this median
+    dtype: str = ""
 
     @property
     def table_key(self) -> tuple[str, str, str]:
         return self.family, self.op, self.mode
 
 
+LOG_WIDTH = 120  # the console width when the output is a log, not a terminal
+_NO_TESTS_COLLECTED = 5  # pytest's exit code when the selection leaves no benchmark
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which part of the report a run makes, from its pytest arguments."""
+
+    keyword: str | None  # -k EXPR
+    partial: bool  # -k, -m or paths given: the run writes its own files
+    tag: str  # file-name part of a partial run
+    arguments: str = ""  # the pytest arguments, as given
+
+    def selects(self, name: str) -> bool:
+        """Whether ``-k`` selects ``name`` (a memory section and column), matched as pytest matches a test."""
+        if self.keyword is None:
+            return True
+        from _pytest.mark.expression import Expression
+
+        text = name.lower()
+        return Expression.compile(self.keyword).evaluate(lambda ident, **kwargs: ident.lower() in text)
+
+    def stem(self, slug: str) -> str:
+        return f"{slug}-partial-{self.tag}" if self.partial else slug
+
+
+def selection(pytest_args: list[str]) -> Selection:
+    """The -k / -m expressions and test paths among ``pytest_args``."""
+    keyword = marker = None
+    paths = []
+    args = iter(pytest_args)
+    for arg in args:
+        if arg in ("-k", "-m"):
+            value = next(args, "")
+        elif arg.startswith(("-k", "-m")) and not arg.startswith("--"):
+            value = arg[2:].lstrip("=")
+        else:
+            if not arg.startswith("-"):
+                paths.append(arg)
+            continue
+        if arg.startswith("-k"):
+            keyword = value
+        else:
+            marker = value
+    parts = [p for p in (keyword, marker, *paths) if p]
+    tag = re.sub(r"[^A-Za-z0-9]+", "-", "-".join(parts)).strip("-").lower()[:60] or "selection"
+    return Selection(keyword, bool(parts), tag, " ".join(pytest_args))
+
+
 def run_benchmarks(json_path: Path, pytest_args: list[str]) -> list[str]:
     """Run pytest on bench/, streaming its output; return the reasons of skipped benchmarks.
 
     TRITON_INTERPRET is dropped: the interpreter is for tests, and timing it means nothing.
+    A selection that leaves no benchmark writes no JSON (the memory sections may still run).
     """
     command = [sys.executable, "-m", "pytest", "bench", "-p", "no:xdist", "-p", "no:cacheprovider", "-rs"]
     command += ["--benchmark-quiet", f"--benchmark-json={json_path}", *pytest_args]
@@ -100,7 +163,9 @@ def run_benchmarks(json_path: Path, pytest_args: list[str]) -> list[str]:
             print(line, end="", flush=True)
             if match := re.match(r"SKIPPED \[\d+\] (.*)", line):
                 skipped.append(match.group(1).strip())
-    if proc.returncode != 0:
+    if proc.returncode == _NO_TESTS_COLLECTED:
+        print("no benchmark selected; only the memory sections the selection names run", flush=True)
+    elif proc.returncode != 0:
         sys.exit(f"pytest failed (exit code {proc.returncode}); no report written")
     return skipped
 
@@ -126,6 +191,7 @@ def load_results(benchmarks: list[dict]) -> list[Result]:
                 unit=info["unit"],
                 metric=info["work"] / p50 / UNIT_SCALE[info["unit"]],
                 peak_memory_mib=info.get("peak_memory_mib"),
+                dtype=info.get("dtype", ""),
             )
         )
     medians = {(*r.table_key, r.size, r.provider): r.p50 for r in results}
@@ -259,18 +325,23 @@ def git_revision() -> str:
     return revision + (" (with uncommitted changes)" if changes else "")
 
 
-def header(machine: dict, results: list[Result], rounds: int) -> list[str]:
+def header(machine: dict, results: list[Result], rounds: int, chosen: Selection) -> list[str]:
     """The markdown header: what ran where, and how to read the tables."""
     by_provider = group_by(results, lambda r: r.provider)
     runs = {p: " / ".join(sorted({r.implementation for r in group})) for p, group in by_provider.items()}
-    lines = [
-        f"# Benchmarks on {machine['bench_device']}",
-        "",
+    lines = [f"# Benchmarks on {machine['bench_device']}", ""]
+    if chosen.partial:
+        lines += [
+            f"**Partial run** (`python -m bench.report {chosen.arguments}`); the full report is "
+            f"`{device_slug(machine['bench_device'], machine['bench_device_type'])}.md`.",
+            "",
+        ]
+    lines += [
         f"- device: {machine['bench_device']} ({machine['bench_device_type']})",
         f"- torch {machine['torch']}, triton {machine['triton']}, CUDA {machine['cuda'] or 'none'}, "
         f"Python {machine['python_version']}",
         f"- git revision: {git_revision()}",
-        "- providers run: " + ", ".join(f"{p} = {impl}" for p, impl in runs.items()),
+        "- providers run: " + (", ".join(f"{p} = {impl}" for p, impl in runs.items()) or "none"),
         f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC",
         "",
         f"Times are the 20th/50th/80th percentiles of {rounds} rounds, in ms (on a GPU: CUDA-event time of "
@@ -290,7 +361,7 @@ def header(machine: dict, results: list[Result], rounds: int) -> list[str]:
     return lines
 
 
-def plot(results: list[Result], device: str, path: Path) -> None:
+def plot(results: list[Result], device: str, device_type: str, path: Path) -> None:
     """One subplot per op x mode: the metric against the swept size, one line per provider."""
     ops = list(dict.fromkeys(r.op for r in results))
     modes = list(dict.fromkeys(r.mode for r in results))
@@ -320,7 +391,9 @@ def plot(results: list[Result], device: str, path: Path) -> None:
         legend.update(zip(labels, handles))
     labels, handles = list(legend), list(legend.values())
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
-    fig.suptitle(f"{results[0].family} on {device}", y=1.04)
+    path = " - PyTorch reference path (CPU)" if device_type == "cpu" else ""
+    dtypes = ", ".join(sorted({r.dtype for r in results if r.dtype}))
+    fig.suptitle(f"{results[0].family}{f' ({dtypes})' if dtypes else ''} on {device}{path}", y=1.04)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -347,14 +420,16 @@ def memory_lines(machine: dict) -> list[str]:
     ]
 
 
-def write_report(data: dict, skipped: list[str], console: Console) -> list[Path]:
-    """Print and write the report of one pytest-benchmark JSON run; return the files written."""
-    machine = data["machine_info"]
-    device = machine["bench_device"]
-    results = load_results(data["benchmarks"])
-    rounds = max(len(b["stats"]["data"]) for b in data["benchmarks"])
+def write_report(data: dict | None, skipped: list[str], console: Console, chosen: Selection) -> list[Path]:
+    """Print and write the report of one pytest-benchmark JSON run (None: no benchmark
+    selected); return the files written."""
+    machine = data["machine_info"] if data else report_machine_info()
+    device, device_type = machine["bench_device"], machine["bench_device_type"]
+    benchmarks = data["benchmarks"] if data else []
+    results = load_results(benchmarks)
+    rounds = max((len(b["stats"]["data"]) for b in benchmarks), default=0)
 
-    md = header(machine, results, rounds)
+    md = header(machine, results, rounds, chosen)
     console.print(Markdown("\n".join(md)))
     for (family, op, mode), group in group_by(results, lambda r: r.table_key).items():
         columns, rows = table(group)
@@ -363,40 +438,57 @@ def write_report(data: dict, skipped: list[str], console: Console) -> list[Path]
             rich_table.add_row(*row)
         console.print(rich_table)
         md += ["", f"## {family}: {op}, {mode}", "", markdown_table(columns, rows)]
-    if machine["bench_device_type"] == "cuda":
+    if device_type == "cuda" and results:
         targets = ["## Targets", "", *target_lines(results, device), "", *attention_target_lines(results, device)]
         console.print(Markdown("\n".join(targets)))
         md += ["", *targets]
-    memory = memory_lines(machine)
-    console.print(Markdown("\n".join(memory)))
-    md += ["", *memory]
+    if chosen.selects("norm_memory"):
+        memory = memory_lines(machine)
+        console.print(Markdown("\n".join(memory)))
+        md += ["", *memory]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    slug = device_slug(device, machine["bench_device_type"])
-    bert_plot = RESULTS / f"{slug}-bert-memory.png"
-    bert = bert_memory_section(torch.device(machine["bench_device_type"]), bert_plot, log=console.log)
-    console.print(Markdown("\n".join(bert)))
-    md += ["", *bert]
+    stem = chosen.stem(device_slug(device, device_type))
+    written = [RESULTS / f"{stem}.md"]
+    bert_plot = RESULTS / f"{stem}-bert-memory.png"
+    bert = bert_memory_section(
+        torch.device(device_type),
+        bert_plot,
+        log=console.log,
+        selected=lambda name: chosen.selects(f"bert_memory {name}"),
+    )
+    if bert:  # plain text: the table's lines fit a log's width, a Markdown code block would indent them
+        console.print("\n".join(bert), markup=False, highlight=False, soft_wrap=True)
+        md += ["", *bert]
+        written.append(bert_plot)
+    if chosen.selects("int8_inference"):
+        int8_plot = RESULTS / f"{stem}-int8.png"
+        int8 = int8_inference_section(torch.device(device_type), int8_plot, log=console.log)
+        console.print("\n".join(int8), markup=False, highlight=False, soft_wrap=True)
+        md += ["", *int8]
+        if int8_plot.exists():
+            written.append(int8_plot)
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
-
-    written = [RESULTS / f"{slug}.md", bert_plot]
     written[0].write_text("\n".join(md) + "\n")
     for family, group in group_by(results, lambda r: r.family).items():
-        written.append(RESULTS / f"{slug}-{family}.png")
-        plot(group, device, written[-1])
+        written.append(RESULTS / f"{stem}-{family}.png")
+        plot(group, device, device_type, written[-1])
     return written
 
 
 def main(pytest_args: list[str]) -> None:
     started = time.perf_counter()
+    chosen = selection(pytest_args)
     with tempfile.TemporaryDirectory() as tmp:
         json_path = Path(tmp) / "benchmarks.json"
         skipped = run_benchmarks(json_path, pytest_args)
-        if not json_path.exists():
-            sys.exit("no benchmark ran; no report written")
-        data = json.loads(json_path.read_text())
-    console = Console() if sys.stdout.isatty() else Console(width=120)  # logs: don't cut columns at 80
-    for path in write_report(data, skipped, console):
+        data = json.loads(json_path.read_text()) if json_path.exists() else None
+    console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)  # logs: don't cut columns at 80
+    bert_columns = [*BERT_BASELINES, *(f"slimformer ({policy})" for policy in POLICIES)]
+    memory_selected = chosen.selects("norm_memory") or any(chosen.selects(f"bert_memory {c}") for c in bert_columns)
+    if data is None and not memory_selected:
+        sys.exit("no benchmark and no memory section selected; no report written")
+    for path in write_report(data, skipped, console, chosen):
         console.print(f"wrote {path.relative_to(ROOT)}")
     console.print(f"bench.report took {time.perf_counter() - started:.0f} s")
 

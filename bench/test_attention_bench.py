@@ -16,7 +16,7 @@ tensors without masks or dropout. Modes: ``fwd`` is the training forward (inputs
 grad), ``bwd`` the backward of a retained forward, ``full`` forward + backward; gradients
 of q, k and v are taken with ``torch.autograd.grad``, so nothing accumulates between rounds.
 
-TFLOP/s divides ``attention_flops`` (DESIGN.md: forward 4·b·h·s²·d, halved if causal,
+TFLOP/s divides ``attention_flops`` (docs/architecture.md: forward 4·b·h·s²·d, halved if causal,
 backward 2.5x forward; the same for every provider) by the median time.
 """
 
@@ -41,7 +41,7 @@ if DEVICE.type == "cuda":
     PROVIDERS = ["slimformer", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math"]
 else:
     TOKENS, WIDTH, HEAD_DIMS, DTYPE = 64, 64, [32], torch.float32
-    SEQ = [64, 128]
+    SEQ = [32, 64, 128, 256]  # four points: a trend to read
     PROVIDERS = ["slimformer", "sdpa-math"]
 MODES = ["fwd", "bwd", "full"]
 SDPA_BACKENDS = {

@@ -51,7 +51,7 @@ if DEVICE.type == "cuda":
 else:
     DTYPE = torch.float32
     WEIGHT_SHAPES = [(256, 384)]
-    TOKENS = [1, 64]
+    TOKENS = [1, 16, 64, 256]  # four points: a trend to read
     BERT = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512)
     BERT_SEQ, BERT_BATCHES = 32, [2]
 GEMM_OPS = ["linear", "w8a8", "w8a8-gemm", "w8a16"]

@@ -30,7 +30,7 @@ DEVICE = bench_device()
 if DEVICE.type == "cuda":
     ROWS, HIDDEN, DTYPE = 4096, [512, 768, 1024, 2048, 4096, 8192, 16384], torch.bfloat16
 else:
-    ROWS, HIDDEN, DTYPE = 64, [128, 768], torch.float32
+    ROWS, HIDDEN, DTYPE = 64, [128, 256, 768, 1024], torch.float32  # four points: a trend to read
 EPS = 1e-5
 OPS = ["layer_norm", "rms_norm", "add_layer_norm"]
 MODES = ["fwd", "bwd", "full"]

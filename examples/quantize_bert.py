@@ -36,6 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save_model
+from tqdm.auto import tqdm
 
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import fidelity_report, quantize, quantized_modules, save_quantized
@@ -405,15 +406,19 @@ def file_bytes(model) -> int:
 
 
 @torch.no_grad()
-def latencies_ms(models: dict, batch: dict, repeats: int) -> dict[str, float]:
+def latencies_ms(models: dict, batch: dict, repeats: int, progress=None) -> dict[str, float]:
     """Median wall time of one forward + pooling per model, over ``repeats`` rounds.
 
     Each round times every model once, in turn, so load from other processes falls on
     all of them alike; warm-up runs first (kernel compilation and autotuning, caches).
+    ``progress`` (a tqdm bar) advances once per round.
     """
     device = batch["input_ids"].device
     times = {mode: [] for mode in models}
     for round_ in range(-WARMUP, repeats):
+        if progress is not None:
+            progress.set_postfix_str("warm-up" if round_ < 0 else f"timing round {round_ + 1}/{repeats}")
+            progress.update()
         for mode, model in models.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -467,30 +472,40 @@ def compare(
         modes = (*modes, GPU_BASELINE)
 
     calibration = tokenize(tokenizer, CALIBRATION_SENTENCES, batch_size, device)
-    models = {mode: convert(float_model, mode, calibration, smooth_alpha) for mode in modes}
-    latency = latencies_ms(models, batches[0], repeats)
-    rows = []
-    for mode, model in models.items():
-        embeddings = embed(model, batches)
-        cosine = (embeddings * reference).sum(dim=1)
-        top1, overlap = neighbour_agreement(reference, embeddings)
-        layers = fidelity_report(float_model, model, batches).layer_sqnr_db if quantized_modules(model) else {}
-        worst = min(layers, key=layers.get, default=None)
-        rows.append(
-            Row(
-                mode=mode,
-                file_mb=file_bytes(model) / 2**20,
-                linear_weight_mb=linear_weight_bytes(model) / 2**20,
-                latency_ms=latency[mode],
-                mean_cosine=cosine.mean().item(),
-                min_cosine=cosine.min().item(),
-                top1_agreement=top1,
-                topk_overlap=overlap,
-                min_layer_sqnr_db=None if worst is None else layers[worst],
-                worst_layer=worst,
-            )
-        )
-    return rows
+    with tqdm(total=2 * len(modes) + WARMUP + repeats, desc="quantize_bert", unit="step") as progress:
+        models = {}
+        for mode in modes:
+            progress.set_postfix_str(f"converting to {mode}")
+            models[mode] = convert(float_model, mode, calibration, smooth_alpha)
+            progress.update()
+        latency = latencies_ms(models, batches[0], repeats, progress)
+        return [
+            _measure(mode, model, float_model, reference, batches, latency[mode], progress)
+            for mode, model in models.items()
+        ]
+
+
+def _measure(mode, model, float_model, reference, batches, latency_ms: float, progress) -> Row:
+    """One mode's Row: sizes, the latency measured, and fidelity to ``reference``."""
+    progress.set_postfix_str(f"measuring fidelity of {mode}")
+    embeddings = embed(model, batches)
+    cosine = (embeddings * reference).sum(dim=1)
+    top1, overlap = neighbour_agreement(reference, embeddings)
+    layers = fidelity_report(float_model, model, batches).layer_sqnr_db if quantized_modules(model) else {}
+    worst = min(layers, key=layers.get, default=None)
+    progress.update()
+    return Row(
+        mode=mode,
+        file_mb=file_bytes(model) / 2**20,
+        linear_weight_mb=linear_weight_bytes(model) / 2**20,
+        latency_ms=latency_ms,
+        mean_cosine=cosine.mean().item(),
+        min_cosine=cosine.min().item(),
+        top1_agreement=top1,
+        topk_overlap=overlap,
+        min_layer_sqnr_db=None if worst is None else layers[worst],
+        worst_layer=worst,
+    )
 
 
 def render(rows: list[Row], title: str) -> Table:

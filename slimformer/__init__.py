@@ -1,5 +1,7 @@
 """slimformer: fused Triton kernels and drop-in layers for memory-lean Transformers."""
 
+from slimformer._version import __version__
+
 from slimformer import memory
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention, self_attention
@@ -15,6 +17,7 @@ from slimformer.quantize import fidelity_report, load_quantized, quantize, save_
 from slimformer.recompute import recompute
 
 __all__ = [
+    "__version__",
     "FusedMLP",
     "LayerNorm",
     "Linear16bit",

@@ -20,10 +20,17 @@ the patch keep working):
 * ``torch.nn.TransformerEncoderLayer`` -> ``slimformer.TransformerEncoderLayer``
   (``from_torch``), also inside ``torch.nn.TransformerEncoder``;
 * every other ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` -> ``slimformer.LayerNorm``
-  / ``slimformer.RMSNorm`` (``from_torch``, memory-efficient mode).
+  / ``slimformer.RMSNorm`` (``from_torch``, memory-efficient mode);
+* ``torch.nn.MultiheadAttention`` -> ``slimformer.MultiheadAttention`` (``from_torch``);
+* HuggingFace RMSNorms whose forward is LlamaRMSNorm's, checked against its source
+  (Llama, Mistral, Qwen2/3 and about 130 more families in transformers 5) ->
+  ``Fused<Norm>``, which normalises in one kernel and then multiplies by the weight in
+  the input's dtype, exactly as the original casts before it scales.
 
 Only those exact classes are swapped: a subclass may compute something else, so it is
-left, and the summary says why. ``patch`` returns the model; what it did is
+left, and the summary says why. So is every other module whose class name says it is
+an attention, an MLP or a norm (GPT-2's attention and MLP, Llama's, Gemma's
+``(1 + weight)`` RMSNorm ...). ``patch`` returns the model; what it did is
 ``patch_summary(model)``, printable as plain text or a rich table.
 
 The fused layers take the ``recompute`` policies of ``slimformer.recompute``. HF BERT
@@ -49,6 +56,9 @@ dropped by ``unpatch``.
 """
 
 import copy
+import inspect
+import re
+import textwrap
 import warnings
 from dataclasses import dataclass
 
@@ -60,12 +70,22 @@ from torch.utils.checkpoint import checkpoint
 
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention
-from slimformer.kernels.norm import layer_norm, output_rebuilds_input
+from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
+from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.norm import LayerNorm, RMSNorm
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.recompute import check_policy
 
-__all__ = ["FusedBertFamilyLayer", "Left", "PatchSummary", "Swap", "patch", "patch_summary", "unpatch"]
+__all__ = [
+    "FusedBertFamilyLayer",
+    "FusedLlamaStyleRMSNorm",
+    "Left",
+    "PatchSummary",
+    "Swap",
+    "patch",
+    "patch_summary",
+    "unpatch",
+]
 
 # Encoder layers whose classes (layer, attention, self-attention, output, intermediate)
 # are BERT's line for line in transformers 5, named by module and class so that
@@ -119,8 +139,8 @@ def _refresh_after_load(module, incompatible_keys) -> None:
     module.refresh_memory_mode()
 
 
-def _rebuild_fused_layer(original_class: type, state: dict) -> nn.Module:
-    fused_class = _fused_class(original_class)
+def _rebuild_fused_layer(original_class: type, state: dict, mixin: type | None = None) -> nn.Module:
+    fused_class = _fused_class(original_class, mixin or FusedBertFamilyLayer)
     layer = fused_class.__new__(fused_class)
     layer.__dict__.update(state)
     return layer
@@ -210,17 +230,117 @@ class FusedBertFamilyLayer:
         return f"activation={self.fused_activation!r}, recompute={self.recompute!r}, saves_output={self.saves_output}"
 
 
-_FUSED_CLASSES: dict[type, type] = {}
+# The forward of transformers' LlamaRMSNorm, which most decoder families copy verbatim.
+_LLAMA_RMSNORM_FORWARD = """\
+def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+"""
+_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _fused_class(layer_class: type) -> type:
-    """``Fused<Layer>``: FusedBertFamilyLayer's forward over ``layer_class``, made once per class."""
-    if layer_class not in _FUSED_CLASSES:
-        namespace = {"__module__": __name__, "_original_class": layer_class}
-        _FUSED_CLASSES[layer_class] = type(
-            f"Fused{layer_class.__name__}", (FusedBertFamilyLayer, layer_class), namespace
+class FusedLlamaStyleRMSNorm:
+    """Forward of a patched HuggingFace RMSNorm whose forward is LlamaRMSNorm's.
+
+    That forward normalises in fp32, casts to the input's dtype and then multiplies by
+    the weight (in the dtype promotion of weight and input). Here the normalisation is
+    one ``rms_norm`` call without weight (fp32 statistics, rounded once to the input's
+    dtype, keeping its output and rstd for backward instead of an fp32 copy of the
+    input), followed by the same ``weight *`` product. Inputs of other dtypes (float64)
+    run the original forward.
+    """
+
+    def forward(self, hidden_states):
+        if hidden_states.dtype not in _NORM_DTYPES:
+            return super().forward(hidden_states)
+        normalized = rms_norm(
+            hidden_states, tuple(self.weight.shape), None, self.variance_epsilon, memory_efficient=True
         )
-    return _FUSED_CLASSES[layer_class]
+        return self.weight * normalized
+
+    def __reduce_ex__(self, protocol):
+        return _rebuild_fused_layer, (self._original_class, self.__dict__, FusedLlamaStyleRMSNorm)
+
+
+_FUSED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _fused_class(layer_class: type, mixin: type = FusedBertFamilyLayer) -> type:
+    """``Fused<Layer>``: ``mixin``'s forward over ``layer_class``, made once per class."""
+    if (mixin, layer_class) not in _FUSED_CLASSES:
+        namespace = {"__module__": __name__, "_original_class": layer_class}
+        _FUSED_CLASSES[mixin, layer_class] = type(f"Fused{layer_class.__name__}", (mixin, layer_class), namespace)
+    return _FUSED_CLASSES[mixin, layer_class]
+
+
+_LLAMA_STYLE: dict[type, str | None] = {}
+
+
+def _llama_style_rmsnorm_problem(norm: nn.Module) -> str | None:
+    """Why ``norm`` (a module with a ``variance_epsilon``) is not a LlamaRMSNorm in all
+    but name, or None."""
+    kind = type(norm)
+    if kind not in _LLAMA_STYLE:
+        try:
+            source = textwrap.dedent(inspect.getsource(kind.forward))
+        except (OSError, TypeError):
+            source = None
+        same = source == _LLAMA_RMSNORM_FORWARD
+        _LLAMA_STYLE[kind] = None if same else "its forward is not LlamaRMSNorm's (checked against its source)"
+    if _LLAMA_STYLE[kind] is not None:
+        return _LLAMA_STYLE[kind]
+    parameters = dict(norm.named_parameters(recurse=False))
+    extra = list(norm.children()) or list(norm.buffers())
+    if list(parameters) != ["weight"] or parameters["weight"].dim() != 1 or extra:
+        return "holds more than LlamaRMSNorm's one 1-d weight"
+    if not isinstance(norm.variance_epsilon, float):
+        return f"variance_epsilon is a {type(norm.variance_epsilon).__name__}, not a float"
+    return None
+
+
+def _fuse_llama_style_rmsnorm(norm: nn.Module) -> nn.Module:
+    fused_class = _fused_class(type(norm), FusedLlamaStyleRMSNorm)
+    fused = fused_class.__new__(fused_class)
+    fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in norm.__dict__.items()})
+    return fused
+
+
+# Class names of the modules the summary accounts for when they are left.
+_ROLES = {
+    "attention": re.compile(r"Attention|Attn", re.I),
+    "MLP": re.compile(r"MLP|FeedForward|FFN", re.I),
+    "norm": re.compile(r"Norm"),
+}
+
+
+def _left_role_reason(module: nn.Module) -> str | None:
+    """Why an attention / MLP / norm module that is no swap candidate is left, or None
+    for modules of other roles."""
+    name = type(module).__name__
+    from_transformers = type(module).__module__.startswith("transformers.")
+    if _ROLES["attention"].search(name):
+        reason = (
+            "attention of a model family slimformer does not fuse layer by layer (it fuses BERT-family encoder "
+            "layers, torch.nn.TransformerEncoderLayer and torch.nn.MultiheadAttention)"
+        )
+        if from_transformers:
+            reason += "; run it on slimformer's kernel with slimformer.register_transformers_attention() and "
+            reason += "model.set_attn_implementation('slimformer')"
+        return reason
+    if _ROLES["MLP"].search(name):
+        return (
+            "no drop-in for this MLP (the fused MLP replaces the feed-forward of BERT-family layers and "
+            "torch.nn.TransformerEncoderLayer)"
+        )
+    if _ROLES["norm"].search(name):
+        return (
+            "not torch.nn.LayerNorm / RMSNorm nor an RMSNorm computing LlamaRMSNorm's forward, so its result may "
+            "differ (e.g. Gemma's 1 + weight, T5's cast to the weight's dtype, batch or group statistics)"
+        )
+    return None
 
 
 def _is_bert_layer(module: nn.Module) -> bool:
@@ -292,10 +412,15 @@ def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None]:
         return LayerNorm.from_torch(module), None
     if kind is nn.RMSNorm:
         return RMSNorm.from_torch(module), None
-    for base in (nn.TransformerEncoderLayer, nn.LayerNorm, nn.RMSNorm):
+    if kind is nn.MultiheadAttention:
+        return MultiheadAttention.from_torch(module), None
+    for base in (nn.TransformerEncoderLayer, nn.LayerNorm, nn.RMSNorm, nn.MultiheadAttention):
         if isinstance(module, base):
             return None, f"subclass of torch.nn.{base.__name__} whose forward may differ"
-    return None, None
+    if _ROLES["norm"].search(kind.__name__) and hasattr(module, "variance_epsilon"):
+        problem = _llama_style_rmsnorm_problem(module)
+        return (None, problem) if problem else (_fuse_llama_style_rmsnorm(module), None)
+    return None, _left_role_reason(module)
 
 
 @dataclass(frozen=True)
@@ -334,12 +459,13 @@ class PatchSummary:
     # nn.TransformerEncoders whose nested-tensor fast path patch turned off (their
     # layers are slimformer's now, which take padded tensors and a padding mask)
     nested_tensor_off: tuple[nn.Module, ...] = ()
+    patched: bool = True
 
     def title(self) -> str:
-        return (
-            f"slimformer.patch({self.model_type}, recompute={self.recompute!r}): "
-            f"{len(self.swapped)} swapped, {len(self.left)} left"
-        )
+        call = f"slimformer.patch({self.model_type}, recompute={self.recompute!r})"
+        if not self.patched:
+            call = f"{self.model_type}, not patched"
+        return f"{call}: {len(self.swapped)} swapped, {len(self.left)} left"
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(module, original type, what it became or why it was left), one per module."""
@@ -372,24 +498,28 @@ class PatchSummary:
 
 
 def _plan(model: nn.Module) -> tuple[list[Swap], list[Left]]:
-    """Swaps and leftovers, walking the module tree; a swapped module is not entered."""
+    """Swaps and leftovers, walking the module tree; a swapped module is not entered.
+
+    Inside a module that is left, only norms are listed again (they may still be
+    swapped); its attention and MLP are covered by its own reason."""
     swaps, left, replacements = [], [], {}
 
-    def visit(module: nn.Module, name: str, parent: nn.Module | None) -> None:
+    def visit(module: nn.Module, name: str, parent: nn.Module | None, inside_left: bool) -> None:
         if _is_slimformer(module):
             return
         if id(module) not in replacements:  # a module registered twice gets one replacement
             replacements[id(module)] = _replacement(module)
-            if replacements[id(module)][1] is not None:
-                left.append(Left(name, type(module).__name__, replacements[id(module)][1]))
-        replacement = replacements[id(module)][0]
+            reason = replacements[id(module)][1]
+            if reason is not None and (not inside_left or _ROLES["norm"].search(type(module).__name__)):
+                left.append(Left(name, type(module).__name__, reason))
+        replacement, reason = replacements[id(module)]
         if replacement is not None:
             swaps.append(Swap(name, parent, module, replacement))
             return
         for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, module)
+            visit(child, f"{name}.{child_name}" if name else child_name, module, inside_left or reason is not None)
 
-    visit(model, "", None)
+    visit(model, "", None, False)
     return swaps, left
 
 
@@ -452,7 +582,28 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
 
 
 def patch_summary(model: nn.Module) -> PatchSummary:
-    """What ``patch`` did to ``model``; raises ValueError if ``model`` is not patched."""
+    """What ``patch`` did to ``model``: every module swapped, and every candidate,
+    attention, MLP and norm module left with the reason. Never raises for a module.
+
+    For a model that is not patched (``patch`` was not called, or found nothing to
+    swap) the summary has no swaps, and lists what ``patch`` would swap as left with
+    the reason "not patched"; its ``patched`` is False.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    summary = getattr(model, _RECORD, None)
+    if summary is not None:
+        return summary
+    swaps, left = _plan(model)
+    would_swap = tuple(
+        Left(swap.name, type(swap.original).__name__, f"not patched (slimformer.patch would swap it for slimformer "
+                                                     f"{type(swap.replacement).__name__})")
+        for swap in swaps
+    )  # fmt: skip
+    return PatchSummary(type(model).__name__, (), (*would_swap, *left), None, patched=False)
+
+
+def _recorded_summary(model: nn.Module) -> PatchSummary:
     summary = getattr(model, _RECORD, None)
     if summary is None:
         raise ValueError(
@@ -468,7 +619,7 @@ def unpatch(model: nn.Module) -> nn.Module:
     ``model`` is not patched, or if a swapped module is no longer where ``patch`` put it
     (then nothing is changed).
     """
-    summary = patch_summary(model)
+    summary = _recorded_summary(model)
     for swap in summary.swapped:
         if swap.parent is not None and swap.parent._modules.get(swap.attribute) is not swap.replacement:
             raise ValueError(f"{swap.name or 'the model'} was replaced after patching; not restoring any module")

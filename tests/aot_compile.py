@@ -1,62 +1,51 @@
-"""Compile Triton kernels ahead of time to sm_90 cubins (triton ships ptxas): no GPU needed.
+"""Compile the kernels the launchers really launch, for Hopper (sm_90), without a GPU.
 
-The interpreter accepts programs the GPU compiler rejects, so tests also prove each
-kernel builds for an H100/H200. ``triton.jit`` picks the interpreter at decoration
-time, so compilation runs in a fresh process without TRITON_INTERPRET.
+The interpreter accepts programs the GPU compiler rejects, and a kernel compiled with
+other specialisations than the JIT's is a different binary (other registers, spills and
+load instructions). So the tests run the compile report's own path in a fresh process
+without TRITON_INTERPRET (``triton.jit`` picks the interpreter at decoration time):
+``bench.compile_report`` captures the launches of the CI's representative cases
+(``bench.compile_cases``, ``ci=True``) on CPU tensors with the CUDA code paths,
+specialises them as the JIT does and compiles them with Triton and ptxas.
 """
 
 import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+import tempfile
+from pathlib import Path
+
+from bench.compile_cases import all_cases
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-@dataclass
-class KernelBuild:
-    """One specialisation: signature maps argument -> Triton type ("*bf16", "i32", "fp32");
-    constexprs maps argument -> value (None for an absent pointer); dtype_constexprs maps
-    argument -> Triton dtype name ("bfloat16")."""
-
-    module: str
-    kernel: str
-    signature: dict
-    constexprs: dict
-    num_warps: int
-    dtype_constexprs: dict = field(default_factory=dict)
+def ci_case_names(family: str) -> list[str]:
+    return [case.name for case in all_cases() if case.ci and case.family == family]
 
 
-def compile_for_hopper(builds: list[KernelBuild]) -> None:
-    """Compile every build in one subprocess; raise AssertionError with its stderr on failure."""
+def compile_ci_cases(family: str, arch: str = "sm90") -> dict[str, list[str]]:
+    """{case name: its problems} for the family's CI cases: compile errors, shared memory
+    over ``arch``'s limit, spills in a 16-bit kernel within the supported sizes.
+
+    Raises AssertionError with the subprocess's output when the report itself fails.
+    """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    payload = json.dumps([asdict(b) for b in builds])
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.aot_compile"], input=payload, capture_output=True, text=True, env=env
-    )
-    assert result.returncode == 0, f"sm_90 compilation failed:\n{result.stderr[-4000:]}"
-
-
-def _compile(build: dict) -> None:
-    import importlib
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kernel = getattr(importlib.import_module(build["module"]), build["kernel"])
-    constexprs = dict(build["constexprs"])
-    constexprs.update({name: getattr(tl, dtype) for name, dtype in build["dtype_constexprs"].items()})
-    signature = {name: "constexpr" for name in constexprs} | build["signature"]
-    compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": build["num_warps"]},
-    )
-    if not compiled.asm.get("cubin"):
-        raise RuntimeError(f"{build['kernel']}: ptxas produced no cubin")
-
-
-if __name__ == "__main__":
-    for build in json.load(sys.stdin):
-        _compile(build)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "records.json"
+        command = [sys.executable, "-m", "bench.compile_report", "--ci", "--family", family, "--arch", arch,
+                   "--json", str(out), "--no-report", "--quiet", "-j", "1"]  # fmt: skip
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        assert result.returncode == 0 and out.exists(), f"compile report failed:\n{result.stderr[-4000:]}"
+        data = json.loads(out.read_text())
+    problems = {name: [] for name in ci_case_names(family)}
+    for problem in data["problems"][arch]:
+        name = next((n for n in problems if problem.startswith(f"{n}:") or problem.startswith(f"{n} /")), None)
+        problems.setdefault(name or "(unattributed)", []).append(problem)
+    launched = {record["case"] for record in data["records"]}
+    for name in problems:
+        if name in ci_case_names(family) and name not in launched and not problems[name]:
+            problems[name].append("no kernel launch captured")
+    return problems

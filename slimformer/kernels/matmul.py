@@ -12,7 +12,10 @@ INT8 is symmetric. A weight row n is stored as ``Wq[n] = round(W[n] / s_w[n])`` 
     W8A16: y[m, n] = (Σ_k x[m, k] wq[n, k]) · s_w[n] + b[n]              (fp32 sum)
 
 so the scales leave the K loop, and W8A16 reads one byte per weight (its speed at small
-M, where the GEMM is bound by reading W). Rounding is half away from zero. Before
+M, where the GEMM is bound by reading W). ``round`` is one IEEE division then rounding
+half to even (``torch.round``): the kernel and the reference compute the same two
+roundings, so they agree bit for bit (a product ``x · (127 / max)`` followed by ``+ 0.5``
+would let the compiler fuse an fma and round differently from the reference). Before
 quantization, x may be multiplied per channel by ``smooth`` (SmoothQuant: the
 activation's outliers moved into the weights, which were multiplied by 1 / smooth).
 
@@ -21,8 +24,10 @@ These are inference ops: nothing is saved for backward, and backward raises.
 
 import math
 import os
+import weakref
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -32,19 +37,48 @@ ACTIVATIONS = (None, "gelu", "relu")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # The int32 accumulator holds any sum of 127·127 products over at most this many terms.
 MAX_INT8_IN_FEATURES = (2**31 - 1) // 127**2
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 # Rows of ``quantize_per_token``'s program read at most this many elements per step.
 _QUANTIZE_BLOCK_ELEMENTS = 4096
 # Rows whose max |x| is below this quantize as zero rows (scale 1): 127 / absmax would
 # overflow fp32 near the subnormals, and such rows are zero to any output's precision.
 MIN_ROW_ABSMAX = 2.0**-100
 _MIN_ROW_ABSMAX = tl.constexpr(MIN_ROW_ABSMAX)
+_C127 = torch.tensor([127.0])
+
+
+# Adding then subtracting 1.5 * 2^23 rounds an fp32 of magnitude below 2^22 to an integer,
+# halves to even (the fp32 spacing there is 1): torch.round in plain arithmetic, which the
+# interpreter runs too (libdevice's rint is compiled-only).
+_ROUNDING_SHIFT = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _round_half_away(x):
-    """Round fp32 to the nearest integer, halves away from zero (as ``_round_half_away_reference``)."""
-    return tl.where(x < 0, -tl.floor(0.5 - x), tl.floor(x + 0.5))
+def _round_half_even(x):
+    """Round fp32 |x| < 2^22 to the nearest integer, halves to even (as ``torch.round``)."""
+    return (x + _ROUNDING_SHIFT) - _ROUNDING_SHIFT
+
+
+@triton.jit
+def _load_row_block(X, SMOOTH, row_starts, row_ok, ks, K):
+    """fp32 (BLOCK_M, BLOCK_K) block of X (times SMOOTH), zero outside the matrix."""
+    mask = row_ok[:, None] & (ks < K)[None, :]
+    x = tl.load(X + row_starts + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+    if SMOOTH is not None:
+        x *= tl.load(SMOOTH + ks, mask=ks < K, other=0.0)[None, :]
+    return x
+
+
+@triton.jit
+def _row_scale(absmax):
+    """max|row| / 127 by IEEE division, or 1 for a row below MIN_ROW_ABSMAX."""
+    nonzero = absmax >= _MIN_ROW_ABSMAX
+    return tl.where(nonzero, tl.math.div_rn(absmax, 127.0), 1.0)
+
+
+@triton.jit
+def _quantize_to_int8(x, scale):
+    # div_rn: the reference's IEEE division, not a reciprocal multiply.
+    return _round_half_even(tl.math.div_rn(x, scale[:, None])).to(tl.int8)
 
 
 @triton.jit
@@ -57,30 +91,27 @@ def _quantize_rows_kernel(
     K,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,  # BLOCK_K >= K: each row is read once and quantized from registers
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     row_starts = rows[:, None].to(tl.int64) * K
-    absmax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (ks < K)[None, :]
-        x = tl.load(X + row_starts + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SMOOTH is not None:
-            x *= tl.load(SMOOTH + ks, mask=ks < K, other=0.0)[None, :]
-        absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
-    nonzero = absmax >= _MIN_ROW_ABSMAX
-    # div_rn: IEEE division, so the compiled kernel rounds exactly like the reference.
-    inv_scale = tl.where(nonzero, tl.math.div_rn(127.0, tl.where(nonzero, absmax, 1.0)), 1.0)
-    tl.store(SCALE + rows, tl.where(nonzero, tl.math.div_rn(absmax, 127.0), 1.0), mask=row_ok)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        mask = row_ok[:, None] & (ks < K)[None, :]
-        x = tl.load(X + row_starts + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        if SMOOTH is not None:
-            x *= tl.load(SMOOTH + ks, mask=ks < K, other=0.0)[None, :]
-        q = tl.minimum(tl.maximum(_round_half_away(x * inv_scale[:, None]), -127.0), 127.0)
-        tl.store(Q + row_starts + ks[None, :], q.to(tl.int8), mask=mask)
+    ks = tl.arange(0, BLOCK_K)
+    if ONE_BLOCK:
+        x = _load_row_block(X, SMOOTH, row_starts, row_ok, ks, K)
+        scale = _row_scale(tl.max(tl.abs(x), axis=1))
+        tl.store(Q + row_starts + ks[None, :], _quantize_to_int8(x, scale), mask=row_ok[:, None] & (ks < K)[None, :])
+    else:
+        absmax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = _load_row_block(X, SMOOTH, row_starts, row_ok, k0 + ks, K)
+            absmax = tl.maximum(absmax, tl.max(tl.abs(x), axis=1))
+        scale = _row_scale(absmax)
+        for k0 in range(0, K, BLOCK_K):
+            x = _load_row_block(X, SMOOTH, row_starts, row_ok, k0 + ks, K)
+            mask = row_ok[:, None] & (k0 + ks < K)[None, :]
+            tl.store(Q + row_starts + (k0 + ks)[None, :], _quantize_to_int8(x, scale), mask=mask)
+    tl.store(SCALE + rows, scale, mask=row_ok)
 
 
 @triton.jit
@@ -171,8 +202,18 @@ def _config(block_m, block_n, block_k, num_warps, num_stages):
 # Candidates per GEMM kind for Hopper, tuned per (M bucket, N, K, dtypes); the first
 # run of each key benchmarks those that ``_prune_configs`` keeps. int8 blocks take
 # K steps of >= 32 (the int8 MMA's depth); W8A16 favours narrow N tiles at small M
-# so that enough programs stream the weight.
+# so that enough programs stream the weight. fp32 ("ieee" precision) multiplies on the
+# FMA units with operands in registers: the 16-bit tiles spill there (sm_90 cubins:
+# 128x256 and 128x128 keep 10 KB of stack, 32x64x128 224 B), so it has smaller K steps
+# that compile without spills, GELU epilogue included (at most 255 registers).
 GPU_CONFIGS = {
+    "float32": [
+        _config(128, 64, 32, 8, 3),
+        _config(64, 128, 32, 8, 3),
+        _config(64, 64, 32, 4, 3),
+        _config(32, 64, 32, 4, 3),
+        _config(16, 64, 128, 4, 4),
+    ],
     "float": [
         _config(128, 256, 64, 8, 3),
         _config(128, 128, 64, 4, 4),
@@ -232,7 +273,12 @@ def _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     y = torch.empty((M, N), dtype=out_dtype, device=x.device)
     if M == 0 or N == 0:
         return y
-    kind = "w8a8" if x_scale is not None else ("w8a16" if w_scale is not None else "float")
+    if x_scale is not None:
+        kind = "w8a8"
+    elif w_scale is not None:
+        kind = "w8a16"
+    else:
+        kind = "float32" if x.dtype == torch.float32 else "float"
 
     def grid(meta):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
@@ -261,28 +307,34 @@ def _quantize_rows(x, smooth):
         return q, scale
     block_m, block_k, num_warps = _quantize_block(K)
     _quantize_rows_kernel[(triton.cdiv(M, block_m),)](
-        x, smooth, q, scale, M, K, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=num_warps
-    )
+        x, smooth, q, scale, M, K,
+        BLOCK_M=block_m, BLOCK_K=block_k, ONE_BLOCK=block_k >= K, num_warps=num_warps,
+    )  # fmt: skip
     return q, scale
 
 
-def _round_half_away_reference(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(x < 0, -torch.floor(0.5 - x), torch.floor(x + 0.5))
-
-
 def _quantize_rows_reference(x, smooth):
-    """PyTorch statement of ``_quantize_rows`` (bit-exact: same fp32 operations)."""
+    """PyTorch statement of ``_quantize_rows`` (bit-exact: the same fp32 operations).
+
+    Few whole-tensor passes, since each costs tens of microseconds at BERT's sizes: max,
+    min, then ``x / scale + 1.5·2^23`` (the division, then the add that rounds half to
+    even, as the kernel's ``_round_half_even``), whose bits are 0x4B400000 + n for the
+    rounded integer n: their low byte is n in two's complement, and the int32 -> int8
+    conversion keeps exactly that byte. No clamp is needed: |x| / (max / 127) rounds to
+    at most 127.
+    """
     x = x.float()
     if smooth is not None:
         x = x * smooth
-    absmax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
-    nonzero = absmax >= MIN_ROW_ABSMAX
-    # Tensor by tensor: torch divides by a Python scalar as a multiplication by its
+    if x.shape[1]:
+        absmax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
+    else:
+        absmax = x.new_zeros(x.shape[0])
+    # A tensor divisor: torch divides by a Python scalar as a multiplication by its
     # reciprocal (two roundings) in some kernels; the Triton kernel divides exactly.
-    c127 = torch.full_like(absmax, 127.0)
-    inv_scale = torch.where(nonzero, c127 / torch.where(nonzero, absmax, 1.0), 1.0)
-    q = _round_half_away_reference(x * inv_scale[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, torch.where(nonzero, absmax / c127, 1.0)
+    scale = torch.where(absmax >= MIN_ROW_ABSMAX, absmax / _C127.to(absmax.device), 1.0)
+    shifted = torch.div(x, scale[:, None]).add_(_ROUNDING_SHIFT.value)
+    return shifted.view(torch.int32).to(torch.int8), scale
 
 
 def _int_mm_supports(m: int, k: int, n: int, device: torch.device) -> bool:
@@ -293,29 +345,34 @@ def _int_mm_supports(m: int, k: int, n: int, device: torch.device) -> bool:
 
 
 def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
-    """PyTorch statement of ``_gemm``: the same accumulator, epilogue and one final rounding.
+    """PyTorch statement of ``_gemm``: the same accumulator and epilogue, one final rounding.
 
-    W8A8 sums exactly in int32 with ``torch._int_mm`` where it applies, else in float64
-    (exact for any K below 2^39); the float GEMMs and W8A16 sum in fp32.
+    W8A8 sums exactly in int32 with ``torch._int_mm`` where it applies (on CPU oneDNN's
+    VNNI GEMM, ~4x the fp32 GEMM's throughput), else in float64 (exact for any K below
+    2^39); the float GEMMs and W8A16 sum in fp32. The epilogue runs in place: at BERT's
+    sizes each extra whole-tensor op costs a few percent of the GEMM.
     """
     M, K = x.shape
     N = weight.shape[0]
     if x_scale is not None:
         if _int_mm_supports(M, K, N, x.device):
-            acc = torch._int_mm(x, weight.t()).float()
+            # For torch.compile: with sizes traced as symbols, _int_mm's shape check needs the
+            # contraction dimensions known equal.
+            torch._check(weight.shape[1] == K)
+            acc = torch._int_mm(x, weight.t())
         else:
             acc = (x.double() @ weight.double().t()).float()
-        out = acc * x_scale[:, None]
+        out = acc.float().mul_(x_scale[:, None])
+    elif w_scale is None:
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     else:
-        out = x.float() @ weight.float().t()
+        out = F.linear(x.float(), weight.float())
     if w_scale is not None:
-        out = out * w_scale
-    if bias is not None:
-        out = out + bias.float()
+        out = out.mul_(w_scale) if bias is None else torch.addcmul(bias.float(), out, w_scale, out=out)
     if activation == "gelu":
-        out = 0.5 * out * (1.0 + torch.erf(out * _INV_SQRT_2))
+        out = F.gelu(out)
     elif activation == "relu":
-        out = out.clamp_min(0.0)
+        out.relu_()
     return out.to(out_dtype)
 
 
@@ -325,6 +382,14 @@ def _run_gemm(*args):
 
 def _run_quantize_rows(x, smooth):
     return (_quantize_rows if use_triton(x) else _quantize_rows_reference)(x, smooth)
+
+
+def _inference(op_name, compute, *tensors):
+    """``compute`` on contiguous ``tensors``; through ``_InferenceOnly`` only when autograd
+    records (its Python overhead is a few percent of a BERT Linear's time on CPU)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _InferenceOnly.apply(op_name, compute, *tensors)
+    return compute(*(None if t is None else t.contiguous() for t in tensors))
 
 
 def _dynamic_int8_gemm(x, weight, w_scale, bias, smooth, activation):
@@ -413,7 +478,7 @@ def linear(
     def compute(x, w, b):
         return _run_gemm(_rows(x), w, None, None, b, activation, x.dtype)
 
-    y = _InferenceOnly.apply("slimformer linear", compute, input, weight, bias)
+    y = _inference("slimformer linear", compute, input, weight, bias)
     return y.view(*input.shape[:-1], weight.shape[0])
 
 
@@ -479,7 +544,7 @@ def int8_matmul(
     def compute(q, s, w, sw, b):
         return _run_gemm(_rows(q), w, s.view(-1), sw, b, activation, out_dtype)
 
-    y = _InferenceOnly.apply("slimformer int8_matmul", compute, q_input, input_scale, q_weight, weight_scale, bias)
+    y = _inference("slimformer int8_matmul", compute, q_input, input_scale, q_weight, weight_scale, bias)
     return y.view(*q_input.shape[:-1], q_weight.shape[0])
 
 
@@ -510,8 +575,53 @@ def int8_linear(
     def compute(x, w, sw, b, s):
         return _dynamic_int8_gemm(_rows(x), w, sw, b, s, activation)
 
-    y = _InferenceOnly.apply("slimformer int8_linear", compute, input, q_weight, weight_scale, bias, smooth)
+    y = _inference("slimformer int8_linear", compute, input, q_weight, weight_scale, bias, smooth)
     return y.view(*input.shape[:-1], q_weight.shape[0])
+
+
+def int8_linear_unchecked(
+    input: torch.Tensor,
+    q_weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    smooth: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``int8_linear`` without its argument checks and without autograd, for layers whose
+    buffers are valid by construction (``Linear8bit``), called where autograd does not
+    record: on CPU the checks and the autograd.Function cost about a tenth of a BERT
+    Linear's time. Without ``smooth``, the quantization of ``input`` is shared with the
+    next call that gets the same, unmodified tensor (Q, K and V read one input).
+
+    input: (..., K) float32, float16 or bfloat16 on the weights' device. q_weight: (N, K)
+    int8 contiguous, K <= MAX_INT8_IN_FEATURES; weight_scale: (N,) float32; bias: (N,) or
+    None; smooth: (K,) float32 or None. Returns (..., N) in input's dtype.
+    """
+    rows = _rows(input.contiguous())
+    q, x_scale = _run_quantize_rows(rows, smooth) if smooth is not None else _shared_quantization(input, rows)
+    y = _run_gemm(q, q_weight, x_scale, weight_scale, bias, None, input.dtype)
+    return y.view(*input.shape[:-1], q_weight.shape[0])
+
+
+# (weak reference to an input, its version counter, its per-token quantization): the last
+# input ``int8_linear_unchecked`` quantized without smooth.
+_last_quantized: tuple | None = None
+
+
+def _shared_quantization(input: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_run_quantize_rows(rows, None)`` for ``rows`` = ``input`` as (M, K), reused while
+    ``input`` is the same tensor object with the same version counter (every in-place
+    write bumps it; an inference-mode tensor has none, so it is never reused; nor under
+    torch.compile)."""
+    global _last_quantized
+    if input.is_inference() or torch.compiler.is_compiling():
+        # torch.compile traces this once: object identity and versions are not guarded.
+        return _run_quantize_rows(rows, None)
+    last = _last_quantized
+    if last is not None and last[0]() is input and last[1] == input._version:
+        return last[2]
+    quantized = _run_quantize_rows(rows, None)
+    _last_quantized = (weakref.ref(input), input._version, quantized)
+    return quantized
 
 
 def int8_weight_only_linear(
@@ -536,5 +646,5 @@ def int8_weight_only_linear(
     def compute(x, w, sw, b):
         return _run_gemm(_rows(x), w, None, sw, b, activation, x.dtype)
 
-    y = _InferenceOnly.apply("slimformer int8_weight_only_linear", compute, input, q_weight, weight_scale, bias)
+    y = _inference("slimformer int8_weight_only_linear", compute, input, q_weight, weight_scale, bias)
     return y.view(*input.shape[:-1], q_weight.shape[0])

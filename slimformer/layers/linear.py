@@ -24,7 +24,15 @@ another mode is an error. These are inference layers: backward raises RuntimeErr
 import torch
 from torch import nn
 
-from slimformer.kernels.matmul import FLOAT_DTYPES, int8_linear, int8_weight_only_linear, linear, quantize_per_channel
+from slimformer.kernels.matmul import (
+    FLOAT_DTYPES,
+    MAX_INT8_IN_FEATURES,
+    int8_linear,
+    int8_linear_unchecked,
+    int8_weight_only_linear,
+    linear,
+    quantize_per_channel,
+)
 
 INT8_MODES = ("int8", "int8-weight-only")
 FLOAT16_MODES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -118,6 +126,7 @@ class Linear8bit(_InferenceLinear):
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         if mode == "int8":
             self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device))
+            self._smooth_key = None
         bias_tensor = torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None
         self.register_buffer("bias", bias_tensor)
 
@@ -163,9 +172,34 @@ class Linear8bit(_InferenceLinear):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.mode == "int8":
-            return int8_linear(input, self.weight, self.weight_scale, self.bias, smooth=self.smooth)
-        return int8_weight_only_linear(input, self.weight, self.weight_scale, self.bias)
+        if self.mode == "int8-weight-only":
+            return int8_weight_only_linear(input, self.weight, self.weight_scale, self.bias)
+        smooth = self._applied_smooth()
+        if not self._is_plain_inference_input(input):
+            return int8_linear(input, self.weight, self.weight_scale, self.bias, smooth=smooth)
+        return int8_linear_unchecked(input, self.weight, self.weight_scale, self.bias, smooth)
+
+    def _is_plain_inference_input(self, input) -> bool:
+        """Whether ``input`` needs none of ``int8_linear``'s checks (its errors, its backward
+        that raises): a float (..., in_features) tensor on the weight's device, no autograd."""
+        return (
+            isinstance(input, torch.Tensor)
+            and input.dtype in FLOAT_DTYPES
+            and input.dim() >= 1
+            and input.shape[-1] == self.in_features <= MAX_INT8_IN_FEATURES
+            and input.device == self.weight.device
+            and not (input.requires_grad and torch.is_grad_enabled())
+        )
+
+    def _applied_smooth(self) -> torch.Tensor | None:
+        """``smooth``, or None while it is all ones (no calibration): multiplying by ones
+        is an extra pass over the input for nothing. The check reruns only when the buffer
+        is replaced or written in place (``load_state_dict``, ``.to``)."""
+        key = (self.smooth.data_ptr(), self.smooth.device, self.smooth._version)
+        if self._smooth_key != key:
+            self._smooth_is_one = bool((self.smooth == 1).all())
+            self._smooth_key = key
+        return None if self._smooth_is_one else self.smooth
 
     def dequantized_weight(self) -> torch.Tensor:
         """The (out_features, in_features) fp32 weight this layer multiplies by, smoothing undone."""

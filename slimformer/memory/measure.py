@@ -167,6 +167,10 @@ def measure_activation_memory(
     not counted; pass any other long-lived tensors it uses as ``exclude`` (e.g. the
     parameters of the model a function closes over). The outputs are dropped, so the
     graph is freed, before this returns. Works on any device.
+
+    Model inputs held in a dict (a tokenizer's output, what ``memory.report`` takes)
+    are keyword arguments: ``measure_activation_memory(model, **inputs)``. A call with
+    one dict as the only argument that ``fn`` rejects raises a TypeError saying so.
     """
     saved, created = _StorageLog(), _StorageLog()
 
@@ -175,7 +179,17 @@ def measure_activation_memory(
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack), _LogNewStorages(created):
-        out = fn(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except Exception as error:
+            if len(args) == 1 and isinstance(args[0], Mapping) and not kwargs:
+                name = getattr(fn, "__name__", type(fn).__name__)
+                raise TypeError(
+                    f"{name} failed when given one dict as its positional argument ({type(error).__name__}: "
+                    f"{error}); to pass a dict of model inputs as keyword arguments, as slimformer.memory.report "
+                    "does, call measure_activation_memory(model, **inputs)"
+                ) from error
+            raise
     gc.collect()  # garbage cycles the forward made are not alive
     excluded = _not_added(fn, exclude, (args, kwargs), out)
     saved_records, alive_records = saved.alive(excluded), created.alive(excluded)

