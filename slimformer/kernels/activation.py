@@ -10,15 +10,16 @@ Here only h = x W1ᵀ + b1 (fc1's output) is kept, or nothing at all with
               out = a W2ᵀ + b2                  (cuBLAS); a is freed at once
     backward: a = dropout(act(h)) again         (same Philox mask, from the seed)
               dW2 = doutᵀ a,  da = dout W2
-              dh = da · mask / (1 - p) · act'(h),  db1 = Σ_rows dh
+              dh = da · mask · scale · act'(h),  db1 = Σ_rows dh   (scale = 1 / (1 - p_eff))
               dW1 = dhᵀ x,  dx = dh W1
 
 The bias is added inside fc1's GEMM, before h is rounded to its dtype, as eager
 PyTorch does: adding it to an already rounded x W1ᵀ could flip the sign ReLU sees.
 
-Activations: ``relu``, ``gelu`` (exact, erf), ``gelu_tanh`` (tanh approximation) and
-``swiglu``, for which fc1 produces [gate | up] side by side (2·F columns) and
-a = silu(gate) · up. Elementwise math runs in fp32; outputs keep the input dtype.
+Activations: ``relu``, ``gelu`` (exact: z Φ(z), Φ to < 8e-8 on the Triton path),
+``gelu_tanh`` (tanh approximation) and ``swiglu``, for which fc1 produces [gate | up] side
+by side (2·F columns) and a = silu(gate) · up. Elementwise math runs in fp32; outputs keep
+the input dtype. The dropout mask is a (rows, F) dropout matrix (see ``philox.py``).
 """
 
 import math
@@ -29,7 +30,15 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.dropout import tile_origin
+from slimformer.kernels.philox import (
+    DECISIONS_PER_CALL,
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 _ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -41,12 +50,24 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 @triton.jit
-def _tanh(u):
-    # tanh without libdevice (not available to the interpreter), from e^{-2|u|} <= 1
-    # so nothing overflows: tanh|u| = (1 - e) / (1 + e).
-    e = tl.exp(-2.0 * tl.abs(u))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(u >= 0.0, t, -t)
+def _sigmoid(x):
+    # 1 / (1 + e^-x) with the fast reciprocal (div.full.f32, 2 ulp; 1 / inf = 0) rather than
+    # IEEE division, a ~10-instruction subroutine per element that made the tanh/SiLU
+    # kernels issue-bound (tl.sigmoid divides that way).
+    return tl.fdiv(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _normal_cdf(z, pdf):
+    """Φ(z) given φ(z), from Abramowitz & Stegun 7.1.26 (|error in Φ| < 8e-8, about one
+    fp32 ulp of Φ; GELU needs Φ to that absolute accuracy): one reciprocal and a degree-5
+    polynomial, where libdevice's erf selects between two polynomials per element and made
+    the GELU kernels issue-bound. With x = |z| / √2, t = 1 / (1 + 0.3275911 x):
+    Φ(|z|) = 1 - √(π/2) φ(z) (a1 t + ... + a5 t⁵)."""
+    t = tl.fdiv(1.0, 1.0 + 0.23164190554202086 * tl.abs(z))  # 0.3275911 / √2
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    upper_tail = 1.2533141373155001 * pdf * poly  # √(π/2) φ(z) = e^{-x²} / 2
+    return tl.where(z >= 0.0, 1.0 - upper_tail, upper_tail)
 
 
 @triton.jit
@@ -56,13 +77,15 @@ def _activation_and_derivative(z, ACTIVATION: tl.constexpr):
         value = tl.maximum(z, 0.0)
         derivative = tl.where(z > 0.0, 1.0, 0.0)
     elif ACTIVATION == 1:  # gelu: z Φ(z), derivative Φ(z) + z φ(z)
-        cdf = 0.5 * (1.0 + tl.erf(z * 0.7071067811865476))
+        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
+        cdf = _normal_cdf(z, pdf)
         value = z * cdf
-        derivative = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327
-    else:  # gelu_tanh: 0.5 z (1 + tanh(u)), u = √(2/π) (z + 0.044715 z³)
-        t = _tanh(0.7978845608028654 * (z + 0.044715 * z * z * z))
-        value = 0.5 * z * (1.0 + t)
-        derivative = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * z * z)
+        derivative = cdf + z * pdf
+    else:  # gelu_tanh: 0.5 z (1 + tanh(u)) = z s, s = sigmoid(2u), u = √(2/π) (z + 0.044715 z³);
+        # derivative s + z u' (1 - tanh²(u)) / 2 = s + 2 z u' s (1 - s)
+        s = _sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+        value = z * s
+        derivative = s + 1.5957691216057308 * z * s * (1.0 - s) * (1.0 + 0.134145 * z * z)
     return value, derivative
 
 
@@ -74,26 +97,26 @@ def _activation_fwd_kernel(
     M,
     N,
     dropout_p,
-    dropout_scale,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, col_start = tile_origin(M, N, BLOCK_M, BLOCK_N)
+    cols = col_start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     width = 2 * N if ACTIVATION == 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
     z = tl.load(H + h_offsets, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == 3:  # swiglu: silu(gate) * up
         up = tl.load(H + h_offsets + N, mask=mask, other=0.0).to(tl.float32)
-        a = z * tl.sigmoid(z) * up
+        a = z * _sigmoid(z) * up
     else:
         a, _ = _activation_and_derivative(z, ACTIVATION)
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     if SEED is not None:
-        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        a *= tl.where(keep, dropout_scale, 0.0)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        keep = dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N)
+        a *= tl.where(keep, scale, 0.0)
     tl.store(OUT + offsets, a.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -106,25 +129,25 @@ def _activation_bwd_kernel(
     M,
     N,
     dropout_p,
-    dropout_scale,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows, col_start = tile_origin(M, N, BLOCK_M, BLOCK_N)
+    cols = col_start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     da = tl.load(DA + offsets, mask=mask, other=0.0).to(tl.float32)
     if SEED is not None:
-        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        da *= tl.where(keep, dropout_scale, 0.0)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        keep = dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N)
+        da *= tl.where(keep, scale, 0.0)
     width = 2 * N if ACTIVATION == 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
     z = tl.load(H + h_offsets, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == 3:
         up = tl.load(H + h_offsets + N, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(z)
+        sig = _sigmoid(z)
         silu = z * sig
         dgate = da * up * sig * (1.0 + z * (1.0 - sig))
         tl.store(DH + h_offsets, dgate.to(DH.dtype.element_ty), mask=mask)
@@ -134,11 +157,11 @@ def _activation_bwd_kernel(
         tl.store(DH + h_offsets, (da * derivative).to(DH.dtype.element_ty), mask=mask)
 
 
-def _grid(M: int, N: int) -> tuple[tuple[int, int], int, int]:
-    """2-D tiles of at most 4096 elements, wide along the contiguous columns."""
-    block_n = min(1024, triton.next_power_of_2(max(N, 1)))
-    block_m = max(1, 4096 // block_n)
-    return (triton.cdiv(M, block_m), triton.cdiv(N, block_n)), block_m, block_n
+def _grid(M: int, N: int) -> tuple[tuple[int], int, int]:
+    """2-D tiles of 4096 elements, wide along the contiguous columns, on one grid axis."""
+    block_n = min(1024, max(DECISIONS_PER_CALL, triton.next_power_of_2(N)))
+    block_m = 4096 // block_n
+    return (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),), block_m, block_n
 
 
 def _out_features(h: torch.Tensor, activation: str) -> int:
@@ -152,7 +175,7 @@ def _activation_fwd(h, seed, activation, dropout_p):
     if out.numel():
         grid, block_m, block_n = _grid(M, N)
         _activation_fwd_kernel[grid](
-            h, out, seed, M, N, dropout_p, 1.0 / (1.0 - dropout_p),
+            h, out, seed, M, N, dropout_p,
             ACTIVATION=_ACTIVATION_IDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
         )  # fmt: skip
     return out
@@ -165,7 +188,7 @@ def _activation_bwd(da, h, seed, activation, dropout_p):
     if dh.numel():
         grid, block_m, block_n = _grid(M, N)
         _activation_bwd_kernel[grid](
-            da, h, dh, seed, M, N, dropout_p, 1.0 / (1.0 - dropout_p),
+            da, h, dh, seed, M, N, dropout_p,
             ACTIVATION=_ACTIVATION_IDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
         )  # fmt: skip
     return dh
@@ -193,8 +216,8 @@ def _halves(h: torch.Tensor, activation: str):
 
 def _dropout_reference(shape, seed, dropout_p, device):
     M, N = shape
-    offsets = torch.arange(M * N, dtype=torch.int64, device=device).view(M, N)
-    return dropout_keep_mask(seed, offsets, dropout_p).float() / (1.0 - dropout_p)
+    keep = dropout_keep_block(seed, torch.arange(M, device=device), 0, N, N, dropout_p)
+    return keep * torch.tensor(dropout_threshold(dropout_p)[1], dtype=torch.float32, device=device)
 
 
 def _activation_fwd_reference(h, seed, activation, dropout_p):

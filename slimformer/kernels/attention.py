@@ -48,7 +48,14 @@ from einops import rearrange
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from slimformer.kernels.dispatch import use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_keep_tile_t,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -115,12 +122,18 @@ def _masked_scores(
 
 
 @triton.jit
-def _dropout_scale(seed, off_bh, seq_q, seq_k, rows, cols, dropout_p):
-    """``z / (1 - dropout_p)`` for one tile (``rows``, ``cols`` as in ``_masked_scores``);
-    ``off_bh`` = batch · heads + head, int64."""
-    offsets = (off_bh * seq_q + rows.to(tl.int64)) * seq_k + cols.to(tl.int64)
-    keep = tl.rand(seed, offsets) >= dropout_p
-    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+def _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr,
+                   KEYS_FIRST: tl.constexpr):
+    """``r · z`` for queries ``offs_m`` and keys start_n .. start_n + BLOCK_N: [BLOCK_M, BLOCK_N],
+    or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Dropout-matrix row (batch · heads + head) · seq_q + i,
+    column j (see ``philox.py``); ``off_bh`` = batch · heads + head, int64."""
+    threshold, scale = dropout_threshold_and_scale(dropout_p)
+    rows = off_bh * seq_q + offs_m
+    if KEYS_FIRST:
+        keep = dropout_keep_tile_t(seed, rows, start_n, seq_k, threshold, BLOCK_N)
+    else:
+        keep = dropout_keep_tile(seed, rows, start_n, seq_k, threshold, BLOCK_N)
+    return tl.where(keep, scale, 0.0)
 
 
 @triton.jit
@@ -193,7 +206,7 @@ def _attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = p * _dropout_scale(
-                seed, off_b * num_heads + off_h, seq_q, seq_k, offs_m[:, None], offs_n[None, :], dropout_p
+                seed, off_b * num_heads + off_h, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False
             )
         v = tl.load(V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], mask=kv_in, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
@@ -312,7 +325,7 @@ def _attention_bwd_dkdv_kernel(
             p_t = tl.exp2(s_t - lse[None, :] * _LOG2E)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)
             if HAS_DROPOUT:
-                z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m[None, :], offs_n[:, None], dropout_p)
+                z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, pid_n * BLOCK_N, dropout_p, BLOCK_N, True)
                 dv += _dot((p_t * z_t).to(do.dtype), do, PRECISION, UPCAST)
                 dp_t = dp_t * z_t
             else:
@@ -388,7 +401,7 @@ def _attention_bwd_dq_kernel(
         p = tl.exp2(s - lse[:, None] * _LOG2E)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
         if HAS_DROPOUT:
-            dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
 
@@ -592,11 +605,24 @@ def _scores_reference(
     return s
 
 
-def _dropout_scale_reference(seed: torch.Tensor, shape: torch.Size, dropout_p: float) -> torch.Tensor:
-    """``z / (1 - dropout_p)`` over the (batch, heads, seq_q, seq_k) matrix, as the kernels draw it."""
-    offsets = torch.arange(math.prod(shape), device=seed.device).view(shape)
-    keep = dropout_keep_mask(seed, offsets, dropout_p)
-    return keep / (1.0 - torch.tensor(dropout_p, dtype=torch.float32))
+def _dropout_scale_reference(
+    seed: torch.Tensor,
+    shape: torch.Size,
+    dropout_p: float,
+    queries: range | None = None,
+    keys: range | None = None,
+) -> torch.Tensor:
+    """fp32 ``r · z`` of the (batch, heads, seq_q, seq_k) attention matrix ``shape``, as the
+    kernels draw it, for the query and key ranges given (default: all): shape
+    (batch, heads, len(queries), len(keys))."""
+    batch, heads, seq_q, seq_k = shape
+    queries = range(seq_q) if queries is None else queries
+    keys = range(seq_k) if keys is None else keys
+    query_rows = torch.arange(queries.start, queries.stop, device=seed.device)
+    rows = torch.arange(batch * heads, device=seed.device)[:, None] * seq_q + query_rows
+    keep = dropout_keep_block(seed, rows.view(-1), keys.start, len(keys), seq_k, dropout_p)
+    scale = torch.tensor(dropout_threshold(dropout_p)[1], dtype=torch.float32, device=seed.device)
+    return (keep * scale).view(batch, heads, len(queries), len(keys))
 
 
 def _attention_fwd_reference(

@@ -16,8 +16,9 @@ adds only rstd (4 bytes per row). That division is only trustworthy when no |w| 
 tiny and |b| / |w| is bounded, which ``output_rebuilds_input`` decides once, when a
 layer gets its weights, never per step. The dropout mask is regenerated from the
 seed (see ``philox.py``), never stored. dw and db are reduced in two stages without
-atomics: each program sums its rows into an fp32 partial row, then the partials are
-summed.
+atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
+the partials are summed. Rows wider than 8192 are processed in 4096-column blocks
+(``_norm_*_wide_kernel``), so no row has to fit in registers.
 """
 
 import math
@@ -31,7 +32,14 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels.dispatch import multiprocessor_count, use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    DECISIONS_PER_CALL,
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 MAX_HIDDEN_SIZE = 65536
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -39,7 +47,28 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BIAS_OVER_WEIGHT = 7.0
 _MIN_ABS_WEIGHT = 1e-3
 
+# Whole rows up to 8192 columns stay in registers (16 per thread, up to 16 warps); wider ones
+# are processed in column blocks.
+_MAX_WHOLE_ROW = 8192
+_WIDE_BLOCK_N = 4096
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H: tl.constexpr,
+                 H_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """h = dropout(x) + residual in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N))."""
+    h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SEED is not None:
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        h *= tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
+    if RESIDUAL is not None:
+        h += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_H:
+        # Statistics of h as stored, so that backward (which reloads h) and eager
+        # PyTorch (which materialises x + residual) see the same numbers.
+        h = h.to(H_DTYPE).to(tl.float32)
+    return h
 
 
 @triton.jit
@@ -57,7 +86,6 @@ def _norm_fwd_kernel(
     N,
     eps,
     dropout_p,
-    dropout_scale,
     IS_RMS: tl.constexpr,
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
@@ -71,16 +99,7 @@ def _norm_fwd_kernel(
     mask = row_ok[:, None] & (cols < N)[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
 
-    h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    if SEED is not None:
-        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        h *= tl.where(keep, dropout_scale, 0.0)
-    if RESIDUAL is not None:
-        h += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
-    if ROUND_H:
-        # Statistics of h as stored, so that backward (which reloads h) and eager
-        # PyTorch (which materialises x + residual) see the same numbers.
-        h = h.to(H_DTYPE).to(tl.float32)
+    h = _fused_input(X, RESIDUAL, SEED, rows, 0, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, BLOCK_N)
     if STORE_H:
         tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
 
@@ -119,7 +138,6 @@ def _norm_bwd_kernel(
     M,
     N,
     dropout_p,
-    dropout_scale,
     rows_per_program,
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
@@ -134,6 +152,9 @@ def _norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_ok, other=1.0).to(tl.float32)[None, :]
     if B is not None:
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SEED is not None:
+        seed = tl.load(SEED)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -165,18 +186,14 @@ def _norm_bwd_kernel(
         if W is not None:
             g = dy * w
         mean_g_xhat = tl.sum(g * x_hat, axis=1)[:, None] / N
-        if IS_RMS:
-            dh = (g - x_hat * mean_g_xhat) * rstd
-        else:
-            mean_g = tl.sum(g, axis=1)[:, None] / N
-            dh = (g - mean_g - x_hat * mean_g_xhat) * rstd
+        mean_g = 0.0 if IS_RMS else tl.sum(g, axis=1)[:, None] / N
+        dh = _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS)
         if DH_OUT is not None:
             dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
         if DRESIDUAL is not None:
             tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
         if SEED is not None:
-            keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-            dh *= tl.where(keep, dropout_scale, 0.0)
+            dh *= tl.where(dropout_keep_tile(seed, rows, 0, N, threshold, BLOCK_N), scale, 0.0)
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
 
         if DW_PARTIAL is not None:
@@ -188,6 +205,155 @@ def _norm_bwd_kernel(
         tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     if DB_PARTIAL is not None:
         tl.store(DB_PARTIAL + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+@triton.jit
+def _norm_fwd_wide_kernel(
+    X, RESIDUAL, W, B, Y, H, MEAN, RSTD, SEED,  # as in _norm_fwd_kernel
+    M,
+    N,
+    eps,
+    dropout_p,
+    IS_RMS: tl.constexpr,
+    ROUND_H: tl.constexpr,
+    H_DTYPE: tl.constexpr,
+    STORE_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``_norm_fwd_kernel`` for rows too wide for registers: one row per program, in column
+    blocks; statistics in one pass (Chan's pairwise mean/variance merge), then the output
+    from h reloaded (or recomputed when it is not stored)."""
+    row = tl.program_id(0)
+    rows = row + tl.arange(0, 1)
+    mean = tl.zeros([1], tl.float32)
+    sum_sq = tl.zeros([1], tl.float32)  # sum of squared deviations from mean (RMSNorm: from 0)
+    for col_start in range(0, N, BLOCK_N):
+        cols = col_start + tl.arange(0, BLOCK_N)
+        mask = (cols < N)[None, :]
+        offsets = row.to(tl.int64) * N + cols[None, :]
+        h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, BLOCK_N)
+        if STORE_H:
+            tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
+        if IS_RMS:
+            sum_sq += tl.sum(h * h, axis=1)
+        else:
+            seen = tl.minimum(col_start + BLOCK_N, N).to(tl.float32)
+            count = seen - col_start
+            block_mean = tl.sum(h, axis=1) / count
+            deviation = tl.where(mask, h - block_mean[:, None], 0.0)
+            delta = block_mean - mean
+            mean += delta * (count / seen)
+            sum_sq += tl.sum(deviation * deviation, axis=1) + delta * delta * (col_start * count / seen)
+    rstd = 1.0 / tl.sqrt(sum_sq / N + eps)
+    tl.store(RSTD + rows, rstd)
+    if not IS_RMS and MEAN is not None:
+        tl.store(MEAN + rows, mean)
+    for col_start in range(0, N, BLOCK_N):
+        cols = col_start + tl.arange(0, BLOCK_N)
+        mask = (cols < N)[None, :]
+        offsets = row.to(tl.int64) * N + cols[None, :]
+        if STORE_H:
+            h = tl.load(H + offsets, mask=mask, other=0.0).to(tl.float32)
+        else:
+            h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
+                             BLOCK_N)  # fmt: skip
+        y = h * rstd[:, None] if IS_RMS else (h - mean[:, None]) * rstd[:, None]
+        if W is not None:
+            y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if B is not None:
+            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS: tl.constexpr,
+                 REBUILD_FROM_OUTPUT: tl.constexpr):  # fmt: skip
+    """(dy, x̂, g = dy · w) in fp32 for one tile of rows x cols; x̂ is 0 outside ``mask``."""
+    dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+    saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
+    g = dy
+    if W is not None:
+        # Padding columns load w = 1 so the rebuild never divides by zero there.
+        w = tl.load(W + cols[None, :], mask=mask, other=1.0).to(tl.float32)
+        g = dy * w
+    if REBUILD_FROM_OUTPUT:
+        if B is not None:
+            saved -= tl.load(B + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if W is not None:
+            saved /= w
+        x_hat = saved
+    elif IS_RMS:
+        x_hat = saved * rstd
+    else:
+        x_hat = (saved - tl.load(MEAN + rows)[:, None]) * rstd
+    return dy, tl.where(mask, x_hat, 0.0), g
+
+
+@triton.jit
+def _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS: tl.constexpr):
+    """dh = rstd · (g - mean(g) - x̂ · mean(g · x̂)) (RMSNorm: no mean(g) term)."""
+    if IS_RMS:
+        return (g - x_hat * mean_g_xhat) * rstd
+    return (g - mean_g - x_hat * mean_g_xhat) * rstd
+
+
+@triton.jit
+def _norm_bwd_wide_kernel(
+    DY, SAVED, W, B, MEAN, RSTD, DH_OUT, DX, DRESIDUAL, DW_PARTIAL, DB_PARTIAL, SEED,  # as in _norm_bwd_kernel
+    M,
+    N,
+    dropout_p,
+    rows_per_program,
+    IS_RMS: tl.constexpr,
+    REBUILD_FROM_OUTPUT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``_norm_bwd_kernel`` for rows too wide for registers: each program walks its rows one at
+    a time, in column blocks: the two row sums first, then dh. Its partial dw/db row is
+    accumulated in place (written at its first row, then read-added-written by the same
+    threads), so no memset is needed."""
+    pid = tl.program_id(0)
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
+    for row in range(row_start, row_end):
+        rows = row + tl.arange(0, 1)
+        rstd = tl.load(RSTD + rows)[:, None]
+        sum_g_xhat = tl.zeros([1], tl.float32)
+        sum_g = tl.zeros([1], tl.float32)
+        for col_start in range(0, N, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)
+            mask = (cols < N)[None, :]
+            offsets = tl.cast(row, tl.int64) * N + cols[None, :]
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS,
+                                        REBUILD_FROM_OUTPUT)  # fmt: skip
+            sum_g_xhat += tl.sum(g * x_hat, axis=1)
+            sum_g += tl.sum(g, axis=1)
+        mean_g_xhat = (sum_g_xhat / N)[:, None]
+        mean_g = (sum_g / N)[:, None]
+        for col_start in range(0, N, BLOCK_N):
+            cols = col_start + tl.arange(0, BLOCK_N)
+            mask = (cols < N)[None, :]
+            offsets = tl.cast(row, tl.int64) * N + cols[None, :]
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS,
+                                        REBUILD_FROM_OUTPUT)  # fmt: skip
+            dh = _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS)
+            if DH_OUT is not None:
+                dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
+            if DRESIDUAL is not None:
+                tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
+            if SEED is not None:
+                threshold, scale = dropout_threshold_and_scale(dropout_p)
+                dh *= tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
+            tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
+            accumulated = (cols < N) & (row > row_start)
+            if DW_PARTIAL is not None:
+                partial = DW_PARTIAL + pid * N + cols
+                previous = tl.load(partial, mask=accumulated, other=0.0)
+                tl.store(partial, previous + tl.sum(dy * x_hat, axis=0), mask=cols < N)
+            if DB_PARTIAL is not None:
+                partial = DB_PARTIAL + pid * N + cols
+                previous = tl.load(partial, mask=accumulated, other=0.0)
+                tl.store(partial, previous + tl.sum(dy, axis=0), mask=cols < N)
 
 
 @dataclass(frozen=True)
@@ -204,15 +370,19 @@ class _NormSpec:
 
     @property
     def dropout_scale(self) -> float:
-        return 1.0 / (1.0 - self.dropout_p)
+        return dropout_threshold(self.dropout_p)[1]
 
 
-def _block_config(n_cols: int) -> tuple[int, int, int]:
-    """(BLOCK_M rows, BLOCK_N columns, num_warps): whole rows, several when rows are short."""
-    block_n = triton.next_power_of_2(n_cols)
+def _block_config(n_cols: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M rows, BLOCK_N columns, num_warps, wide): whole rows in registers, several when
+    rows are short, 16 fp32 values per thread; wider rows go in 4096-column blocks (``wide``),
+    since the backward pass holds six values per element and would spill."""
+    if n_cols > _MAX_WHOLE_ROW:
+        return 1, _WIDE_BLOCK_N, _WIDE_BLOCK_N // 512, True
+    block_n = max(DECISIONS_PER_CALL, triton.next_power_of_2(n_cols))
     block_m = max(1, min(16, 2048 // block_n))
-    num_warps = min(32, max(4, block_m * block_n // 512))
-    return block_m, block_n, num_warps
+    num_warps = max(4, block_m * block_n // 512)
+    return block_m, block_n, num_warps, False
 
 
 def _h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
@@ -232,13 +402,14 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or N == 0:
         return y, h, mean, rstd
-    block_m, block_n, num_warps = _block_config(N)
-    _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
-        x, residual, weight, bias, y, h, mean, rstd, seed,
-        M, N, spec.eps, spec.dropout_p, spec.dropout_scale,
-        IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+    block_m, block_n, num_warps, wide = _block_config(N)
+    flags = dict(IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h)
+    args = (x, residual, weight, bias, y, h, mean, rstd, seed, M, N, spec.eps, spec.dropout_p)
+    if wide:
+        _norm_fwd_wide_kernel[(M,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
+    else:
+        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                     num_warps=num_warps)  # fmt: skip
     return y, h, mean, rstd
 
 
@@ -248,19 +419,24 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     dx = torch.empty((M, N), dtype=x_dtype, device=dy.device)
     separate_dresidual = residual_dtype is not None and (seed is not None or residual_dtype != x_dtype)
     dresidual = torch.empty((M, N), dtype=residual_dtype, device=dy.device) if separate_dresidual else None
-    block_m, block_n, num_warps = _block_config(max(N, 1))
-    programs = max(1, min(triton.cdiv(M, block_m), 4 * multiprocessor_count(dy.device)))
-    rows_per_program = triton.cdiv(triton.cdiv(M, programs), block_m) * block_m
+    block_m, block_n, num_warps, wide = _block_config(max(N, 1))
+    # One fp32 partial row of dw (and db) per program, at most one program per SM, each with
+    # at least one row: every partial row is written, so nothing is zero-filled first.
+    programs = max(1, min(triton.cdiv(M, block_m), multiprocessor_count(dy.device)))
+    rows_per_program = max(1, triton.cdiv(triton.cdiv(M, programs), block_m)) * block_m
+    programs = max(1, triton.cdiv(M, rows_per_program))
     partial_shape = (programs, N)
-    dw_partial = None if weight is None else torch.zeros(partial_shape, dtype=torch.float32, device=dy.device)
-    db_partial = None if bias is None else torch.zeros(partial_shape, dtype=torch.float32, device=dy.device)
+    allocate = torch.empty if M > 0 else torch.zeros
+    dw_partial = None if weight is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
+    db_partial = None if bias is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
     if M > 0 and N > 0:
-        _norm_bwd_kernel[(programs,)](
-            dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
-            M, N, spec.dropout_p, spec.dropout_scale, rows_per_program,
-            IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        )  # fmt: skip
+        args = (dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
+                M, N, spec.dropout_p, rows_per_program)  # fmt: skip
+        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output)
+        if wide:
+            _norm_bwd_wide_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
+        else:
+            _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
     if residual_dtype is not None and dresidual is None:
         dresidual = dx
     dw = None if weight is None else dw_partial.sum(0).to(weight.dtype)
@@ -268,8 +444,8 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     return dx, dresidual, dw, db
 
 
-def _flat_offsets(M: int, N: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(M * N, dtype=torch.int64, device=device).view(M, N)
+def _keep_mask_reference(seed: torch.Tensor, M: int, N: int, p: float) -> torch.Tensor:
+    return dropout_keep_block(seed, torch.arange(M, device=seed.device), 0, N, N, p)
 
 
 def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Size):
@@ -277,7 +453,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
     M, N = x.shape
     h = x.float()
     if seed is not None:
-        keep = dropout_keep_mask(seed, _flat_offsets(M, N, x.device), spec.dropout_p)
+        keep = _keep_mask_reference(seed, M, N, spec.dropout_p)
         h = h * torch.where(keep, spec.dropout_scale, 0.0)
     if residual is not None:
         h = h + residual.float()
@@ -332,7 +508,7 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
         dh = dh + dh_out.float()
     dresidual = None if residual_dtype is None else dh.to(residual_dtype)
     if seed is not None:
-        keep = dropout_keep_mask(seed, _flat_offsets(M, N, dy.device), spec.dropout_p)
+        keep = _keep_mask_reference(seed, M, N, spec.dropout_p)
         dh = dh * torch.where(keep, spec.dropout_scale, 0.0)
     dw = None if weight is None else (dy * x_hat).sum(dim=0).to(weight.dtype)
     db = None if bias is None else dy.sum(dim=0).to(bias.dtype)

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimformer.kernels import norm as norm_kernels
 from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -30,7 +31,7 @@ def _params(n_cols, dtype, bias=True, seed=0):
 
 def _eager(x, residual, weight, bias, keep, is_rms, eps, n_cols):
     """Unfused PyTorch: dropout with the given mask, residual add, F.layer_norm/F.rms_norm."""
-    h = x if keep is None else torch.where(keep, x * (1.0 / (1.0 - DROPOUT_P)), torch.zeros_like(x))
+    h = x if keep is None else torch.where(keep, x * dropout_threshold(DROPOUT_P)[1], torch.zeros_like(x))
     if residual is not None:
         h = h + residual
     if is_rms:
@@ -64,8 +65,8 @@ def _check_norm(
     keep = None
     if with_dropout:
         torch.manual_seed(SEED)
-        offsets = torch.arange(x.numel(), device=device).view(shape)
-        keep = dropout_keep_mask(new_dropout_seed(x.device), offsets, p)
+        rows = torch.arange(x.numel() // n_cols, device=device)
+        keep = dropout_keep_block(new_dropout_seed(x.device), rows, 0, n_cols, n_cols, p).view(shape)
 
     def ours(x, residual, weight, bias):
         torch.manual_seed(SEED)
@@ -118,6 +119,16 @@ def test_returned_residual_and_its_gradient(backend, is_rms, dtype, n_cols, memo
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_hidden_size_65536(backend, dtype):
     _check_norm(False, dtype, 65536, True, False, True)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_rows_in_column_blocks(backend, monkeypatch, is_rms, memory_efficient):
+    # The kernels for rows wider than registers hold (here: > 64 columns, in blocks of 32,
+    # the last one partial), with dropout, residual and the returned h.
+    monkeypatch.setattr(norm_kernels, "_MAX_WHOLE_ROW", 64)
+    monkeypatch.setattr(norm_kernels, "_WIDE_BLOCK_N", 32)
+    _check_norm(is_rms, torch.float32, 100, True, True, memory_efficient, return_residual=True)
 
 
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
@@ -256,9 +267,10 @@ class TestDropout:
     def test_keep_fraction(self, backend, p):
         _, _, h = self._dropped((256, 4096), p, seed=0)
         keep_fraction = (h != 0).float().mean().item()
-        assert abs(keep_fraction - (1 - p)) < 0.01
+        threshold, scale = dropout_threshold(p)
+        assert abs(keep_fraction - (1 - threshold / 256)) < 0.01
         kept = h[h != 0]
-        torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))
+        torch.testing.assert_close(kept, torch.full_like(kept, scale))
 
     def test_backward_uses_the_forward_mask(self, backend):
         x, y, h = self._dropped((16, 97), 0.4, seed=3)
