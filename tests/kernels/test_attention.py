@@ -442,7 +442,7 @@ def test_every_head_dim_on_gpu(dtype, ulps, head_dim):
 
 _TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _SCALARS = ["stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_kpb", "stride_kpn",
-            "num_heads", "group_size", "seq_q", "seq_k", "head_dim"]  # fmt: skip
+            "num_heads", "group_size", "seq_q", "seq_k"]  # fmt: skip
 
 
 def _strides(*names: str) -> dict:
@@ -456,7 +456,8 @@ def _hopper_builds(dtype: torch.dtype, head_dim: int, mask_kind: int) -> list[Ke
     every_feature = mask_kind != 0
     optional = {"SEED": "*i64", "MASK": "*u8" if mask_kind == 1 else ptr, "KPM": "*u8"}
     flags = dict(MASK_KIND=mask_kind, HAS_KPM=every_feature, IS_CAUSAL=every_feature, HAS_DROPOUT=every_feature,
-                 PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False)  # fmt: skip
+                 PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False,
+                 HEAD_DIM=head_dim, STRIDE_UNIT=8)  # fmt: skip
     pointers = optional if every_feature else {}
     absent = {} if every_feature else dict.fromkeys(optional)
     scalars = {name: "i32" for name in _SCALARS} | {"sm_scale": "fp32", "dropout_p": "fp32"}
@@ -470,16 +471,17 @@ def _hopper_builds(dtype: torch.dtype, head_dim: int, mask_kind: int) -> list[Ke
         config = attention_module._block_config(head_dim, dtype, name)
         signature = {n.upper(): ptr for n in strided} | dict.fromkeys(statistics, "*fp32")
         blocks = {k: v for k, v in config.items() if k.startswith("BLOCK")}
+        scale_sign = {"NEGATIVE_SCALE": False} if name == "fwd" else {}
         builds.append(KernelBuild(
             "slimformer.kernels.attention", kernel, signature | pointers | _strides(*strided) | scalars,
-            flags | blocks | absent, config["num_warps"],
+            flags | blocks | absent | scale_sign, config["num_warps"],
         ))  # fmt: skip
     config = attention_module._block_config(head_dim, dtype, "dq")
     builds.append(KernelBuild(
         "slimformer.kernels.attention", "_attention_bwd_preprocess_kernel",
-        {"O": ptr, "DO": ptr, "DELTA": "*fp32", **_strides("o", "do"), "num_heads": "i32", "seq_q": "i32",
-         "head_dim": "i32"},
-        {"BLOCK_M": config["BLOCK_M"], "BLOCK_D": config["BLOCK_D"]}, config["num_warps"],
+        {"O": ptr, "DO": ptr, "DELTA": "*fp32", **_strides("o", "do"), "num_heads": "i32", "seq_q": "i32"},
+        {"BLOCK_M": config["BLOCK_M"], "BLOCK_D": config["BLOCK_D"], "HEAD_DIM": head_dim, "STRIDE_UNIT": 8},
+        config["num_warps"],
     ))  # fmt: skip
     return builds
 
