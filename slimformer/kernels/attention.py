@@ -121,7 +121,7 @@ def _load_row_stat(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 @triton.jit
 def _masked_scores(
-    qk, rows, cols, off_b, off_h, seq_q, seq_k, qk_scale,
+    qk, rows, cols, start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
     KPM, stride_kpb, stride_kpn,
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
@@ -131,19 +131,23 @@ def _masked_scores(
     """Scores of one tile in log2 units, −inf where a key is not allowed.
 
     ``rows`` (query indices) and ``cols`` (key indices) broadcast to the tile's shape,
-    so the same code serves (query, key) tiles and the transposed (key, query) tiles.
+    so the same code serves (query, key) tiles and the transposed (key, query) tiles;
+    they start at ``start_m`` and ``start_n``. The masks' tiles are addressed by a scalar
+    int64 offset plus int32 offsets inside the tile (the launcher checks they fit).
     Only an EDGE tile may hold keys past seq_k or (causal) keys after a query, so only
     it pays for those compares.
     """
     s = qk * qk_scale
     if HAS_KPM:
-        padding = tl.load(KPM + off_b * stride_kpb + cols.to(tl.int64) * stride_kpn, mask=cols < seq_k, other=1)
+        kpm_row = KPM + off_b * stride_kpb + tl.cast(start_n, tl.int64) * stride_kpn
+        padding = tl.load(kpm_row + (cols - start_n) * stride_kpn, mask=cols < seq_k, other=1)
         s = tl.where(padding == 0, s, float("-inf"))
     if MASK_KIND != 0:
-        mask_ptrs = (
+        mask_tile = (
             MASK + off_b * stride_mb + off_h * stride_mh
-            + rows.to(tl.int64) * stride_mm + cols.to(tl.int64) * stride_mn
+            + tl.cast(start_m, tl.int64) * stride_mm + tl.cast(start_n, tl.int64) * stride_mn
         )
+        mask_ptrs = mask_tile + ((rows - start_m) * stride_mm + (cols - start_n) * stride_mn)
         mask = tl.load(mask_ptrs, mask=(rows < seq_q) & (cols < seq_k), other=0)
         if MASK_KIND == 1:
             s = tl.where(mask != 0, s, float("-inf"))
@@ -170,7 +174,7 @@ def _dropout_scale(seed, off_bh, seq_q, seq_k, rows, cols, dropout_p):
 
 @triton.jit
 def _attention_fwd_tile(
-    acc, l_i, m_i, q, K, V, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+    acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
     stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
     seed, off_bh, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -187,7 +191,7 @@ def _attention_fwd_tile(
     qk = _dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = _masked_scores(
-            qk, offs_m[:, None], offs_n[None, :], off_b, off_h, seq_q, seq_k, qk_scale,
+            qk, offs_m[:, None], offs_n[None, :], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
         )
@@ -281,14 +285,14 @@ def _attention_fwd_kernel(
         full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, K, V, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
             stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
             False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, K, V, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
             stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
             True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
@@ -330,7 +334,7 @@ def _attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_tile(
-    dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, tile_m, offs_n, offs_d,
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
     off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -358,7 +362,7 @@ def _attention_bwd_dkdv_tile(
     qk_t = _dot(k, tl.trans(q), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s_t = _masked_scores(
-            qk_t, offs_m[None, :], offs_n[:, None], off_b, off_h, seq_q, seq_k, qk_scale,
+            qk_t, offs_m[None, :], offs_n[:, None], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
         )
@@ -429,10 +433,10 @@ def _attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # Query blocks [lo, edge_hi) straddle the causal diagonal and the last one may pass
     # seq_q: edge blocks. The blocks in between need no compares.
+    start_n = pid_n * BLOCK_N
     lo = 0
     edge_hi = 0
     if IS_CAUSAL:
-        start_n = pid_n * BLOCK_N
         lo = start_n // BLOCK_M * BLOCK_M
         edge_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, seq_q)
     full_hi = seq_q // BLOCK_M * BLOCK_M
@@ -445,21 +449,21 @@ def _attention_bwd_dkdv_kernel(
         delta_head = DELTA + off_bh * seq_q
         for start_m in range(lo, edge_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, tile_m, offs_n, offs_d,
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
                 MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
             )
         for start_m in range(tl.maximum(lo, edge_hi), full_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, tile_m, offs_n, offs_d,
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
                 MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
             )
         for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), seq_q, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, tile_m, offs_n, offs_d,
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
                 MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
@@ -473,7 +477,7 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _attention_bwd_dq_tile(
-    dq, q, do, lse_log2, delta, K, V, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
+    dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
     seq_q, seq_k, qk_scale, stride_ks, stride_vs,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
@@ -494,7 +498,7 @@ def _attention_bwd_dq_tile(
     qk = _dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = _masked_scores(
-            qk, offs_m[:, None], offs_n[None, :], off_b, off_h, seq_q, seq_k, qk_scale,
+            qk, offs_m[:, None], offs_n[None, :], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
         )
@@ -567,14 +571,14 @@ def _attention_bwd_dq_kernel(
         full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         dq = _attention_bwd_dq_tile(
-            dq, q, do, lse_log2, delta, K, V, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
+            dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
             seq_q, seq_k, qk_scale, stride_ks, stride_vs,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
             MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _attention_bwd_dq_tile(
-            dq, q, do, lse_log2, delta, K, V, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
+            dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
             seq_q, seq_k, qk_scale, stride_ks, stride_vs,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
             MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
@@ -584,14 +588,28 @@ def _attention_bwd_dq_kernel(
                 offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
-# (largest BLOCK_D, (BLOCK_M, BLOCK_N, num_warps, num_stages)) per kernel for 16-bit inputs,
-# picked by compiling every runtime specialisation for sm_90: wgmma for every dot, at
-# least two pipeline stages, no register spills, shared memory within 227 KB. BLOCK_M
-# indexes queries and BLOCK_N keys in every kernel.
+# (largest BLOCK_D, plain config, masked config) per kernel for 16-bit inputs, a config
+# being (BLOCK_M, BLOCK_N, num_warps, num_stages); "masked" launches (attn_mask,
+# key_padding_mask or dropout) hold more per-element state. Picked by compiling the runtime
+# specialisations for sm_90: wgmma for every dot, at least two pipeline
+# stages, shared memory within 227 KB, no register spills where some config avoids them.
+# BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
-    "fwd": ((64, (128, 64, 8, 3)), (128, (128, 32, 8, 3)), (256, (64, 32, 8, 2))),
-    "dkdv": ((64, (32, 64, 4, 2)), (128, (64, 32, 8, 2)), (256, (32, 32, 8, 1))),
-    "dq": ((64, (128, 64, 8, 2)), (128, (128, 32, 8, 2)), (256, (32, 32, 8, 1))),
+    "fwd": (
+        (64, (128, 128, 8, 3), (128, 64, 8, 3)),
+        (128, (128, 128, 8, 3), (128, 32, 8, 3)),
+        (256, (128, 32, 8, 3), (64, 32, 8, 2)),
+    ),
+    "dkdv": (
+        (64, (32, 64, 4, 2), (32, 64, 4, 2)),
+        (128, (64, 32, 8, 2), (64, 32, 8, 2)),
+        (256, (32, 32, 8, 1), (32, 32, 8, 1)),
+    ),
+    "dq": (
+        (64, (128, 64, 8, 2), (128, 64, 8, 2)),
+        (128, (128, 32, 8, 2), (128, 32, 8, 2)),
+        (256, (32, 32, 8, 1), (32, 32, 8, 1)),
+    ),
 }
 # fp32 dots run in exact ("ieee") precision on CUDA cores, whose operands live in
 # registers: small tiles at every head dim.
@@ -600,9 +618,9 @@ _FP32_CONFIG = (32, 32, 8, 1)
 _MAX_PROGRAMS = 2**31 - 1
 
 
-def _block_config(head_dim: int, dtype: torch.dtype, kernel: str) -> dict:
+def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, masked: bool) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
-    one of "fwd", "dkdv", "dq".
+    one of "fwd", "dkdv", "dq"; ``masked``: with attn_mask, key_padding_mask or dropout.
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
@@ -612,7 +630,9 @@ def _block_config(head_dim: int, dtype: torch.dtype, kernel: str) -> dict:
         block_m, block_n, num_warps, num_stages = _FP32_CONFIG
     else:
         block_m, block_n, num_warps, num_stages = next(
-            config for largest, config in _TENSOR_CORE_CONFIGS[kernel] if block_d <= largest
+            masked_config if masked else plain_config
+            for largest, plain_config, masked_config in _TENSOR_CORE_CONFIGS[kernel]
+            if block_d <= largest
         )
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages
@@ -652,8 +672,21 @@ def _mask_args(
         kpm, kpm_strides = None, (0, 0)
     else:
         kpm, kpm_strides = key_padding_mask.view(torch.uint8), key_padding_mask.stride()
+    # The kernels address a mask tile with int32 offsets from its first element.
+    max_block = 128
+    extent = (min(seq_q, max_block) - 1) * abs(mask_strides[2]) + (min(seq_k, max_block) - 1) * abs(mask_strides[3])
+    if max(extent, (min(seq_k, max_block) - 1) * abs(kpm_strides[1])) >= 2**31:
+        raise ValueError(
+            f"attn_mask / key_padding_mask strides {tuple(mask_strides)} / {tuple(kpm_strides)} are too large "
+            f"for the kernels' int32 offsets within a {max_block}x{max_block} tile"
+        )
     flags = dict(MASK_KIND=mask_kind, HAS_KPM=kpm is not None)
     return [mask, kpm], [*mask_strides, *kpm_strides], flags
+
+
+def _is_masked(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether a launch takes the "masked" block configs."""
+    return attn_mask is not None or key_padding_mask is not None or dropout_p > 0.0
 
 
 def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
@@ -705,8 +738,8 @@ def _attention_fwd(
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(math.inf)
-    config = _block_config(head_dim, q.dtype, "fwd")
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
+    config = _block_config(head_dim, q.dtype, "fwd", _is_masked(attn_mask, key_padding_mask, dropout_p))
     unit = _stride_unit(q, k, v, out)
     _attention_fwd_kernel[_grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
         q, k, v, out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
@@ -745,7 +778,8 @@ def _attention_bwd(
             grad.zero_()
         return
     delta = torch.empty_like(lse)
-    dq_config = _block_config(head_dim, q.dtype, "dq")
+    masked = _is_masked(attn_mask, key_padding_mask, dropout_p)
+    dq_config = _block_config(head_dim, q.dtype, "dq", masked)
     q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
     unit = _stride_unit(q, k, v, out, grad_out, dq, dk, dv)
     _attention_bwd_preprocess_kernel[_grid(q_blocks, heads, batch)](
@@ -756,7 +790,7 @@ def _attention_bwd(
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p)
     flags = dict(**mask_flags, **_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv")
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", masked)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
