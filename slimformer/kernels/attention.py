@@ -41,7 +41,14 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels.dispatch import use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_keep_tile_t,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -164,12 +171,18 @@ def _masked_scores(
 
 
 @triton.jit
-def _dropout_scale(seed, off_bh, seq_q, seq_k, rows, cols, dropout_p):
-    """``z / (1 - dropout_p)`` for one tile (``rows``, ``cols`` as in ``_masked_scores``);
-    ``off_bh`` = batch · heads + head, int64."""
-    offsets = (off_bh * seq_q + rows.to(tl.int64)) * seq_k + cols.to(tl.int64)
-    keep = tl.rand(seed, offsets) >= dropout_p
-    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+def _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr,
+                   KEYS_FIRST: tl.constexpr):
+    """``r · z`` for queries ``offs_m`` and keys start_n .. start_n + BLOCK_N: [BLOCK_M, BLOCK_N],
+    or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Dropout-matrix row (batch · heads + head) · seq_q + i,
+    column j (see ``philox.py``); ``off_bh`` = batch · heads + head, int64."""
+    threshold, scale = dropout_threshold_and_scale(dropout_p)
+    rows = off_bh * seq_q + offs_m
+    if KEYS_FIRST:
+        keep = dropout_keep_tile_t(seed, rows, start_n, seq_k, threshold, BLOCK_N)
+    else:
+        keep = dropout_keep_tile(seed, rows, start_n, seq_k, threshold, BLOCK_N)
+    return tl.where(keep, scale, 0.0)
 
 
 @triton.jit
@@ -178,8 +191,8 @@ def _attention_fwd_tile(
     stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
     seed, off_bh, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EDGE: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    EDGE: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One key block of the online softmax: the updated (acc, l_i, m_i)."""
     offs_n = start_n + tile_n
@@ -211,7 +224,7 @@ def _attention_fwd_tile(
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        p = p * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m[:, None], offs_n[None, :], dropout_p)
+        p = p * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
     v = _load_rows(
         V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
         HEAD_DIM, BLOCK_D, EDGE,
@@ -288,14 +301,14 @@ def _attention_fwd_kernel(
             acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
             stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
-            False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
+            False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
             acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
             stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
-            True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
+            True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
         )
 
     has_keys = (l_i > 0.0) & (m_i > _MASKED_ROW_SCORE_LOG2)
@@ -338,7 +351,7 @@ def _attention_bwd_dkdv_tile(
     off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One query block's share of dK and dV: the updated (dk, dv).
@@ -371,7 +384,7 @@ def _attention_bwd_dkdv_tile(
         p_t = tl.exp2(qk_t * qk_scale - lse_log2[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m[None, :], offs_n[:, None], dropout_p)
+        z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, True)
         dv = _dot((p_t * z_t).to(do.dtype), do, dv, PRECISION, UPCAST)
         dp_t = dp_t * z_t
     else:
@@ -452,21 +465,21 @@ def _attention_bwd_dkdv_kernel(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
+                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
         for start_m in range(tl.maximum(lo, edge_hi), full_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
+                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
         for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), seq_q, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
                 dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
+                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
 
     _store_rows(DK + tile_n[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
@@ -481,7 +494,7 @@ def _attention_bwd_dq_tile(
     seq_q, seq_k, qk_scale, stride_ks, stride_vs,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One key block's share of dQ: the updated dq."""
@@ -507,7 +520,7 @@ def _attention_bwd_dq_tile(
         p = tl.exp2(qk * qk_scale - lse_log2[:, None])
     dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m[:, None], offs_n[None, :], dropout_p)
+        dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
     ds = p * (dp - delta[:, None])
     return _dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
 
@@ -574,14 +587,14 @@ def _attention_bwd_dq_kernel(
             dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
             seq_q, seq_k, qk_scale, stride_ks, stride_vs,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
+            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _attention_bwd_dq_tile(
             dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
             seq_q, seq_k, qk_scale, stride_ks, stride_vs,
             MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_D, PRECISION, UPCAST,
+            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
         )
 
     _store_rows(DQ + tile_m[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -828,11 +841,24 @@ def _scores_reference(
     return s
 
 
-def _dropout_scale_reference(seed: torch.Tensor, shape: torch.Size, dropout_p: float) -> torch.Tensor:
-    """``z / (1 - dropout_p)`` over the (batch, heads, seq_q, seq_k) matrix, as the kernels draw it."""
-    offsets = torch.arange(math.prod(shape), device=seed.device).view(shape)
-    keep = dropout_keep_mask(seed, offsets, dropout_p)
-    return keep / (1.0 - torch.tensor(dropout_p, dtype=torch.float32))
+def _dropout_scale_reference(
+    seed: torch.Tensor,
+    shape: torch.Size,
+    dropout_p: float,
+    queries: range | None = None,
+    keys: range | None = None,
+) -> torch.Tensor:
+    """fp32 ``r · z`` of the (batch, heads, seq_q, seq_k) attention matrix ``shape``, as the
+    kernels draw it, for the query and key ranges given (default: all): shape
+    (batch, heads, len(queries), len(keys))."""
+    batch, heads, seq_q, seq_k = shape
+    queries = range(seq_q) if queries is None else queries
+    keys = range(seq_k) if keys is None else keys
+    query_rows = torch.arange(queries.start, queries.stop, device=seed.device)
+    rows = torch.arange(batch * heads, device=seed.device)[:, None] * seq_q + query_rows
+    keep = dropout_keep_block(seed, rows.view(-1), keys.start, len(keys), seq_k, dropout_p)
+    scale = torch.tensor(dropout_threshold(dropout_p)[1], dtype=torch.float32, device=seed.device)
+    return (keep * scale).view(batch, heads, len(queries), len(keys))
 
 
 def _attention_fwd_reference(

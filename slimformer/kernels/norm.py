@@ -29,7 +29,14 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels.dispatch import multiprocessor_count, use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    DECISIONS_PER_CALL,
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 MAX_HIDDEN_SIZE = 65536
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,7 +62,6 @@ def _norm_fwd_kernel(
     N,
     eps,
     dropout_p,
-    dropout_scale,
     IS_RMS: tl.constexpr,
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
@@ -71,8 +77,8 @@ def _norm_fwd_kernel(
 
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     if SEED is not None:
-        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        h *= tl.where(keep, dropout_scale, 0.0)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        h *= tl.where(dropout_keep_tile(tl.load(SEED), rows, 0, N, threshold, BLOCK_N), scale, 0.0)
     if RESIDUAL is not None:
         h += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
     if ROUND_H:
@@ -117,7 +123,6 @@ def _norm_bwd_kernel(
     M,
     N,
     dropout_p,
-    dropout_scale,
     rows_per_program,
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
@@ -132,6 +137,9 @@ def _norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_ok, other=1.0).to(tl.float32)[None, :]
     if B is not None:
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SEED is not None:
+        seed = tl.load(SEED)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -173,8 +181,7 @@ def _norm_bwd_kernel(
         if DRESIDUAL is not None:
             tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
         if SEED is not None:
-            keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-            dh *= tl.where(keep, dropout_scale, 0.0)
+            dh *= tl.where(dropout_keep_tile(seed, rows, 0, N, threshold, BLOCK_N), scale, 0.0)
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
 
         if DW_PARTIAL is not None:
@@ -202,12 +209,12 @@ class _NormSpec:
 
     @property
     def dropout_scale(self) -> float:
-        return 1.0 / (1.0 - self.dropout_p)
+        return dropout_threshold(self.dropout_p)[1]
 
 
 def _block_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M rows, BLOCK_N columns, num_warps): whole rows, several when rows are short."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = max(DECISIONS_PER_CALL, triton.next_power_of_2(n_cols))
     block_m = max(1, min(16, 2048 // block_n))
     num_warps = min(32, max(4, block_m * block_n // 512))
     return block_m, block_n, num_warps
@@ -233,7 +240,7 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     block_m, block_n, num_warps = _block_config(N)
     _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
         x, residual, weight, bias, y, h, mean, rstd, seed,
-        M, N, spec.eps, spec.dropout_p, spec.dropout_scale,
+        M, N, spec.eps, spec.dropout_p,
         IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
@@ -255,7 +262,7 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     if M > 0 and N > 0:
         _norm_bwd_kernel[(programs,)](
             dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
-            M, N, spec.dropout_p, spec.dropout_scale, rows_per_program,
+            M, N, spec.dropout_p, rows_per_program,
             IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
@@ -266,8 +273,8 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     return dx, dresidual, dw, db
 
 
-def _flat_offsets(M: int, N: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(M * N, dtype=torch.int64, device=device).view(M, N)
+def _keep_mask_reference(seed: torch.Tensor, M: int, N: int, p: float) -> torch.Tensor:
+    return dropout_keep_block(seed, torch.arange(M, device=seed.device), 0, N, N, p)
 
 
 def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Size):
@@ -275,7 +282,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
     M, N = x.shape
     h = x.float()
     if seed is not None:
-        keep = dropout_keep_mask(seed, _flat_offsets(M, N, x.device), spec.dropout_p)
+        keep = _keep_mask_reference(seed, M, N, spec.dropout_p)
         h = h * torch.where(keep, spec.dropout_scale, 0.0)
     if residual is not None:
         h = h + residual.float()
@@ -330,7 +337,7 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
         dh = dh + dh_out.float()
     dresidual = None if residual_dtype is None else dh.to(residual_dtype)
     if seed is not None:
-        keep = dropout_keep_mask(seed, _flat_offsets(M, N, dy.device), spec.dropout_p)
+        keep = _keep_mask_reference(seed, M, N, spec.dropout_p)
         dh = dh * torch.where(keep, spec.dropout_scale, 0.0)
     dw = None if weight is None else (dy * x_hat).sum(dim=0).to(weight.dtype)
     db = None if bias is None else dy.sum(dim=0).to(bias.dtype)
