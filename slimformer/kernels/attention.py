@@ -71,54 +71,112 @@ _NO_MASK, _BOOL_MASK, _ADDITIVE_MASK = 0, 1, 2
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in fp32."""
+def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` accumulated in fp32 (the tensor cores add into ``acc`` in place)."""
     if UPCAST:
         # Triton 3.6's interpreter multiplies bf16 blocks as their raw uint16 bits; the
         # fp32 product of bf16 values is exact, so upcasting changes no result.
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     else:
-        out = tl.dot(a, b, input_precision=PRECISION)
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
     return out
 
 
 @triton.jit
+def _tile_ids(num_heads, seq, BLOCK: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+    """(block, head, batch) of this program. Axis 0 of the grid numbers the blocks of every
+    (batch, head), blocks fastest, so programs running together share k and v in L2 and
+    any batch fits the grid (axes 1 and 2 stop at 65,535). LONGEST_FIRST reverses the
+    blocks of a causal launch, whose last query blocks have the most keys."""
+    num_blocks = tl.cdiv(seq, BLOCK)
+    pid = tl.program_id(0)
+    block = pid % num_blocks
+    if LONGEST_FIRST:
+        block = num_blocks - 1 - block
+    bh = pid // num_blocks
+    return block, (bh % num_heads).to(tl.int64), (bh // num_heads).to(tl.int64)
+
+
+@triton.jit
+def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """A (rows, BLOCK_D) tile, zero past HEAD_DIM and (when CHECK_ROWS) past ``n_rows``;
+    tiles known to be in bounds load without a mask."""
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the first ``n_rows`` rows and HEAD_DIM columns of a (rows, BLOCK_D) tile."""
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _load_row_stat(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
+    """One fp32 statistic (lse, delta) per row, ``other`` past ``n_rows`` when CHECK_ROWS."""
+    if CHECK_ROWS:
+        x = tl.load(ptrs, mask=rows < n_rows, other=other)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _masked_scores(
-    qk, rows, cols, off_b, off_h, seq_q, seq_k, qk_scale,
+    qk, rows, cols, start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn,
     KPM, stride_kpb, stride_kpn,
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
     HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    EDGE: tl.constexpr,
 ):
     """Scores of one tile in log2 units, −inf where a key is not allowed.
 
     ``rows`` (query indices) and ``cols`` (key indices) broadcast to the tile's shape,
-    so the same code serves (query, key) tiles and the transposed (key, query) tiles.
+    so the same code serves (query, key) tiles and the transposed (key, query) tiles;
+    they start at ``start_m`` and ``start_n``. The masks' tiles are addressed by a scalar
+    int64 offset plus int32 offsets inside the tile (the launcher checks they fit).
+    Only an EDGE tile may hold keys past seq_k or (causal) keys after a query, so only
+    it pays for those compares.
     """
     s = qk * qk_scale
-    in_bounds = (rows < seq_q) & (cols < seq_k)
-    allowed = in_bounds
-    if IS_CAUSAL:
-        allowed &= cols <= rows
     if HAS_KPM:
-        padding = tl.load(KPM + off_b * stride_kpb + cols.to(tl.int64) * stride_kpn, mask=cols < seq_k, other=1)
-        allowed &= padding == 0
+        kpm_row = KPM + off_b * stride_kpb + tl.cast(start_n, tl.int64) * stride_kpn
+        padding = tl.load(kpm_row + (cols - start_n) * stride_kpn, mask=cols < seq_k, other=1)
+        s = tl.where(padding == 0, s, float("-inf"))
     if MASK_KIND != 0:
-        mask_ptrs = (
+        mask_tile = (
             MASK + off_b * stride_mb + off_h * stride_mh
-            + rows.to(tl.int64) * stride_mm + cols.to(tl.int64) * stride_mn
+            + tl.cast(start_m, tl.int64) * stride_mm + tl.cast(start_n, tl.int64) * stride_mn
         )
-        mask = tl.load(mask_ptrs, mask=in_bounds, other=0)
+        mask_ptrs = mask_tile + ((rows - start_m) * stride_mm + (cols - start_n) * stride_mn)
+        mask = tl.load(mask_ptrs, mask=(rows < seq_q) & (cols < seq_k), other=0)
         if MASK_KIND == 1:
-            allowed &= mask != 0
+            s = tl.where(mask != 0, s, float("-inf"))
         else:
             bias = mask.to(tl.float32)
             # NaN is not <= MASKED_BIAS: that key stays allowed and its NaN score propagates.
             # (finfo.min · log2(e) would overflow; such a key is masked either way.)
             weighs = (bias > _MASKED_BIAS) | (bias != bias)
-            allowed &= weighs
-            s += tl.where(weighs, bias, 0.0) * _LOG2E
-    return tl.where(allowed, s, float("-inf"))
+            s = tl.where(weighs, s + bias * _LOG2E, float("-inf"))
+    if EDGE:
+        allowed = cols < seq_k
+        if IS_CAUSAL:
+            allowed &= cols <= rows
+        s = tl.where(allowed, s, float("-inf"))
+    return s
 
 
 @triton.jit
@@ -137,6 +195,54 @@ def _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK
 
 
 @triton.jit
+def _attention_fwd_tile(
+    acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+    stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
+    seed, off_bh, dropout_p,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EDGE: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One key block of the online softmax: the updated (acc, l_i, m_i)."""
+    offs_n = start_n + tile_n
+    first_col = tl.cast(start_n, tl.int64)
+    k = _load_rows(
+        K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d,
+        HEAD_DIM, BLOCK_D, EDGE,
+    )
+    qk = _dot(q, tl.trans(k), None, PRECISION, UPCAST)
+    if EDGE or MASK_KIND != 0 or HAS_KPM:
+        s = _masked_scores(
+            qk, offs_m[:, None], offs_n[None, :], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
+            MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
+        )
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+    else:
+        # Every key of this tile is allowed, so the row max is finite and the scale folds
+        # into the exponent's multiply-add (max(c·x) is c·max(x) for c >= 0, c·min(x) else).
+        if NEGATIVE_SCALE:
+            m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_shift = m_new
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        p = p * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
+    v = _load_rows(
+        V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
+        HEAD_DIM, BLOCK_D, EDGE,
+    )
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attention_fwd_kernel(
     Q,  # (batch, heads, seq_q, head_dim), strided, last dim contiguous
     K,  # (batch, kv_heads, seq_k, head_dim), likewise
@@ -146,23 +252,30 @@ def _attention_fwd_kernel(
     SEED,  # () int64 dropout seed
     MASK,  # attn_mask broadcast to (batch, heads, seq_q, seq_k) by its strides, uint8 or float
     KPM,  # (batch, seq_k) uint8 key padding mask, nonzero = padding
+    # strides of q, k, v, o in units of STRIDE_UNIT elements
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn,
-    num_heads, group_size, seq_q, seq_k, head_dim, sm_scale, dropout_p,
+    num_heads, group_size, seq_q, seq_k, sm_scale, dropout_p,
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
     HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    # Multiplying by the constexpr unit tells Triton each row starts 16 bytes aligned
+    # (head_dim % 8 == 0), so rows load as 16-byte vectors even when head_dim % 16 != 0.
+    stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
+    stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
+    stride_vb, stride_vh, stride_vs = stride_vb * STRIDE_UNIT, stride_vh * STRIDE_UNIT, stride_vs * STRIDE_UNIT
+    stride_ob, stride_oh, stride_os = stride_ob * STRIDE_UNIT, stride_oh * STRIDE_UNIT, stride_os * STRIDE_UNIT
+    pid_m, off_h, off_b = _tile_ids(num_heads, seq_q, BLOCK_M, IS_CAUSAL)
     off_hk = off_h // group_size
+    off_bh = off_b * num_heads + off_h
     # Scalar int64 offsets select the tiles; int32 offsets index inside them, so no
     # 64-bit index tile has to stay live across the loop.
     first_row = pid_m.to(tl.int64) * BLOCK_M
@@ -177,48 +290,44 @@ def _attention_fwd_kernel(
     tile_n = tl.arange(0, BLOCK_N)
     offs_m = start_m + tile_m
     offs_d = tl.arange(0, BLOCK_D)
-    q_in = (offs_m[:, None] < seq_q) & (offs_d[None, :] < head_dim)
-    q = tl.load(Q + tile_m[:, None] * stride_qs + offs_d[None, :], mask=q_in, other=0.0)
+    q = _load_rows(Q + tile_m[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Key blocks below full_hi are inside seq_k and (causal) before every query of the
+    # block: no bounds or causal compares. The rest, up to hi, are edge blocks.
     hi = seq_k
+    full_hi = seq_k // BLOCK_N * BLOCK_N
     if IS_CAUSAL:
         hi = tl.minimum(seq_k, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tile_n
-        kv_in = (offs_n[:, None] < seq_k) & (offs_d[None, :] < head_dim)
-        first_col = tl.cast(start_n, tl.int64)
-        k = tl.load(K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :], mask=kv_in, other=0.0)
-        s = _masked_scores(
-            _dot(q, tl.trans(k), PRECISION, UPCAST), offs_m[:, None], offs_n[None, :], off_b, off_h,
-            seq_q, seq_k, qk_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-            KPM, stride_kpb, stride_kpn, MASK_KIND, HAS_KPM, IS_CAUSAL,
+        full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
+    for start_n in range(0, full_hi, BLOCK_N):
+        acc, l_i, m_i = _attention_fwd_tile(
+            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+            stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
+            seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
+            False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
         )
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if HAS_DROPOUT:
-            p = p * _dropout_scale(
-                seed, off_b * num_heads + off_h, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False
-            )
-        v = tl.load(V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], mask=kv_in, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _attention_fwd_tile(
+            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+            stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
+            seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
+            True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+        )
 
     # l_i >= 1 (the best key adds exp2(0)) or NaN once a row has an allowed key; only a
     # row with none has l_i = 0. NaN scores leave l_i NaN, so o and lse come out NaN.
     has_keys = l_i != 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * _LN2, float("inf"))
-    tl.store(O + tile_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), mask=q_in)
-    tl.store(LSE + (off_b * num_heads + off_h) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    _store_rows(O + tile_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, seq_q,
+                offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    tl.store(LSE + off_bh * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
 @triton.jit
@@ -226,25 +335,74 @@ def _attention_bwd_preprocess_kernel(
     O,  # (batch, heads, seq_q, head_dim), strided, last dim contiguous
     DO,  # (batch, heads, seq_q, head_dim), likewise
     DELTA,  # (batch, heads, seq_q) fp32 output, contiguous
-    stride_ob, stride_oh, stride_os,
+    stride_ob, stride_oh, stride_os,  # in units of STRIDE_UNIT elements, as in the forward
     stride_dob, stride_doh, stride_dos,
-    num_heads, seq_q, head_dim,
+    num_heads, seq_q,
+    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    stride_ob, stride_oh, stride_os = stride_ob * STRIDE_UNIT, stride_oh * STRIDE_UNIT, stride_os * STRIDE_UNIT
+    stride_dob, stride_doh, stride_dos = stride_dob * STRIDE_UNIT, stride_doh * STRIDE_UNIT, stride_dos * STRIDE_UNIT
+    pid_m, off_h, off_b = _tile_ids(num_heads, seq_q, BLOCK_M, False)
     first_row = pid_m.to(tl.int64) * BLOCK_M
     O += off_b * stride_ob + off_h * stride_oh + first_row * stride_os
     DO += off_b * stride_dob + off_h * stride_doh + first_row * stride_dos
     tile_m = tl.arange(0, BLOCK_M)
     offs_m = pid_m * BLOCK_M + tile_m
     offs_d = tl.arange(0, BLOCK_D)
-    in_bounds = (offs_m[:, None] < seq_q) & (offs_d[None, :] < head_dim)
-    o = tl.load(O + tile_m[:, None] * stride_os + offs_d[None, :], mask=in_bounds, other=0.0)
-    do = tl.load(DO + tile_m[:, None] * stride_dos + offs_d[None, :], mask=in_bounds, other=0.0)
+    o = _load_rows(O + tile_m[:, None] * stride_os + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + tile_m[:, None] * stride_dos + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (off_b * num_heads + off_h) * seq_q + offs_m, delta, mask=offs_m < seq_q)
+
+
+@triton.jit
+def _attention_bwd_dkdv_tile(
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+    off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One query block's share of dK and dV: the updated (dk, dv).
+
+    Tiles are (key, query), so dK and dV accumulate without transposing register tiles.
+    Keys past seq_k need no mask: their rows of dk and dv are never stored. Queries past
+    seq_q load lse = +inf, so their p is 0.
+    """
+    offs_m = start_m + tile_m
+    first_row = tl.cast(start_m, tl.int64)
+    q = _load_rows(
+        q_head + first_row * stride_qs + tile_m[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d,
+        HEAD_DIM, BLOCK_D, EDGE,
+    )
+    do = _load_rows(
+        do_head + first_row * stride_dos + tile_m[:, None] * stride_dos + offs_d[None, :], offs_m, seq_q, offs_d,
+        HEAD_DIM, BLOCK_D, EDGE,
+    )
+    lse_log2 = _load_row_stat(lse_head + offs_m, offs_m, seq_q, float("inf"), EDGE) * _LOG2E
+    delta = _load_row_stat(delta_head + offs_m, offs_m, seq_q, 0.0, EDGE)
+    qk_t = _dot(k, tl.trans(q), None, PRECISION, UPCAST)
+    if EDGE or MASK_KIND != 0 or HAS_KPM:
+        s_t = _masked_scores(
+            qk_t, offs_m[None, :], offs_n[:, None], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
+            MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
+        )
+        p_t = tl.exp2(s_t - lse_log2[None, :])
+    else:
+        p_t = tl.exp2(qk_t * qk_scale - lse_log2[None, :])
+    dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
+    if HAS_DROPOUT:
+        z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, True)
+        dv = _dot((p_t * z_t).to(do.dtype), do, dv, PRECISION, UPCAST)
+        dp_t = dp_t * z_t
+    else:
+        dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _dot(ds_t.to(q.dtype), q, dk, PRECISION, UPCAST)
+    return dk, dv
 
 
 @triton.jit
@@ -254,6 +412,7 @@ def _attention_bwd_dkdv_kernel(
     LSE, DELTA,  # (batch, heads, seq_q) fp32, contiguous
     DK, DV,  # (batch, kv_heads, seq_k, head_dim) outputs, strided, last dim contiguous
     SEED, MASK, KPM,  # as in the forward
+    # strides of q, k, v, do, dk, dv in units of STRIDE_UNIT elements
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -262,16 +421,21 @@ def _attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvs,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn,
-    num_heads, group_size, seq_q, seq_k, head_dim, sm_scale, dropout_p,
+    num_heads, group_size, seq_q, seq_k, sm_scale, dropout_p,
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
     HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    off_hk = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
+    stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
+    stride_vb, stride_vh, stride_vs = stride_vb * STRIDE_UNIT, stride_vh * STRIDE_UNIT, stride_vs * STRIDE_UNIT
+    stride_dob, stride_doh, stride_dos = stride_dob * STRIDE_UNIT, stride_doh * STRIDE_UNIT, stride_dos * STRIDE_UNIT
+    stride_dkb, stride_dkh, stride_dks = stride_dkb * STRIDE_UNIT, stride_dkh * STRIDE_UNIT, stride_dks * STRIDE_UNIT
+    stride_dvb, stride_dvh, stride_dvs = stride_dvb * STRIDE_UNIT, stride_dvh * STRIDE_UNIT, stride_dvs * STRIDE_UNIT
+    pid_n, off_hk, off_b = _tile_ids(num_heads // group_size, seq_k, BLOCK_N, False)
     first_col = pid_n.to(tl.int64) * BLOCK_N
     K += off_b * stride_kb + off_hk * stride_kh + first_col * stride_ks
     V += off_b * stride_vb + off_hk * stride_vh + first_col * stride_vs
@@ -283,58 +447,93 @@ def _attention_bwd_dkdv_kernel(
     tile_n = tl.arange(0, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tile_n
     offs_d = tl.arange(0, BLOCK_D)
-    kv_in = (offs_n[:, None] < seq_k) & (offs_d[None, :] < head_dim)
-    k = tl.load(K + tile_n[:, None] * stride_ks + offs_d[None, :], mask=kv_in, other=0.0)
-    v = tl.load(V + tile_n[:, None] * stride_vs + offs_d[None, :], mask=kv_in, other=0.0)
+    k = _load_rows(K + tile_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v = _load_rows(V + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # Query blocks [lo, edge_hi) straddle the causal diagonal and the last one may pass
+    # seq_q: edge blocks. The blocks in between need no compares.
+    start_n = pid_n * BLOCK_N
     lo = 0
+    edge_hi = 0
     if IS_CAUSAL:
-        lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        lo = start_n // BLOCK_M * BLOCK_M
+        edge_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, seq_q)
+    full_hi = seq_q // BLOCK_M * BLOCK_M
     for g in range(group_size):
         off_h = off_hk * group_size + g
         off_bh = off_b * num_heads + off_h
         q_head = Q + off_b * stride_qb + off_h * stride_qh
         do_head = DO + off_b * stride_dob + off_h * stride_doh
-        for start_m in range(lo, seq_q, BLOCK_M):
-            # Tiles are (key, query) so that dK and dV accumulate without transposing
-            # register tiles.
-            offs_m = start_m + tile_m
-            first_row = tl.cast(start_m, tl.int64)
-            q_tile = q_head + first_row * stride_qs
-            do_tile = do_head + first_row * stride_dos
-            row_in = offs_m < seq_q
-            q_t = tl.load(
-                q_tile + tile_m[None, :] * stride_qs + offs_d[:, None],
-                mask=row_in[None, :] & (offs_d[:, None] < head_dim), other=0.0,
+        lse_head = LSE + off_bh * seq_q
+        delta_head = DELTA + off_bh * seq_q
+        for start_m in range(lo, edge_hi, BLOCK_M):
+            dk, dv = _attention_bwd_dkdv_tile(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+                off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
+                MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
+                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
-            do = tl.load(
-                do_tile + tile_m[:, None] * stride_dos + offs_d[None, :],
-                mask=row_in[:, None] & (offs_d[None, :] < head_dim), other=0.0,
+        for start_m in range(tl.maximum(lo, edge_hi), full_hi, BLOCK_M):
+            dk, dv = _attention_bwd_dkdv_tile(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+                off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
+                MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
+                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
-            lse = tl.load(LSE + off_bh * seq_q + offs_m, mask=row_in, other=float("inf"))
-            delta = tl.load(DELTA + off_bh * seq_q + offs_m, mask=row_in, other=0.0)
-            s_t = _masked_scores(
-                _dot(k, q_t, PRECISION, UPCAST), offs_m[None, :], offs_n[:, None], off_b, off_h,
-                seq_q, seq_k, qk_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-                KPM, stride_kpb, stride_kpn, MASK_KIND, HAS_KPM, IS_CAUSAL,
+        for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), seq_q, BLOCK_M):
+            dk, dv = _attention_bwd_dkdv_tile(
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+                off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
+                MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
+                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
-            p_t = tl.exp2(s_t - lse[None, :] * _LOG2E)
-            dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)
-            if HAS_DROPOUT:
-                z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, pid_n * BLOCK_N, dropout_p, BLOCK_N, True)
-                dv += _dot((p_t * z_t).to(do.dtype), do, PRECISION, UPCAST)
-                dp_t = dp_t * z_t
-            else:
-                dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += _dot(ds_t.to(q_t.dtype), tl.trans(q_t), PRECISION, UPCAST)
 
-    tl.store(DK + tile_n[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_in)
-    tl.store(DV + tile_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_in)
+    _store_rows(DK + tile_n[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+                offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    _store_rows(DV + tile_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
+                offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def _attention_bwd_dq_tile(
+    dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
+    seq_q, seq_k, qk_scale, stride_ks, stride_vs,
+    MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
+    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One key block's share of dQ: the updated dq."""
+    offs_n = start_n + tile_n
+    first_col = tl.cast(start_n, tl.int64)
+    k = _load_rows(
+        K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d,
+        HEAD_DIM, BLOCK_D, EDGE,
+    )
+    v = _load_rows(
+        V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
+        HEAD_DIM, BLOCK_D, EDGE,
+    )
+    qk = _dot(q, tl.trans(k), None, PRECISION, UPCAST)
+    if EDGE or MASK_KIND != 0 or HAS_KPM:
+        s = _masked_scores(
+            qk, offs_m[:, None], offs_n[None, :], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
+            MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
+        )
+        p = tl.exp2(s - lse_log2[:, None])
+    else:
+        p = tl.exp2(qk * qk_scale - lse_log2[:, None])
+    dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
+    if HAS_DROPOUT:
+        dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
+    ds = p * (dp - delta[:, None])
+    return _dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
 
 
 @triton.jit
@@ -342,6 +541,7 @@ def _attention_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA,  # as in the dK/dV kernel
     DQ,  # (batch, heads, seq_q, head_dim) output, strided, last dim contiguous
     SEED, MASK, KPM,  # as in the forward
+    # strides of q, k, v, do, dq in units of STRIDE_UNIT elements
     stride_qb, stride_qh, stride_qs,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -349,16 +549,20 @@ def _attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqs,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn,
-    num_heads, group_size, seq_q, seq_k, head_dim, sm_scale, dropout_p,
+    num_heads, group_size, seq_q, seq_k, sm_scale, dropout_p,
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
     HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    off_h = tl.program_id(1).to(tl.int64)
-    off_b = tl.program_id(2).to(tl.int64)
+    stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
+    stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
+    stride_vb, stride_vh, stride_vs = stride_vb * STRIDE_UNIT, stride_vh * STRIDE_UNIT, stride_vs * STRIDE_UNIT
+    stride_dob, stride_doh, stride_dos = stride_dob * STRIDE_UNIT, stride_doh * STRIDE_UNIT, stride_dos * STRIDE_UNIT
+    stride_dqb, stride_dqh, stride_dqs = stride_dqb * STRIDE_UNIT, stride_dqh * STRIDE_UNIT, stride_dqs * STRIDE_UNIT
+    pid_m, off_h, off_b = _tile_ids(num_heads, seq_q, BLOCK_M, IS_CAUSAL)
     off_hk = off_h // group_size
     off_bh = off_b * num_heads + off_h
     first_row = pid_m.to(tl.int64) * BLOCK_M
@@ -374,57 +578,76 @@ def _attention_bwd_dq_kernel(
     tile_n = tl.arange(0, BLOCK_N)
     offs_m = start_m + tile_m
     offs_d = tl.arange(0, BLOCK_D)
-    q_in = (offs_m[:, None] < seq_q) & (offs_d[None, :] < head_dim)
-    q = tl.load(Q + tile_m[:, None] * stride_qs + offs_d[None, :], mask=q_in, other=0.0)
-    do = tl.load(DO + tile_m[:, None] * stride_dos + offs_d[None, :], mask=q_in, other=0.0)
-    row_in = offs_m < seq_q
-    lse = tl.load(LSE + off_bh * seq_q + offs_m, mask=row_in, other=float("inf"))
-    delta = tl.load(DELTA + off_bh * seq_q + offs_m, mask=row_in, other=0.0)
+    q = _load_rows(Q + tile_m[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(DO + tile_m[:, None] * stride_dos + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    lse_log2 = _load_row_stat(LSE + off_bh * seq_q + offs_m, offs_m, seq_q, float("inf"), True) * _LOG2E
+    delta = _load_row_stat(DELTA + off_bh * seq_q + offs_m, offs_m, seq_q, 0.0, True)
+    seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # As in the forward: key blocks below full_hi need no compares.
     hi = seq_k
+    full_hi = seq_k // BLOCK_N * BLOCK_N
     if IS_CAUSAL:
         hi = tl.minimum(seq_k, start_m + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tile_n
-        kv_in = (offs_n[:, None] < seq_k) & (offs_d[None, :] < head_dim)
-        first_col = tl.cast(start_n, tl.int64)
-        k = tl.load(K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :], mask=kv_in, other=0.0)
-        v = tl.load(V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], mask=kv_in, other=0.0)
-        s = _masked_scores(
-            _dot(q, tl.trans(k), PRECISION, UPCAST), offs_m[:, None], offs_n[None, :], off_b, off_h,
-            seq_q, seq_k, qk_scale, MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-            KPM, stride_kpb, stride_kpn, MASK_KIND, HAS_KPM, IS_CAUSAL,
+        full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
+    for start_n in range(0, full_hi, BLOCK_N):
+        dq = _attention_bwd_dq_tile(
+            dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
+            seq_q, seq_k, qk_scale, stride_ks, stride_vs,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
+            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
         )
-        p = tl.exp2(s - lse[:, None] * _LOG2E)
-        dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
-        if HAS_DROPOUT:
-            dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
+    for start_n in range(full_hi, hi, BLOCK_N):
+        dq = _attention_bwd_dq_tile(
+            dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
+            seq_q, seq_k, qk_scale, stride_ks, stride_vs,
+            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
+            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+        )
 
-    tl.store(DQ + tile_m[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_in)
+    _store_rows(DQ + tile_m[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
-# (largest BLOCK_D, (BLOCK_M, BLOCK_N, num_warps, num_stages)) per kernel for 16-bit inputs,
-# picked by compiling for sm_90 so that ptxas reports no register spills (or a few
-# hundred bytes at head dim 256 with every mask and dropout); BLOCK_M indexes queries
-# and BLOCK_N keys in every kernel.
+# (largest BLOCK_D, plain config, masked config) per kernel for 16-bit inputs, a config
+# being (BLOCK_M, BLOCK_N, num_warps, num_stages); "masked" launches (attn_mask,
+# key_padding_mask or dropout) hold more per-element state. Picked by compiling the runtime
+# specialisations for sm_90: wgmma for every dot, at least two pipeline
+# stages, shared memory within 227 KB, no register spills where some config avoids them.
+# BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
-    "fwd": ((64, (128, 64, 8, 3)), (128, (128, 32, 8, 3)), (256, (64, 32, 8, 2))),
-    "dkdv": ((64, (32, 64, 4, 2)), (128, (64, 32, 8, 2)), (256, (32, 32, 8, 1))),
-    "dq": ((64, (128, 64, 8, 2)), (128, (128, 32, 8, 2)), (256, (32, 32, 8, 1))),
+    "fwd": (
+        (64, (128, 128, 8, 3), (128, 64, 8, 3)),
+        (128, (128, 128, 8, 3), (64, 16, 4, 2)),
+        (256, (128, 32, 8, 3), (128, 16, 8, 2)),
+    ),
+    # dK/dV dots have BLOCK_N rows: wgmma needs at least 64 per warpgroup. At head dim 256
+    # that holds dk, dv (128 registers a thread) and k, v in registers and spills; 32 rows
+    # on mma.sync do not.
+    "dkdv": (
+        (64, (64, 128, 8, 2), (32, 64, 4, 2)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2)),
+        (256, (32, 32, 8, 2), (32, 32, 8, 2)),
+    ),
+    "dq": (
+        (64, (128, 128, 8, 2), (128, 64, 8, 2)),
+        (128, (128, 64, 8, 2), (128, 32, 8, 2)),
+        (256, (128, 32, 8, 2), (128, 16, 8, 2)),
+    ),
 }
 # fp32 dots run in exact ("ieee") precision on CUDA cores, whose operands live in
 # registers: small tiles at every head dim.
 _FP32_CONFIG = (32, 32, 8, 1)
+# CUDA's limit on grid axis 0
+_MAX_PROGRAMS = 2**31 - 1
 
 
-def _block_config(head_dim: int, dtype: torch.dtype, kernel: str) -> dict:
+def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, masked: bool) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
-    one of "fwd", "dkdv", "dq".
+    one of "fwd", "dkdv", "dq"; ``masked``: with attn_mask, key_padding_mask or dropout.
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
@@ -434,11 +657,24 @@ def _block_config(head_dim: int, dtype: torch.dtype, kernel: str) -> dict:
         block_m, block_n, num_warps, num_stages = _FP32_CONFIG
     else:
         block_m, block_n, num_warps, num_stages = next(
-            config for largest, config in _TENSOR_CORE_CONFIGS[kernel] if block_d <= largest
+            masked_config if masked else plain_config
+            for largest, plain_config, masked_config in _TENSOR_CORE_CONFIGS[kernel]
+            if block_d <= largest
         )
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages
     )
+
+
+def _grid(num_blocks: int, heads: int, batch: int) -> tuple[int]:
+    """The 1-d grid of ``_tile_ids``: one program per block of every (batch, head)."""
+    programs = num_blocks * heads * batch
+    if programs > _MAX_PROGRAMS:
+        raise ValueError(
+            f"attention needs {programs} programs ({batch} batch x {heads} heads x {num_blocks} blocks), "
+            f"more than CUDA's {_MAX_PROGRAMS}; split the batch"
+        )
+    return (programs,)
 
 
 def _mask_args(
@@ -463,22 +699,45 @@ def _mask_args(
         kpm, kpm_strides = None, (0, 0)
     else:
         kpm, kpm_strides = key_padding_mask.view(torch.uint8), key_padding_mask.stride()
+    # The kernels address a mask tile with int32 offsets from its first element.
+    max_block = 128
+    extent = (min(seq_q, max_block) - 1) * abs(mask_strides[2]) + (min(seq_k, max_block) - 1) * abs(mask_strides[3])
+    if max(extent, (min(seq_k, max_block) - 1) * abs(kpm_strides[1])) >= 2**31:
+        raise ValueError(
+            f"attn_mask / key_padding_mask strides {tuple(mask_strides)} / {tuple(kpm_strides)} are too large "
+            f"for the kernels' int32 offsets within a {max_block}x{max_block} tile"
+        )
     flags = dict(MASK_KIND=mask_kind, HAS_KPM=kpm is not None)
     return [mask, kpm], [*mask_strides, *kpm_strides], flags
+
+
+def _is_masked(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether a launch takes the "masked" block configs."""
+    return attn_mask is not None or key_padding_mask is not None or dropout_p > 0.0
 
 
 def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
     return dict(
         IS_CAUSAL=is_causal,
         HAS_DROPOUT=dropout_p > 0.0,
+        HEAD_DIM=q.shape[-1],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
     )
 
 
-def _head_strides(*tensors: torch.Tensor) -> list[int]:
-    """(batch, heads, seq) strides of each (batch, heads, seq, head_dim) tensor, flattened."""
-    return [stride for tensor in tensors for stride in tensor.stride()[:3]]
+def _stride_unit(*tensors: torch.Tensor) -> int:
+    """The largest of 8, 4, 2, 1 elements dividing every (batch, heads, seq) stride: the
+    kernels take strides in these units, so Triton sees 16-byte aligned rows whenever
+    head_dim % 8 == 0 (it only knows on its own that an int is a multiple of 16)."""
+    strides = [stride for tensor in tensors for stride in tensor.stride()[:3]]
+    return next(unit for unit in (8, 4, 2, 1) if all(stride % unit == 0 for stride in strides))
+
+
+def _head_strides(unit: int, *tensors: torch.Tensor) -> list[int]:
+    """(batch, heads, seq) strides of each (batch, heads, seq, head_dim) tensor in units
+    of ``unit`` elements, flattened."""
+    return [stride // unit for tensor in tensors for stride in tensor.stride()[:3]]
 
 
 def _empty_output(q: torch.Tensor) -> torch.Tensor:
@@ -512,12 +771,14 @@ def _attention_fwd(
         return _attention_fwd_empty(q)
     out = _empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
-    config = _block_config(head_dim, q.dtype, "fwd")
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
-    _attention_fwd_kernel[(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
-        q, k, v, out, lse, seed, *masks, *_head_strides(q, k, v, out), *mask_strides,
-        heads, heads // kv_heads, seq_q, seq_k, head_dim, scale, dropout_p,
-        **mask_flags, **_kernel_flags(q, is_causal, dropout_p), **config,
+    config = _block_config(head_dim, q.dtype, "fwd", _is_masked(attn_mask, key_padding_mask, dropout_p))
+    unit = _stride_unit(q, k, v, out)
+    _attention_fwd_kernel[_grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
+        q, k, v, out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
+        heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p,
+        **mask_flags, **_kernel_flags(q, is_causal, dropout_p), NEGATIVE_SCALE=scale < 0, STRIDE_UNIT=unit,
+        **config,
     )
     return out, lse
 
@@ -550,22 +811,26 @@ def _attention_bwd(
             grad.zero_()
         return
     delta = torch.empty_like(lse)
-    dq_config = _block_config(head_dim, q.dtype, "dq")
-    _attention_bwd_preprocess_kernel[(triton.cdiv(seq_q, dq_config["BLOCK_M"]), heads, batch)](
-        out, grad_out, delta, *_head_strides(out, grad_out), heads, seq_q, head_dim,
-        BLOCK_M=dq_config["BLOCK_M"], BLOCK_D=dq_config["BLOCK_D"], num_warps=dq_config["num_warps"],
+    masked = _is_masked(attn_mask, key_padding_mask, dropout_p)
+    dq_config = _block_config(head_dim, q.dtype, "dq", masked)
+    q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
+    unit = _stride_unit(q, k, v, out, grad_out, dq, dk, dv)
+    _attention_bwd_preprocess_kernel[_grid(q_blocks, heads, batch)](
+        out, grad_out, delta, *_head_strides(unit, out, grad_out), heads, seq_q,
+        HEAD_DIM=head_dim, STRIDE_UNIT=unit, BLOCK_M=dq_config["BLOCK_M"], BLOCK_D=dq_config["BLOCK_D"],
+        num_warps=dq_config["num_warps"],
     )
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
-    scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, head_dim, scale, dropout_p)
-    flags = dict(**mask_flags, **_kernel_flags(q, is_causal, dropout_p))
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv")
-    _attention_bwd_dkdv_kernel[(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
+    scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p)
+    flags = dict(**mask_flags, **_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", masked)
+    _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, *masks,
-        *_head_strides(q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
+        *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
     )
-    _attention_bwd_dq_kernel[(triton.cdiv(seq_q, dq_config["BLOCK_M"]), heads, batch)](
+    _attention_bwd_dq_kernel[_grid(q_blocks, heads, batch)](
         q, k, v, grad_out, lse, delta, dq, seed, *masks,
-        *_head_strides(q, k, v, grad_out, dq), *scalars, **flags, **dq_config,
+        *_head_strides(unit, q, k, v, grad_out, dq), *scalars, **flags, **dq_config,
     )
 
 

@@ -176,6 +176,48 @@ def test_matches_reference_every_combination(backend, case):
     _check_case(case, torch.float32, FP32_ULPS, "cpu")
 
 
+# Longer than the 16-bit blocks and not a multiple of them: the kernels' unmasked
+# middle blocks, the causal diagonal blocks and the partial last blocks all run.
+BLOCK_SPLIT_CASES = [
+    Case(1, 2, 1, 300, 300, 64, causal=True),
+    Case(1, 1, 1, 150, 270, 64),
+    Case(1, 1, 1, 270, 150, 128, causal=True, masks=("padding",)),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_SPLIT_CASES, ids=str)
+def test_unmasked_and_edge_blocks_match_reference(backend, case):
+    _check_case(case, torch.float16, 1.0, "cpu")
+
+
+def test_negative_scale_matches_sdpa(backend):
+    """Unmasked blocks take the row max from min(q·k) when the scale is negative."""
+    q, k, v, grad, _, _ = _inputs(Case(1, 1, 1, 150, 150, 64), torch.float32)
+    got = _forward_backward(lambda q, k, v: attention(q, k, v, scale=-0.2), q, k, v, grad)
+    exact = _forward_backward(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=-0.2),
+        q.double(), k.double(), v.double(), grad.double(),
+    )
+    same_dtype = _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=-0.2), q, k, v, grad)
+    for name, actual, ours, reference in zip(("out", "dq", "dk", "dv"), got, same_dtype, exact):
+        assert_within_reference_error(name, actual, ours, reference, FP32_ULPS)
+
+
+def test_grid_takes_any_batch():
+    """One grid axis of up to 2^31 - 1 programs: a batch past CUDA's 65,535 (axis z) launches."""
+    assert attention_module._grid(4, 12, 100_000) == (4_800_000,)
+    with pytest.raises(ValueError, match="split the batch"):
+        attention_module._grid(2**16, 2**10, 2**6)
+
+
+@pytest.mark.parametrize(
+    "strides, unit", [([(72, 72, 72, 1)], 8), ([(40 * 3, 40, 120 * 7, 1), (64, 64, 64, 1)], 8), ([(20, 4, 2, 1)], 2)]
+)
+def test_stride_unit_is_the_largest_dividing_every_row_stride(strides, unit):
+    tensors = [torch.empty(1).as_strided((1, 1, 1, 1), stride) for stride in strides]
+    assert attention_module._stride_unit(*tensors) == unit
+
+
 @pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, -1e5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_masked_by_large_finite_values_count_as_fully_masked(backend, dtype, fill):
@@ -580,7 +622,7 @@ def test_every_head_dim_on_gpu(dtype, ulps, head_dim):
 
 _TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _SCALARS = ["stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_kpb", "stride_kpn",
-            "num_heads", "group_size", "seq_q", "seq_k", "head_dim"]  # fmt: skip
+            "num_heads", "group_size", "seq_q", "seq_k"]  # fmt: skip
 
 
 def _strides(*names: str) -> dict:
@@ -594,7 +636,8 @@ def _hopper_builds(dtype: torch.dtype, head_dim: int, mask_kind: int) -> list[Ke
     every_feature = mask_kind != 0
     optional = {"SEED": "*i64", "MASK": "*u8" if mask_kind == 1 else ptr, "KPM": "*u8"}
     flags = dict(MASK_KIND=mask_kind, HAS_KPM=every_feature, IS_CAUSAL=every_feature, HAS_DROPOUT=every_feature,
-                 PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False)  # fmt: skip
+                 PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False,
+                 HEAD_DIM=head_dim, STRIDE_UNIT=8)  # fmt: skip
     pointers = optional if every_feature else {}
     absent = {} if every_feature else dict.fromkeys(optional)
     scalars = {name: "i32" for name in _SCALARS} | {"sm_scale": "fp32", "dropout_p": "fp32"}
@@ -605,19 +648,20 @@ def _hopper_builds(dtype: torch.dtype, head_dim: int, mask_kind: int) -> list[Ke
     }
     builds = []
     for kernel, (name, strided, statistics) in tensors.items():
-        config = attention_module._block_config(head_dim, dtype, name)
+        config = attention_module._block_config(head_dim, dtype, name, every_feature)
         signature = {n.upper(): ptr for n in strided} | dict.fromkeys(statistics, "*fp32")
         blocks = {k: v for k, v in config.items() if k.startswith("BLOCK")}
+        scale_sign = {"NEGATIVE_SCALE": False} if name == "fwd" else {}
         builds.append(KernelBuild(
             "slimformer.kernels.attention", kernel, signature | pointers | _strides(*strided) | scalars,
-            flags | blocks | absent, config["num_warps"],
+            flags | blocks | absent | scale_sign, config["num_warps"],
         ))  # fmt: skip
-    config = attention_module._block_config(head_dim, dtype, "dq")
+    config = attention_module._block_config(head_dim, dtype, "dq", every_feature)
     builds.append(KernelBuild(
         "slimformer.kernels.attention", "_attention_bwd_preprocess_kernel",
-        {"O": ptr, "DO": ptr, "DELTA": "*fp32", **_strides("o", "do"), "num_heads": "i32", "seq_q": "i32",
-         "head_dim": "i32"},
-        {"BLOCK_M": config["BLOCK_M"], "BLOCK_D": config["BLOCK_D"]}, config["num_warps"],
+        {"O": ptr, "DO": ptr, "DELTA": "*fp32", **_strides("o", "do"), "num_heads": "i32", "seq_q": "i32"},
+        {"BLOCK_M": config["BLOCK_M"], "BLOCK_D": config["BLOCK_D"], "HEAD_DIM": head_dim, "STRIDE_UNIT": 8},
+        config["num_warps"],
     ))  # fmt: skip
     return builds
 
