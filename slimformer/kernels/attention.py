@@ -543,33 +543,78 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return rearrange(x, "b (k g) ... -> b k g ...", k=kv_heads)
 
 
-def _scores_reference(
-    q: torch.Tensor,
+# Scores per block of the PyTorch reference (4 MiB in fp32). The reference walks over
+# blocks of query rows (every head at once), as the kernels walk over tiles, so no
+# (batch, heads, seq_q, seq_k) score, probability, dropout-mask or dS tensor is ever
+# alive and a training step's transient memory stays near the kernels'.
+_REFERENCE_BLOCK_SCORES = 2**20
+
+
+def _reference_query_blocks(batch: int, heads: int, seq_q: int, seq_k: int) -> list[tuple[int, int]]:
+    """(start, stop) of the reference's query blocks."""
+    rows = max(1, _REFERENCE_BLOCK_SCORES // max(1, batch * heads * seq_k))
+    return [(start, min(seq_q, start + rows)) for start in range(0, seq_q, rows)]
+
+
+def _fp32_grouped_rows(x: torch.Tensor, kv_heads: int, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of a (batch, heads, seq, head_dim) tensor as one contiguous fp32
+    (batch · kv_heads, heads per kv head · rows, head_dim) stack of matrices: the query
+    heads sharing a kv head are stacked, so one bmm serves the whole group (GQA)."""
+    block = _grouped(x[:, :, start:stop], kv_heads)
+    rows = torch.empty(block.shape, dtype=torch.float32, device=x.device).copy_(block)
+    return rows.view(-1, rows.shape[2] * rows.shape[3], rows.shape[4])
+
+
+def _no_allowed_key(best: torch.Tensor) -> torch.Tensor:
+    """Rows that count as fully masked, from their best masked score (see MASKED_ROW_SCORE)."""
+    return best <= MASKED_ROW_SCORE
+
+
+def _masked_block_scores(
+    q_rows: torch.Tensor,
     k: torch.Tensor,
+    start: int,
+    stop: int,
+    heads: int,
     attn_mask: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    """fp32 scores (batch, heads, seq_q, seq_k), −inf where a key is not allowed."""
-    kv_heads, seq_k = k.shape[1], k.shape[2]
-    s = torch.einsum("bkgqd,bksd->bkgqs", _grouped(q.float(), kv_heads), k.float()) * scale
-    s = rearrange(s, "b k g q s -> b (k g) q s")
+    """fp32 scores of query rows start:stop against the keys ``k``, −inf where a key is
+    not allowed: (batch · kv_heads, heads per kv head · rows, keys).
+
+    ``q_rows`` and ``k`` are as ``_fp32_grouped_rows`` gives them; ``k`` may hold only the
+    first keys (a causal block leaves out the keys after its last row).
+    """
+    s = torch.bmm(q_rows, k.mT).mul_(scale)
+    n_keys = k.shape[1]
+    scores = s.view(-1, heads, stop - start, n_keys)  # (batch, heads, rows, keys)
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask.float()
+        per_row = attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
+        mask = attn_mask[..., start:stop, :n_keys] if per_row else attn_mask[..., :n_keys]
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, -math.inf)
+        else:
+            scores.add_(mask)
     if key_padding_mask is not None:
-        s = s.masked_fill(key_padding_mask[:, None, None, :], -math.inf)
+        scores.masked_fill_(key_padding_mask[:, None, None, :n_keys], -math.inf)
     if is_causal:
-        future = torch.ones(q.shape[2], seq_k, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(future, -math.inf)
+        rows = torch.arange(start, stop, device=s.device)[:, None]
+        scores.masked_fill_(torch.arange(n_keys, device=s.device) > rows, -math.inf)
     return s
 
 
-def _dropout_scale_reference(seed: torch.Tensor, shape: torch.Size, dropout_p: float) -> torch.Tensor:
-    """``z / (1 - dropout_p)`` over the (batch, heads, seq_q, seq_k) matrix, as the kernels draw it."""
-    offsets = torch.arange(math.prod(shape), device=seed.device).view(shape)
-    keep = dropout_keep_mask(seed, offsets, dropout_p)
-    return keep / (1.0 - torch.tensor(dropout_p, dtype=torch.float32))
+def _dropout_keep_block(
+    seed: torch.Tensor, batch_heads: int, seq_q: int, seq_k: int, start: int, stop: int, n_keys: int, p: float
+) -> torch.Tensor:
+    """The kernels' keep mask for query rows start:stop of every (batch, head) and keys
+    0:n_keys, as a bool (batch · heads · rows, n_keys) tensor. Row (b·heads + h)·seq_q + i of
+    the dropout matrix, which has seq_k columns, is query i of head h of batch entry b."""
+    device = seed.device
+    rows = torch.arange(batch_heads, device=device)[:, None] * seq_q + torch.arange(start, stop, device=device)
+    offsets = rows.view(-1, 1) * seq_k + torch.arange(n_keys, device=device)
+    return dropout_keep_mask(seed, offsets, p)
 
 
 def _attention_fwd_reference(
@@ -583,18 +628,34 @@ def _attention_fwd_reference(
     scale: float,
     seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``_attention_fwd`` computes, in fp32 PyTorch: (out in q's dtype and the
-    kernel's layout, fp32 lse). The score matrix lives only inside this call, as it
-    does in the kernel's registers."""
-    s = _scores_reference(q, k, attn_mask, key_padding_mask, is_causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    best = s.amax(dim=-1) if s.shape[-1] else torch.full_like(lse, -math.inf)
-    lse = lse.masked_fill(best <= MASKED_ROW_SCORE, math.inf)
-    p = torch.exp(s - lse[..., None])
-    if seed is not None:
-        p = p * _dropout_scale_reference(seed, p.shape, dropout_p)
-    out = torch.einsum("bkgqs,bksd->bkgqd", _grouped(p, k.shape[1]), v.float())
-    return _empty_output(q).copy_(rearrange(out, "b k g q d -> b (k g) q d")), lse
+    """What ``_attention_fwd`` computes, in fp32 PyTorch, over blocks of query rows:
+    (out in q's dtype and the kernel's layout, fp32 lse)."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    out = _empty_output(q)
+    lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return out.zero_(), lse.fill_(math.inf)
+    k_all, v_all = _fp32_grouped_rows(k, kv_heads, 0, seq_k), _fp32_grouped_rows(v, kv_heads, 0, seq_k)
+    for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
+        n_keys = min(seq_k, stop) if is_causal else seq_k
+        q_rows = _fp32_grouped_rows(q, kv_heads, start, stop)
+        p = _masked_block_scores(
+            q_rows, k_all[:, :n_keys], start, stop, heads, attn_mask, key_padding_mask, is_causal, scale
+        )
+        best = p.amax(-1, keepdim=True)
+        no_key = _no_allowed_key(best)
+        p.sub_(best.masked_fill(no_key, 0.0)).exp_()
+        total = p.sum(-1, keepdim=True)
+        row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
+        if seed is not None:
+            p.mul_(_dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape))
+            row_scale.mul_(1.0 / (1.0 - dropout_p))
+        o = torch.bmm(p.mul_(row_scale), v_all[:, :n_keys])
+        out[:, :, start:stop].copy_(o.view(batch, heads, stop - start, head_dim))
+        block_lse = best.add_(total.log_()).masked_fill_(no_key, math.inf)
+        lse[:, :, start:stop].copy_(block_lse.view(batch, heads, stop - start))
+    return out, lse
 
 
 def _attention_bwd_reference(
@@ -614,20 +675,43 @@ def _attention_bwd_reference(
     dk: torch.Tensor,
     dv: torch.Tensor,
 ) -> None:
-    """What ``_attention_bwd`` computes, in fp32 PyTorch, written into dq, dk, dv."""
-    kv_heads = k.shape[1]
-    p = torch.exp(_scores_reference(q, k, attn_mask, key_padding_mask, is_causal, scale) - lse[..., None])
-    do = grad_out.float()
-    dp = rearrange(torch.einsum("bkgqd,bksd->bkgqs", _grouped(do, kv_heads), v.float()), "b k g q s -> b (k g) q s")
-    p_kept = p
-    if seed is not None:
-        dropout_scale = _dropout_scale_reference(seed, p.shape, dropout_p)
-        p_kept, dp = p * dropout_scale, dp * dropout_scale
-    delta = (do * out.float()).sum(-1, keepdim=True)
-    ds = _grouped(p * (dp - delta), kv_heads)
-    dv.copy_(torch.einsum("bkgqs,bkgqd->bksd", _grouped(p_kept, kv_heads), _grouped(do, kv_heads)))
-    dk.copy_(torch.einsum("bkgqs,bkgqd->bksd", ds, _grouped(q.float(), kv_heads)) * scale)
-    dq.copy_(rearrange(torch.einsum("bkgqs,bksd->bkgqd", ds, k.float()) * scale, "b k g q d -> b (k g) q d"))
+    """What ``_attention_bwd`` computes, in fp32 PyTorch over blocks of query rows (dK and
+    dV accumulate over the blocks), written into dq, dk, dv. ``out`` is not read: each
+    block holds whole rows of P and dP, from which it takes delta."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:
+        for grad in (dq, dk, dv):
+            grad.zero_()
+        return
+    k_all, v_all = _fp32_grouped_rows(k, kv_heads, 0, seq_k), _fp32_grouped_rows(v, kv_heads, 0, seq_k)
+    dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
+    keep_scale = 1.0 / (1.0 - dropout_p)
+    for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
+        n_keys = min(seq_k, stop) if is_causal else seq_k
+        q_rows = _fp32_grouped_rows(q, kv_heads, start, stop)
+        do_rows = _fp32_grouped_rows(grad_out, kv_heads, start, stop)
+        p = _masked_block_scores(
+            q_rows, k_all[:, :n_keys], start, stop, heads, attn_mask, key_padding_mask, is_causal, scale
+        )
+        p.sub_(lse[:, :, start:stop].reshape(*q_rows.shape[:2], 1)).exp_()
+        if seed is None:
+            dv_all[:, :n_keys].baddbmm_(p.mT, do_rows)
+            dp = torch.bmm(do_rows, v_all[:, :n_keys].mT)
+        else:
+            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape)
+            dv_all[:, :n_keys].baddbmm_((p * keep).mT, do_rows, alpha=keep_scale)
+            dp = torch.bmm(do_rows * keep_scale, v_all[:, :n_keys].mT).mul_(keep)
+        # delta = Σ_j P_ij dP_ij, which equals the kernels' Σ_d dO_id O_id: a block holds
+        # whole rows, and summing the row itself keeps each row of dS summing to ~0, as
+        # torch's softmax backward does (no cancellation error from two different sums).
+        delta = torch.linalg.vecdot(p, dp).unsqueeze(-1)
+        ds = dp.sub_(delta).mul_(p)
+        dk_all[:, :n_keys].baddbmm_(ds.mT, q_rows)
+        dq_rows = torch.bmm(ds, k_all[:, :n_keys]).mul_(scale)
+        dq[:, :, start:stop].copy_(dq_rows.view(batch, heads, stop - start, head_dim))
+    dk.copy_(dk_all.mul_(scale).view(batch, kv_heads, seq_k, head_dim))
+    dv.copy_(dv_all.view(batch, kv_heads, seq_k, head_dim))
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
