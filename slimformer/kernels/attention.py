@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
-from slimformer.kernels.dispatch import use_triton
+from slimformer.kernels.dispatch import reference_row_blocks, use_triton
 from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -543,17 +543,11 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return rearrange(x, "b (k g) ... -> b k g ...", k=kv_heads)
 
 
-# Scores per block of the PyTorch reference (4 MiB in fp32). The reference walks over
-# blocks of query rows (every head at once), as the kernels walk over tiles, so no
-# (batch, heads, seq_q, seq_k) score, probability, dropout-mask or dS tensor is ever
-# alive and a training step's transient memory stays near the kernels'.
-_REFERENCE_BLOCK_SCORES = 2**20
-
-
 def _reference_query_blocks(batch: int, heads: int, seq_q: int, seq_k: int) -> list[tuple[int, int]]:
-    """(start, stop) of the reference's query blocks."""
-    rows = max(1, _REFERENCE_BLOCK_SCORES // max(1, batch * heads * seq_k))
-    return [(start, min(seq_q, start + rows)) for start in range(0, seq_q, rows)]
+    """(start, stop) of the reference's blocks of query rows, every head at once: the
+    reference walks over them as the kernels walk over tiles, so no (batch, heads, seq_q,
+    seq_k) score, probability, dropout-mask or dS tensor is ever alive."""
+    return reference_row_blocks(seq_q, batch * heads * seq_k)
 
 
 def _fp32_grouped_rows(x: torch.Tensor, kv_heads: int, start: int, stop: int) -> torch.Tensor:

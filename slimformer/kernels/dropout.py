@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, reference_row_blocks, use_triton
 from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 
 _BLOCK = 1024
@@ -51,12 +51,17 @@ def _dropout_scale(x, residual, seed, dropout_p, out_dtype):
 
 
 def _dropout_scale_reference(x, residual, seed, dropout_p, out_dtype):
-    """PyTorch statement of ``_dropout_scale``."""
-    offsets = torch.arange(x.numel(), dtype=torch.int64, device=x.device).view(x.shape)
-    out = x.float() * torch.where(dropout_keep_mask(seed, offsets, dropout_p), 1.0 / (1.0 - dropout_p), 0.0)
-    if residual is not None:
-        out = out + residual.float()
-    return out.to(out_dtype)
+    """PyTorch statement of ``_dropout_scale``, in blocks of elements."""
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    flat_x, flat_out = x.view(-1), out.view(-1)
+    for start, stop in reference_row_blocks(x.numel(), 1):
+        offsets = torch.arange(start, stop, dtype=torch.int64, device=x.device)
+        scale = dropout_keep_mask(seed, offsets, dropout_p).float().mul_(1.0 / (1.0 - dropout_p))
+        block = scale.mul_(flat_x[start:stop])
+        if residual is not None:
+            block += residual.view(-1)[start:stop]
+        flat_out[start:stop] = block
+    return out
 
 
 def _apply_dropout(x, residual, seed, dropout_p, out_dtype):

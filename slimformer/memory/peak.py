@@ -16,8 +16,8 @@ allocated at any moment inside the block, above what was allocated when it began
 
 import contextlib
 import weakref
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,11 +29,16 @@ __all__ = ["PeakMemory", "peak_memory"]
 
 @dataclass
 class PeakMemory:
-    """Filled in when the ``peak_memory`` block exits."""
+    """``bytes`` is filled in when the ``peak_memory`` block exits; ``current_bytes()``
+    tells, inside the block, what is allocated now above the block's start."""
 
     device: str
     bytes: int = 0  # the peak, above what was allocated on entry
     method: str = ""  # how it was measured: "max_memory_allocated" or "live tensor storages"
+    _current: Callable[[], int] = field(default=lambda: 0, repr=False)
+
+    def current_bytes(self) -> int:
+        return self._current()
 
 
 class _LiveStorageBytes(TorchDispatchMode):
@@ -80,12 +85,14 @@ def peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
+        result._current = lambda: torch.cuda.memory_allocated(device) - before
         yield result
         torch.cuda.synchronize(device)
         result.bytes = torch.cuda.max_memory_allocated(device) - before
         result.method = "max_memory_allocated"
     elif device.type == "cpu":
         tracker = _LiveStorageBytes()
+        result._current = lambda: tracker.live
         with tracker:
             yield result
         result.bytes = tracker.peak

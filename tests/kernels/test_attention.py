@@ -16,6 +16,7 @@ from einops import rearrange
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slimformer.kernels import attention as attention_module
+from slimformer.kernels import dispatch
 from slimformer.kernels.attention import attention, self_attention
 from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
 from slimformer.memory import measure_activation_memory
@@ -264,7 +265,7 @@ def test_reference_in_small_query_blocks_matches(monkeypatch, case):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
 
     def run(block_scores):
-        monkeypatch.setattr(attention_module, "_REFERENCE_BLOCK_SCORES", block_scores)
+        monkeypatch.setattr(dispatch, "REFERENCE_BLOCK_ELEMENTS", block_scores)
         torch.manual_seed(5)
         return _forward_backward(
             lambda q, k, v: attention(
