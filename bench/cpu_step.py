@@ -21,7 +21,7 @@ Two measurements, each model after one warm-up step (so AdamW's state exists):
 Targets (issue 12): peak at every policy <= HF eager's, at ``qkv+mlp`` <= 50% of it, at
 ``full`` <= HF checkpointing's; CPU time at ``none`` <= 1.3x HF eager, ``qkv+mlp`` <= 1.6x.
 
-    python -m bench.cpu_step [--rounds 5] [--skip-peak] [--skip-time] [--profile POLICY]
+    python -m bench.cpu_step [--rounds 5] [--skip-peak] [--skip-time] [--columns ...] [--profile POLICY]
 """
 
 import argparse
@@ -96,10 +96,17 @@ def _variants(layers: int, batch: int, seq: int) -> dict[str, Callable[[], Train
     return variants
 
 
-def measure_peaks(log=print) -> dict[str, tuple[int, int]]:
+def _selected(variants: dict, columns) -> dict:
+    unknown = set(columns or ()) - set(variants)
+    if unknown:
+        raise ValueError(f"unknown columns {sorted(unknown)}; choose from {list(variants)}")
+    return {name: build for name, build in variants.items() if not columns or name in columns}
+
+
+def measure_peaks(columns=None, log=print) -> dict[str, tuple[int, int]]:
     """Column -> (bytes allocated at the end of the forward, step peak), above the step's start."""
     results = {}
-    for name, build in _variants(*PEAK_SHAPE).items():
+    for name, build in _selected(_variants(*PEAK_SHAPE), columns).items():
         trainee = build()
         trainee.step()  # warm-up: AdamW state
         trainee.optimizer.zero_grad(set_to_none=True)
@@ -117,12 +124,12 @@ def measure_peaks(log=print) -> dict[str, tuple[int, int]]:
     return results
 
 
-def measure_times(rounds: int, log=print) -> dict[str, list[float]]:
+def measure_times(rounds: int, columns=None, log=print) -> dict[str, list[float]]:
     """Column -> process CPU seconds of each round's step (interleaved, one thread)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        trainees = {name: build() for name, build in _variants(*TIME_SHAPE).items()}
+        trainees = {name: build() for name, build in _selected(_variants(*TIME_SHAPE), columns).items()}
         for trainee in trainees.values():
             trainee.step()  # warm-up
         times = {name: [] for name in trainees}
@@ -140,7 +147,7 @@ def measure_times(rounds: int, log=print) -> dict[str, list[float]]:
 
 def peak_lines(peaks: dict[str, tuple[int, int]]) -> list[str]:
     eager = peaks["HF eager"][1]
-    checkpointing = peaks["HF checkpointing"][1]
+    checkpointing = peaks.get("HF checkpointing", (0, eager))[1]
     layers, batch, seq = PEAK_SHAPE
     lines = [
         f"Peak of a training step (fwd + bwd + AdamW), BERT-base dims, {layers} layers, batch {batch}, "
@@ -200,16 +207,18 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-peak", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns (HF eager is always in)")
     parser.add_argument("--profile", metavar="COLUMN", help="print torch.profiler's table for a policy or 'HF eager'")
     args = parser.parse_args(argv)
     if args.profile:
         print(profile(args.profile))
         return 0
+    columns = None if not args.columns else ["HF eager", *args.columns]
     lines = []
     if not args.skip_peak:
-        lines += peak_lines(measure_peaks()) + [""]
+        lines += peak_lines(measure_peaks(columns)) + [""]
     if not args.skip_time:
-        lines += time_lines(measure_times(args.rounds))
+        lines += time_lines(measure_times(args.rounds, columns))
     print("\n".join(lines))
     return 0
 
