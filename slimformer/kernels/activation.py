@@ -301,7 +301,8 @@ class _FusedMLPFunction(torch.autograd.Function):
         dout = dout.contiguous()
         db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else None
         if not use_triton(x):
-            dx, dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p)
+            with torch.autocast(x.device.type, enabled=False):  # as in the forward
+                dx, dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p)
             return dx, dw1, db1, dw2, db2, None, None, None, None
         if h is None:
             h = torch.nn.functional.linear(x, w1, b1)

@@ -624,12 +624,20 @@ def _attention_fwd_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``_attention_fwd`` computes, in fp32 PyTorch, over blocks of query rows:
     (out in q's dtype and the kernel's layout, fp32 lse)."""
-    batch, heads, seq_q, head_dim = q.shape
-    kv_heads, seq_k = k.shape[1], k.shape[2]
+    batch, heads, seq_q, _ = q.shape
     out = _empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:
         return out.zero_(), lse.fill_(math.inf)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 bmm even when called under autocast
+        _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse)
+    return out, lse
+
+
+def _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse):
+    """The body of ``_attention_fwd_reference``: writes out and lse block by block."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
     k_all, v_all = _fp32_grouped_rows(k, kv_heads, 0, seq_k), _fp32_grouped_rows(v, kv_heads, 0, seq_k)
     for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
         n_keys = min(seq_k, stop) if is_causal else seq_k
@@ -649,7 +657,6 @@ def _attention_fwd_reference(
         out[:, :, start:stop].copy_(o.view(batch, heads, stop - start, head_dim))
         block_lse = best.add_(total.log_()).masked_fill_(no_key, math.inf)
         lse[:, :, start:stop].copy_(block_lse.view(batch, heads, stop - start))
-    return out, lse
 
 
 def _attention_bwd_reference(
@@ -672,12 +679,22 @@ def _attention_bwd_reference(
     """What ``_attention_bwd`` computes, in fp32 PyTorch over blocks of query rows (dK and
     dV accumulate over the blocks), written into dq, dk, dv. ``out`` is not read: each
     block holds whole rows of P and dP, from which it takes delta."""
-    batch, heads, seq_q, head_dim = q.shape
-    kv_heads, seq_k = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
         for grad in (dq, dk, dv):
             grad.zero_()
         return
+    with torch.autocast(q.device.type, enabled=False):  # fp32 bmm even when called under autocast
+        _attention_bwd_blocks(
+            grad_out, q, k, v, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv
+        )
+
+
+def _attention_bwd_blocks(
+    grad_out, q, k, v, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv
+):
+    """The body of ``_attention_bwd_reference``: dq block by block, dk and dv accumulated."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
     k_all, v_all = _fp32_grouped_rows(k, kv_heads, 0, seq_k), _fp32_grouped_rows(v, kv_heads, 0, seq_k)
     dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
     keep_scale = 1.0 / (1.0 - dropout_p)
