@@ -29,7 +29,14 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels.dispatch import FLOAT_DTYPES, reference_row_blocks, use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    DECISIONS_PER_CALL,
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
 _ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
@@ -74,7 +81,6 @@ def _activation_fwd_kernel(
     M,
     N,
     dropout_p,
-    dropout_scale,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -92,8 +98,9 @@ def _activation_fwd_kernel(
         a, _ = _activation_and_derivative(z, ACTIVATION)
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     if SEED is not None:
-        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        a *= tl.where(keep, dropout_scale, 0.0)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        keep = dropout_keep_tile(tl.load(SEED), rows, tl.program_id(1) * BLOCK_N, N, threshold, BLOCK_N)
+        a *= tl.where(keep, scale, 0.0)
     tl.store(OUT + offsets, a.to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -106,7 +113,6 @@ def _activation_bwd_kernel(
     M,
     N,
     dropout_p,
-    dropout_scale,
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -117,8 +123,9 @@ def _activation_bwd_kernel(
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
     da = tl.load(DA + offsets, mask=mask, other=0.0).to(tl.float32)
     if SEED is not None:
-        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        da *= tl.where(keep, dropout_scale, 0.0)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        keep = dropout_keep_tile(tl.load(SEED), rows, tl.program_id(1) * BLOCK_N, N, threshold, BLOCK_N)
+        da *= tl.where(keep, scale, 0.0)
     width = 2 * N if ACTIVATION == 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
     z = tl.load(H + h_offsets, mask=mask, other=0.0).to(tl.float32)
@@ -136,7 +143,7 @@ def _activation_bwd_kernel(
 
 def _grid(M: int, N: int) -> tuple[tuple[int, int], int, int]:
     """2-D tiles of at most 4096 elements, wide along the contiguous columns."""
-    block_n = min(1024, triton.next_power_of_2(max(N, 1)))
+    block_n = min(1024, max(DECISIONS_PER_CALL, triton.next_power_of_2(N)))
     block_m = max(1, 4096 // block_n)
     return (triton.cdiv(M, block_m), triton.cdiv(N, block_n)), block_m, block_n
 
@@ -152,7 +159,7 @@ def _activation_fwd(h, seed, activation, dropout_p):
     if out.numel():
         grid, block_m, block_n = _grid(M, N)
         _activation_fwd_kernel[grid](
-            h, out, seed, M, N, dropout_p, 1.0 / (1.0 - dropout_p),
+            h, out, seed, M, N, dropout_p,
             ACTIVATION=_ACTIVATION_IDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
         )  # fmt: skip
     return out
@@ -165,7 +172,7 @@ def _activation_bwd(da, h, seed, activation, dropout_p):
     if dh.numel():
         grid, block_m, block_n = _grid(M, N)
         _activation_bwd_kernel[grid](
-            da, h, dh, seed, M, N, dropout_p, 1.0 / (1.0 - dropout_p),
+            da, h, dh, seed, M, N, dropout_p,
             ACTIVATION=_ACTIVATION_IDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
         )  # fmt: skip
     return dh
@@ -194,9 +201,9 @@ def _halves(h: torch.Tensor, activation: str):
 
 
 def _dropout_scale_rows(seed, start, stop, n_cols, dropout_p, device) -> torch.Tensor:
-    """keep / (1 - p) in fp32 for rows start:stop of an (M, n_cols) matrix, as the kernels draw it."""
-    offsets = torch.arange(start * n_cols, stop * n_cols, dtype=torch.int64, device=device).view(stop - start, n_cols)
-    return dropout_keep_mask(seed, offsets, dropout_p).float().mul_(1.0 / (1.0 - dropout_p))
+    """keep · scale in fp32 for rows start:stop of an (M, n_cols) matrix, as the kernels draw it."""
+    keep = dropout_keep_block(seed, torch.arange(start, stop, device=device), 0, n_cols, n_cols, dropout_p)
+    return keep.float().mul_(dropout_threshold(dropout_p)[1])
 
 
 def _activated_rows(h_rows, start, seed, activation, dropout_p) -> torch.Tensor:

@@ -41,7 +41,14 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels.dispatch import reference_row_blocks, use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_keep_tile_t,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -105,12 +112,18 @@ def _masked_scores(
 
 
 @triton.jit
-def _dropout_scale(seed, off_bh, seq_q, seq_k, rows, cols, dropout_p):
-    """``z / (1 - dropout_p)`` for one tile (``rows``, ``cols`` as in ``_masked_scores``);
-    ``off_bh`` = batch · heads + head, int64."""
-    offsets = (off_bh * seq_q + rows.to(tl.int64)) * seq_k + cols.to(tl.int64)
-    keep = tl.rand(seed, offsets) >= dropout_p
-    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+def _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr,
+                   KEYS_FIRST: tl.constexpr):
+    """``r · z`` for queries ``offs_m`` and keys start_n .. start_n + BLOCK_N: [BLOCK_M, BLOCK_N],
+    or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Dropout-matrix row (batch · heads + head) · seq_q + i,
+    column j (see ``philox.py``); ``off_bh`` = batch · heads + head, int64."""
+    threshold, scale = dropout_threshold_and_scale(dropout_p)
+    rows = off_bh * seq_q + offs_m
+    if KEYS_FIRST:
+        keep = dropout_keep_tile_t(seed, rows, start_n, seq_k, threshold, BLOCK_N)
+    else:
+        keep = dropout_keep_tile(seed, rows, start_n, seq_k, threshold, BLOCK_N)
+    return tl.where(keep, scale, 0.0)
 
 
 @triton.jit
@@ -183,7 +196,7 @@ def _attention_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = p * _dropout_scale(
-                seed, off_b * num_heads + off_h, seq_q, seq_k, offs_m[:, None], offs_n[None, :], dropout_p
+                seed, off_b * num_heads + off_h, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False
             )
         v = tl.load(V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], mask=kv_in, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
@@ -300,7 +313,7 @@ def _attention_bwd_dkdv_kernel(
             p_t = tl.exp2(s_t - lse[None, :] * _LOG2E)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST)
             if HAS_DROPOUT:
-                z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m[None, :], offs_n[:, None], dropout_p)
+                z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, pid_n * BLOCK_N, dropout_p, BLOCK_N, True)
                 dv += _dot((p_t * z_t).to(do.dtype), do, PRECISION, UPCAST)
                 dp_t = dp_t * z_t
             else:
@@ -376,7 +389,7 @@ def _attention_bwd_dq_kernel(
         p = tl.exp2(s - lse[:, None] * _LOG2E)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST)
         if HAS_DROPOUT:
-            dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
         ds = p * (dp - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST)
 
@@ -607,8 +620,7 @@ def _dropout_keep_block(
     the dropout matrix, which has seq_k columns, is query i of head h of batch entry b."""
     device = seed.device
     rows = torch.arange(batch_heads, device=device)[:, None] * seq_q + torch.arange(start, stop, device=device)
-    offsets = rows.view(-1, 1) * seq_k + torch.arange(n_keys, device=device)
-    return dropout_keep_mask(seed, offsets, p)
+    return dropout_keep_block(seed, rows.view(-1), 0, n_keys, seq_k, p)
 
 
 def _attention_fwd_reference(
@@ -652,7 +664,7 @@ def _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_ca
         row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
         if seed is not None:
             p.mul_(_dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape))
-            row_scale.mul_(1.0 / (1.0 - dropout_p))
+            row_scale.mul_(dropout_threshold(dropout_p)[1])
         o = torch.bmm(p.mul_(row_scale), v_all[:, :n_keys])
         out[:, :, start:stop].copy_(o.view(batch, heads, stop - start, head_dim))
         block_lse = best.add_(total.log_()).masked_fill_(no_key, math.inf)
@@ -697,7 +709,7 @@ def _attention_bwd_blocks(
     kv_heads, seq_k = k.shape[1], k.shape[2]
     k_all, v_all = _fp32_grouped_rows(k, kv_heads, 0, seq_k), _fp32_grouped_rows(v, kv_heads, 0, seq_k)
     dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
-    keep_scale = 1.0 / (1.0 - dropout_p)
+    keep_scale = dropout_threshold(dropout_p)[1] if seed is not None else 1.0
     for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
         n_keys = min(seq_k, stop) if is_causal else seq_k
         q_rows = _fp32_grouped_rows(q, kv_heads, start, stop)

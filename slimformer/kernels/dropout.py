@@ -1,10 +1,10 @@
 """Dropout fused with the residual add: out = residual + dropout(x), keeping no mask.
 
-Eager ``residual + F.dropout(x)`` keeps the dropout mask for backward. Here the keep
-decision of element i is ``tl.rand(seed, i) >= p`` (see ``philox.py``), so backward
-regenerates it from the seed:
+Eager ``residual + F.dropout(x)`` keeps the dropout mask for backward. Here x is a
+dropout matrix of rows × its last dimension (see ``philox.py``): the mask comes from the
+seed, one Philox call per 16 elements of a row, so backward regenerates it:
 
-    d_residual = d_out,   dx = d_out · keep / (1 - p)
+    d_residual = d_out,   dx = d_out · keep · scale,   scale = 1 / (1 - p_eff)
 
 Only the int64 seed is saved.
 """
@@ -14,53 +14,83 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels.dispatch import FLOAT_DTYPES, reference_row_blocks, use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    DECISIONS_PER_CALL,
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
-_BLOCK = 1024
+_TILE_ELEMENTS = 4096
 
 
 @triton.jit
 def _dropout_scale_kernel(
-    X,  # (numel,) input
-    RESIDUAL,  # (numel,) residual to add, or None
-    OUT,  # (numel,) residual + x · keep / (1 - p)
+    X,  # (M, N) input, contiguous
+    RESIDUAL,  # (M, N) residual to add, or None
+    OUT,  # (M, N) residual + x · keep · scale
     SEED,  # () int64 dropout seed
-    numel,
+    M,
+    N,
     dropout_p,
-    dropout_scale,
-    BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < numel
+    # One grid axis (2**31 - 1 programs): tile (i, j) of the (M, N) matrix is program i · col_tiles + j.
+    col_tiles = tl.cdiv(N, BLOCK_N)
+    rows = (tl.program_id(0) // col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_start = (tl.program_id(0) % col_tiles) * BLOCK_N
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-    out = x * tl.where(keep, dropout_scale, 0.0)
+    threshold, scale = dropout_threshold_and_scale(dropout_p)
+    out = x * tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
     if RESIDUAL is not None:
         out += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=mask)
 
 
+def _matrix_shape(x: torch.Tensor) -> tuple[int, int]:
+    """(rows, columns) of x's dropout matrix: the last dimension is the columns."""
+    n_cols = x.shape[-1] if x.dim() else 1
+    return (x.numel() // n_cols if n_cols else 0), n_cols
+
+
+def _tiles(M: int, N: int) -> tuple[tuple[int], int, int]:
+    """Grid and (BLOCK_M, BLOCK_N): tiles of 4096 elements, as wide as the rows allow."""
+    block_n = min(1024, max(DECISIONS_PER_CALL, triton.next_power_of_2(N)))
+    block_m = _TILE_ELEMENTS // block_n
+    return (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),), block_m, block_n
+
+
 def _dropout_scale(x, residual, seed, dropout_p, out_dtype):
-    """residual + x · keep / (1 - p) (residual optional) with the Triton kernel."""
+    """residual + x · keep · scale (residual optional) with the Triton kernel."""
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    M, N = _matrix_shape(x)
     if x.numel():
-        _dropout_scale_kernel[(triton.cdiv(x.numel(), _BLOCK),)](
-            x, residual, out, seed, x.numel(), dropout_p, 1.0 / (1.0 - dropout_p), BLOCK=_BLOCK
+        grid, block_m, block_n = _tiles(M, N)
+        _dropout_scale_kernel[grid](
+            x, residual, out, seed, M, N, dropout_p, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4
         )
     return out
 
 
 def _dropout_scale_reference(x, residual, seed, dropout_p, out_dtype):
-    """PyTorch statement of ``_dropout_scale``, in blocks of elements."""
+    """PyTorch statement of ``_dropout_scale``, in blocks of rows of the (M, N) dropout matrix."""
+    M, N = _matrix_shape(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    flat_x, flat_out = x.view(-1), out.view(-1)
-    for start, stop in reference_row_blocks(x.numel(), 1):
-        offsets = torch.arange(start, stop, dtype=torch.int64, device=x.device)
-        scale = dropout_keep_mask(seed, offsets, dropout_p).float().mul_(1.0 / (1.0 - dropout_p))
-        block = scale.mul_(flat_x[start:stop])
-        if residual is not None:
-            block += residual.view(-1)[start:stop]
-        flat_out[start:stop] = block
+    rows_x, rows_out = x.view(M, N), out.view(M, N)
+    rows_residual = None if residual is None else residual.view(M, N)
+    scale = dropout_threshold(dropout_p)[1]
+    for start, stop in reference_row_blocks(M, N):
+        keep = dropout_keep_block(seed, torch.arange(start, stop, device=x.device), 0, N, N, dropout_p)
+        block = keep.float().mul_(scale).mul_(rows_x[start:stop])
+        if rows_residual is not None:
+            block += rows_residual[start:stop]
+        rows_out[start:stop] = block
     return out
 
 

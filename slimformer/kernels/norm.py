@@ -29,7 +29,14 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels.dispatch import multiprocessor_count, reference_row_blocks, use_triton
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import (
+    DECISIONS_PER_CALL,
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
 
 MAX_HIDDEN_SIZE = 65536
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -55,7 +62,6 @@ def _norm_fwd_kernel(
     N,
     eps,
     dropout_p,
-    dropout_scale,
     IS_RMS: tl.constexpr,
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
@@ -71,8 +77,8 @@ def _norm_fwd_kernel(
 
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     if SEED is not None:
-        keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-        h *= tl.where(keep, dropout_scale, 0.0)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        h *= tl.where(dropout_keep_tile(tl.load(SEED), rows, 0, N, threshold, BLOCK_N), scale, 0.0)
     if RESIDUAL is not None:
         h += tl.load(RESIDUAL + offsets, mask=mask, other=0.0).to(tl.float32)
     if ROUND_H:
@@ -117,7 +123,6 @@ def _norm_bwd_kernel(
     M,
     N,
     dropout_p,
-    dropout_scale,
     rows_per_program,
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
@@ -132,6 +137,9 @@ def _norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_ok, other=1.0).to(tl.float32)[None, :]
     if B is not None:
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if SEED is not None:
+        seed = tl.load(SEED)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
     dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
@@ -173,8 +181,7 @@ def _norm_bwd_kernel(
         if DRESIDUAL is not None:
             tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
         if SEED is not None:
-            keep = tl.rand(tl.load(SEED), offsets) >= dropout_p
-            dh *= tl.where(keep, dropout_scale, 0.0)
+            dh *= tl.where(dropout_keep_tile(seed, rows, 0, N, threshold, BLOCK_N), scale, 0.0)
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
 
         if DW_PARTIAL is not None:
@@ -202,12 +209,12 @@ class _NormSpec:
 
     @property
     def dropout_scale(self) -> float:
-        return 1.0 / (1.0 - self.dropout_p)
+        return dropout_threshold(self.dropout_p)[1]
 
 
 def _block_config(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M rows, BLOCK_N columns, num_warps): whole rows, several when rows are short."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = max(DECISIONS_PER_CALL, triton.next_power_of_2(n_cols))
     block_m = max(1, min(16, 2048 // block_n))
     num_warps = min(32, max(4, block_m * block_n // 512))
     return block_m, block_n, num_warps
@@ -233,7 +240,7 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     block_m, block_n, num_warps = _block_config(N)
     _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
         x, residual, weight, bias, y, h, mean, rstd, seed,
-        M, N, spec.eps, spec.dropout_p, spec.dropout_scale,
+        M, N, spec.eps, spec.dropout_p,
         IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
         BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
@@ -255,7 +262,7 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     if M > 0 and N > 0:
         _norm_bwd_kernel[(programs,)](
             dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
-            M, N, spec.dropout_p, spec.dropout_scale, rows_per_program,
+            M, N, spec.dropout_p, rows_per_program,
             IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output,
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
@@ -267,9 +274,9 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
 
 
 def _dropout_scale_rows(seed, start: int, stop: int, n_cols: int, spec: _NormSpec, device) -> torch.Tensor:
-    """keep / (1 - p) in fp32 for rows start:stop of the (M, n_cols) rows, as the kernels draw it."""
-    offsets = torch.arange(start * n_cols, stop * n_cols, dtype=torch.int64, device=device).view(stop - start, n_cols)
-    return dropout_keep_mask(seed, offsets, spec.dropout_p).float().mul_(spec.dropout_scale)
+    """keep · scale in fp32 for rows start:stop of the (M, n_cols) rows, as the kernels draw it."""
+    keep = dropout_keep_block(seed, torch.arange(start, stop, device=device), 0, n_cols, n_cols, spec.dropout_p)
+    return keep.float().mul_(spec.dropout_scale)
 
 
 def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Size):

@@ -1,23 +1,105 @@
-"""Dropout randomness shared by every kernel: seeds and Triton's Philox in PyTorch.
+"""Dropout randomness shared by every kernel: seeds, the mask scheme, and its PyTorch twin.
 
 Dropout masks are never stored. Forward draws one int64 seed tensor from torch's
-generator (so ``torch.manual_seed`` reproduces it); each element's keep decision is
-``tl.rand(seed, offset) >= p`` with ``offset`` its flat index in the tensor, so the
-backward pass regenerates the very same mask from the saved seed.
+generator (so ``torch.manual_seed`` reproduces it) and backward regenerates the very
+same mask from it.
 
-``philox_uniform`` reproduces ``tl.rand`` bit for bit (Philox-4x32, 10 rounds, the
-first output word mapped to [0, 1) the way ``triton.language.random`` does), so the
-PyTorch reference path draws the same masks as the Triton kernels on any device.
+The scheme. Every dropout site views its tensor as a 2-D *dropout matrix* of
+``n_cols`` columns (attention: row ``(b · heads + h) · seq_q + i``, ``n_cols = seq_k``;
+norms and MLP activations: one row per token, ``n_cols`` features; ``dropout_add``: the
+last dimension is the columns). One Philox-4x32-10 call (``tl.randint4x(seed, counter)``:
+key = the seed's two 32-bit halves, counter = (counter's low word, high word, 0, 0),
+10 rounds) yields 4 words = 16 bytes, which decide ``G = 16`` consecutive elements of a
+row with one byte each, as FlashAttention-2 does:
+
+    element (r, c):  counter = r · ceil(n_cols / 16) + c // 16,  s = c % 16,
+                     byte    = byte s % 4 (little-endian) of word s // 4,
+                     keep    = byte >= t,      t = min(floor(256 · p + 1/2), 255).
+
+So a tile costs one Philox call per 16 elements (FlashAttention-2's rate) instead of one
+per element. The effective drop rate is ``p_eff = t / 256`` (p quantised to the nearest
+1/256: 0.1 -> 26/256 = 0.1016, 0.25 exact) and kept elements are scaled by
+``1 / (1 - p_eff)``, so the expectation is still exactly the input; a p below 1/512 rounds
+to no dropout, and t stops at 255 so that some elements are always kept. 8-bit rather
+than 16-bit thresholds (8 decisions per call, p exact to 1/65536): compiled for sm_90,
+one Philox-4x32-10 call is ~45 SASS instructions: 2.8 per element at 16 decisions, 5.6
+at 8, out of a dropout budget of 4-15 instructions per element in the attention hot
+loops (1.5x a loop of 8-30 instructions per score element).
+
+The Triton helpers below produce keep masks for a [rows, columns] tile (or its
+transpose) with one Philox call per 16 elements; ``dropout_keep_block`` computes the
+same bits in PyTorch (the CPU path and the tests), vectorised over rows and 16-column
+groups.
 """
 
-import torch
+import math
 
+import torch
+import triton
+import triton.language as tl
+
+DECISIONS_PER_CALL = 16  # G: bytes of one Philox-4x32 output
+THRESHOLD_LEVELS = 256  # 8-bit thresholds
+
+_G: tl.constexpr = tl.constexpr(DECISIONS_PER_CALL)
 _PHILOX_KEY_A = 0x9E3779B9
 _PHILOX_KEY_B = 0xBB67AE85
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
+_PHILOX_ROUNDS = 10
 _LOW32 = 0xFFFFFFFF
-_INT32_TO_UNIT = 4.6566127342e-10  # the largest scale keeping (2**31 - 1) * scale < 1 in fp32
+
+
+@triton.jit
+def dropout_threshold_and_scale(dropout_p):
+    """(t, 1 / (1 - t / 256)) for an fp32 ``dropout_p``: see the module docstring."""
+    threshold = tl.minimum(tl.cast(dropout_p * 256.0 + 0.5, tl.int32), 255)
+    return threshold.to(tl.uint32), 256.0 / (256 - threshold).to(tl.float32)
+
+
+@triton.jit
+def _join4(a0, a1, a2, a3):
+    """[..., 4] with [..., i] = a_i (two trailing dims of 2, i = 2 · outer + inner)."""
+    return tl.join(tl.join(a0, a2), tl.join(a1, a3))
+
+
+@triton.jit
+def _keep_bytes(seed, counters, threshold):
+    """Keep decisions [*counters.shape, 2, 2, 2, 2] (flattened trailing index s = 4 · word + byte)."""
+    w0, w1, w2, w3 = tl.randint4x(seed, counters)
+    # byte b of w is >= t  <=>  w << (24 - 8b) >= t << 24 as unsigned 32-bit words.
+    t = threshold << 24
+    by_byte0 = _join4(w0 << 24 >= t, w1 << 24 >= t, w2 << 24 >= t, w3 << 24 >= t)
+    by_byte1 = _join4(w0 << 16 >= t, w1 << 16 >= t, w2 << 16 >= t, w3 << 16 >= t)
+    by_byte2 = _join4(w0 << 8 >= t, w1 << 8 >= t, w2 << 8 >= t, w3 << 8 >= t)
+    by_byte3 = _join4(w0 >= t, w1 >= t, w2 >= t, w3 >= t)
+    return _join4(by_byte0, by_byte1, by_byte2, by_byte3)
+
+
+@triton.jit
+def dropout_keep_tile(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
+    """Keep mask [BLOCK_M, BLOCK_N] of dropout-matrix rows ``rows`` ([BLOCK_M] ints) and
+    columns ``col_start + arange(BLOCK_N)``; col_start and BLOCK_N multiples of 16.
+
+    seed: int64 scalar; threshold: from ``dropout_threshold_and_scale``. Columns past
+    n_cols get decisions too (they belong to the row's last Philox call or to calls no
+    element uses); callers mask them.
+    """
+    calls_per_row = (n_cols + (_G - 1)) // _G
+    groups = col_start // _G + tl.arange(0, BLOCK_N // _G)
+    counters = rows.to(tl.int64)[:, None] * calls_per_row + groups[None, :]
+    keep = _keep_bytes(seed, counters, threshold)
+    return tl.reshape(keep, (rows.shape[0], BLOCK_N))
+
+
+@triton.jit
+def dropout_keep_tile_t(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
+    """``dropout_keep_tile`` transposed: [BLOCK_N, BLOCK_M], for tiles held as (columns, rows)."""
+    calls_per_row = (n_cols + (_G - 1)) // _G
+    groups = col_start // _G + tl.arange(0, BLOCK_N // _G)
+    counters = groups[:, None] + rows.to(tl.int64)[None, :] * calls_per_row
+    keep = tl.permute(_keep_bytes(seed, counters, threshold), (0, 2, 3, 4, 5, 1))
+    return tl.reshape(keep, (BLOCK_N, rows.shape[0]))
 
 
 def new_dropout_seed(device: torch.device) -> torch.Tensor:
@@ -25,34 +107,73 @@ def new_dropout_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
 
 
-def _mul_hi_lo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # uint32 * uint32 fits in 64 bits; int64 wraps with the same bit pattern, so the
-    # high word is recovered by shifting and masking, whatever the sign bit became.
-    product = a * b
-    return (product >> 32) & _LOW32, product & _LOW32
+def dropout_threshold(p: float) -> tuple[int, float]:
+    """(t, scale): drop where the byte is < t; kept elements are multiplied by scale.
 
-
-def philox_uniform(seed: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``tl.rand(seed, offsets)`` in PyTorch: fp32 uniforms in [0, 1), shape of ``offsets``.
-
-    seed: int64 tensor, shape (); offsets: int64 tensor, any shape, values >= 0.
+    Computed from p rounded to fp32, as the kernels receive it.
     """
+    # fp32(p) · 256 + 1/2 is exact in fp32 below 256, so float64 gives the kernels' value.
+    mantissa, exponent = math.frexp(p)
+    p32 = math.ldexp(round(mantissa * 2**24), exponent - 24)  # p rounded to fp32 (24-bit significand)
+    threshold = min(math.floor(p32 * 256 + 0.5), THRESHOLD_LEVELS - 1)
+    return threshold, THRESHOLD_LEVELS / (THRESHOLD_LEVELS - threshold)
+
+
+def _philox4x32(seed: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """``tl.randint4x(seed, counters)`` for int64 counters >= 0: int32 (*counters.shape, 4).
+
+    Words are held in int64 with only their low 32 bits meaningful ("dirty" high bits),
+    and cleaned only where a product needs them: a uint32 · uint32 product fits 64 bits,
+    int64 wraps with the same bit pattern, and its high word is (product >> 32)'s low half.
+    """
+    # the keys stay tensors (no host sync, and torch.compile traces them)
     seed = seed.to(torch.int64)
-    key0, key1 = seed & _LOW32, (seed >> 32) & _LOW32
-    c0, c1 = offsets & _LOW32, (offsets >> 32) & _LOW32
-    c2 = torch.zeros_like(offsets)
-    c3 = torch.zeros_like(offsets)
-    for _ in range(10):
-        hi_b, lo_b = _mul_hi_lo(c2, _PHILOX_ROUND_B)
-        hi_a, lo_a = _mul_hi_lo(c0, _PHILOX_ROUND_A)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ key0, lo_b, hi_a ^ c3 ^ key1, lo_a
+    key0 = seed & _LOW32
+    key1 = (seed >> 32) & _LOW32
+    c1 = counters >> 32
+    c0 = counters & _LOW32
+    # Round 1 with c2 = c3 = 0: c0' = c1 ^ k0, c1' = 0, c2' = hi(A·c0) ^ k1, c3' = lo(A·c0).
+    c3 = c0.mul_(_PHILOX_ROUND_A)
+    c2 = c3 >> 32
+    c2 &= _LOW32
+    c2 ^= key1
+    c0 = c1.bitwise_xor_(key0)
+    c1 = torch.zeros_like(c0)
+    spare = torch.empty_like(c0)
+    for _ in range(_PHILOX_ROUNDS - 1):
         key0 = (key0 + _PHILOX_KEY_A) & _LOW32
         key1 = (key1 + _PHILOX_KEY_B) & _LOW32
-    signed = torch.where(c0 >= 2**31, c0 - 2**32, c0)
-    signed = torch.where(signed < 0, -signed - 1, signed)
-    return signed.to(torch.float32) * torch.tensor(_INT32_TO_UNIT, dtype=torch.float32)
+        # c0' = hi(B·c2) ^ c1 ^ k0, c1' = lo(B·c2), c2' = hi(A·c0) ^ c3 ^ k1, c3' = lo(A·c0)
+        product_a = torch.mul(c0.bitwise_and_(_LOW32), _PHILOX_ROUND_A, out=spare)
+        product_b = c2.mul_(_PHILOX_ROUND_B)
+        new_c0 = torch.bitwise_right_shift(product_b, 32, out=c0).bitwise_xor_(c1).bitwise_xor_(key0)
+        new_c2 = torch.bitwise_right_shift(product_a, 32, out=c1).bitwise_xor_(c3).bitwise_xor_(key1)
+        spare = c3
+        c0, c1, c2, c3 = new_c0, product_b, new_c2.bitwise_and_(_LOW32), product_a
+    words = torch.empty((*counters.shape, 4), dtype=torch.int32, device=counters.device)
+    for i, word in enumerate((c0, c1, c2, c3)):
+        words[..., i] = word  # int64 -> int32 keeps the low 32 bits
+    return words
 
 
-def dropout_keep_mask(seed: torch.Tensor, offsets: torch.Tensor, p: float) -> torch.Tensor:
-    """Bool keep-mask ``uniform >= p`` for the elements at ``offsets`` (same as the kernels)."""
-    return philox_uniform(seed, offsets) >= torch.tensor(p, dtype=torch.float32)
+def dropout_keep_block(
+    seed: torch.Tensor, rows: torch.Tensor, col_start: int, n_block_cols: int, n_cols: int, p: float
+) -> torch.Tensor:
+    """Keep mask (len(rows), n_block_cols) of a dropout-matrix block, as the kernels draw it.
+
+    seed: int64 tensor, shape (); rows: 1-D integer tensor of row indices (any order);
+    columns col_start .. col_start + n_block_cols - 1 of a matrix with n_cols columns.
+    Only ceil(n_block_cols / 16) + 1 Philox counters per row are computed.
+    """
+    rows = rows.reshape(-1).to(torch.int64)
+    if rows.numel() == 0 or n_block_cols <= 0:
+        return torch.ones((rows.numel(), max(n_block_cols, 0)), dtype=torch.bool, device=rows.device)
+    threshold, _ = dropout_threshold(p)
+    first_group = col_start // DECISIONS_PER_CALL
+    end_group = (col_start + n_block_cols - 1) // DECISIONS_PER_CALL + 1
+    calls_per_row = -(-n_cols // DECISIONS_PER_CALL)
+    counters = torch.arange(first_group, end_group, dtype=torch.int64, device=rows.device).expand(rows.numel(), -1)
+    counters = torch.addcmul(counters, rows[:, None], torch.tensor(calls_per_row, device=rows.device))
+    decision_bytes = _philox4x32(seed, counters).view(torch.uint8).view(rows.numel(), -1)
+    start = col_start - first_group * DECISIONS_PER_CALL
+    return decision_bytes[:, start : start + n_block_cols] >= threshold

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from slimformer.kernels import dispatch
 from slimformer.kernels.activation import ACTIVATIONS, fused_mlp
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from slimformer.layers.mlp import FusedMLP
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error
@@ -25,7 +25,7 @@ def _eager_mlp(x, w1, b1, w2, b2, activation, keep, p):
     else:
         a = F.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
     if keep is not None:
-        a = torch.where(keep, a / (1 - p), torch.zeros_like(a))
+        a = torch.where(keep, a * dropout_threshold(p)[1], torch.zeros_like(a))
     return F.linear(a, w2, b2)
 
 
@@ -42,8 +42,8 @@ def _check_mlp(activation, dtype, rows, d_model, d_ff, dropout_p, recompute_fc1,
     keep = None
     if dropout_p:
         torch.manual_seed(SEED)
-        offsets = torch.arange(rows * d_ff, device=device).view(rows, d_ff)
-        keep = dropout_keep_mask(new_dropout_seed(torch.device(device)), offsets, dropout_p)
+        seed = new_dropout_seed(torch.device(device))
+        keep = dropout_keep_block(seed, torch.arange(rows, device=device), 0, d_ff, d_ff, dropout_p)
     dy = torch.randn(rows, d_model).to(device, dtype)
 
     def run(fn, tensors):

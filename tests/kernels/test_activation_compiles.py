@@ -12,7 +12,7 @@ MODULE = "slimformer.kernels.activation"
 def test_kernels_compile_for_sm90(dtype):
     _, block_m, block_n = activation._grid(4096, 3072)
     ptr = f"*{dtype}"
-    scalars = {"M": "i32", "N": "i32", "dropout_p": "fp32", "dropout_scale": "fp32"}
+    scalars = {"M": "i32", "N": "i32", "dropout_p": "fp32"}
     builds = []
     for activation_id in range(len(activation.ACTIVATIONS)):
         for seed in ("*i64", None):

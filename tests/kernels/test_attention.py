@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from slimformer.kernels import attention as attention_module
 from slimformer.kernels import dispatch
 from slimformer.kernels.attention import attention, self_attention
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
 from tests.aot_compile import KernelBuild, compile_for_hopper
 from tests.helpers import assert_within_reference_error
@@ -221,8 +221,12 @@ def test_autocast_casts_inputs_like_sdpa(backend):
         torch.testing.assert_close(g, g_ref, rtol=5e-2, atol=5e-2)
 
 
-def _dropout_offsets(shape, device) -> torch.Tensor:
-    return torch.arange(math.prod(shape), device=device).view(shape)
+def _keep(shape, p, device) -> torch.Tensor:
+    """The (batch, heads, seq_q, seq_k) mask drawn from torch's next seed: dropout-matrix
+    row (b · heads + h) · seq_q + i, column j."""
+    seed = new_dropout_seed(torch.device(device))
+    rows = torch.arange(math.prod(shape[:-1]), device=device)
+    return dropout_keep_block(seed, rows, 0, shape[-1], shape[-1], p).view(shape)
 
 
 def _check_dropout(case: Case, dtype: torch.dtype, ulps: float, device: str, p: float = 0.25) -> None:
@@ -237,8 +241,7 @@ def _check_dropout(case: Case, dtype: torch.dtype, ulps: float, device: str, p: 
         q, k, v, grad,
     )
     torch.manual_seed(1234)
-    keep = dropout_keep_mask(new_dropout_seed(q.device), _dropout_offsets(bias.shape, device), p)
-    dropout_scale = keep / (1 - p)
+    dropout_scale = _keep(bias.shape, p, device) * dropout_threshold(p)[1]
     exact = _forward_backward(
         lambda q, k, v: _reference(q, k, v, bias.double(), dropout_scale.double()),
         q.double(), k.double(), v.double(), grad.double(),
@@ -284,7 +287,7 @@ def test_reference_in_small_query_blocks_matches(monkeypatch, case):
 
 def test_dropout_mask_is_philox_of_torch_seed(backend):
     # With q = k = 0 every key gets weight 1/seq_k, and v = I lays each row's keep
-    # decisions out in the output: out[..., i, j] = keep_ij / ((1 - p) seq_k).
+    # decisions out in the output: out[..., i, j] = keep_ij · scale / seq_k.
     batch, heads, seq_q, seq_k, p = 1, 2, 64, 128, 0.3
     q = torch.zeros(batch, heads, seq_q, seq_k)
     k = torch.zeros(batch, heads, seq_k, seq_k)
@@ -292,8 +295,8 @@ def test_dropout_mask_is_philox_of_torch_seed(backend):
     torch.manual_seed(7)
     out = attention(q, k, v, dropout_p=p)
     torch.manual_seed(7)
-    expected = dropout_keep_mask(new_dropout_seed(q.device), _dropout_offsets(out.shape, q.device), p)
-    kept = out * (1 - p) * seq_k
+    expected = _keep(out.shape, p, q.device)
+    kept = out / dropout_threshold(p)[1] * seq_k
     assert torch.allclose(kept, expected.float(), atol=1e-5)
     assert abs(kept.mean().item() - (1 - p)) < 0.02
 

@@ -1,12 +1,25 @@
 """Fused dropout + residual add vs eager PyTorch with the same mask."""
 
+import math
+
 import pytest
 import torch
 
-from slimformer.kernels.dropout import dropout_add
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.dropout import _tiles, dropout_add
+from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
 from tests.aot_compile import KernelBuild, compile_for_hopper
+
+
+def _keep(shape, p):
+    """The mask drawn from torch's next seed: rows of x's last dimension."""
+    n_cols = shape[-1]
+    n_rows = math.prod(shape[:-1])
+    seed = new_dropout_seed(torch.device("cpu"))
+    return dropout_keep_block(seed, torch.arange(n_rows), 0, n_cols, n_cols, p).view(shape)
+
+
+SCALE = dropout_threshold(0.3)[1]  # 1 / (1 - p_eff), p = 0.3 quantised to 77 / 256
 
 
 @pytest.mark.parametrize("shape", [(1,), (17, 97), (3, 5, 40), (0, 8)])
@@ -17,14 +30,14 @@ def test_matches_eager_with_the_same_mask(backend, dtype, shape):
     torch.manual_seed(3)
     out = dropout_add(x, residual, 0.3)
     torch.manual_seed(3)
-    keep = dropout_keep_mask(new_dropout_seed(x.device), torch.arange(x.numel()).view(shape), 0.3)
+    keep = _keep(shape, 0.3)
     # float32 math, one rounding to the dtype at the end, as the kernel does (torch's
     # default tolerances per dtype allow that one rounding to differ by an ulp)
-    expected = (residual.float() + torch.where(keep, x.float() / 0.7, 0.0)).to(dtype)
+    expected = (residual.float() + torch.where(keep, x.float() * SCALE, 0.0)).to(dtype)
     torch.testing.assert_close(out, expected)
     dout = torch.randn(shape).to(dtype)
     dx, dres = torch.autograd.grad(out, (x, residual), dout)
-    torch.testing.assert_close(dx, torch.where(keep, dout.float() / 0.7, 0.0).to(dtype))
+    torch.testing.assert_close(dx, torch.where(keep, dout.float() * SCALE, 0.0).to(dtype))
     torch.testing.assert_close(dres, dout, rtol=0, atol=0)
 
 
@@ -43,13 +56,13 @@ def test_mixed_dtypes_promote_like_torch_add(backend):
     torch.manual_seed(2)
     out = dropout_add(x, residual, 0.3)
     torch.manual_seed(2)
-    keep = dropout_keep_mask(new_dropout_seed(x.device), torch.arange(x.numel()).view(x.shape), 0.3)
+    keep = _keep(x.shape, 0.3)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, residual + torch.where(keep, x.float() / 0.7, 0.0))
+    torch.testing.assert_close(out, residual + torch.where(keep, x.float() * SCALE, 0.0))
     dout = torch.randn(6, 40)
     dx, dres = torch.autograd.grad(out, (x, residual), dout)
     assert dx.dtype == torch.bfloat16 and dres.dtype == torch.float32
-    torch.testing.assert_close(dx, torch.where(keep, dout / 0.7, 0.0).to(torch.bfloat16))
+    torch.testing.assert_close(dx, torch.where(keep, dout * SCALE, 0.0).to(torch.bfloat16))
     torch.testing.assert_close(dres, dout, rtol=0, atol=0)
 
 
@@ -83,11 +96,11 @@ def test_bad_input():
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_kernel_compiles_for_sm90(dtype):
-    signature = {"X": f"*{dtype}", "OUT": f"*{dtype}", "SEED": "*i64", "numel": "i64", "dropout_p": "fp32",
-                 "dropout_scale": "fp32"}  # fmt: skip
+    signature = {"X": f"*{dtype}", "OUT": f"*{dtype}", "SEED": "*i64", "M": "i32", "N": "i32", "dropout_p": "fp32"}
+    _, block_m, block_n = _tiles(4096, 768)
+    blocks = {"BLOCK_M": block_m, "BLOCK_N": block_n}
     compile_for_hopper([
         KernelBuild("slimformer.kernels.dropout", "_dropout_scale_kernel", {**signature, "RESIDUAL": f"*{dtype}"},
-                    {"BLOCK": 1024}, 4),
-        KernelBuild("slimformer.kernels.dropout", "_dropout_scale_kernel", signature,
-                    {"BLOCK": 1024, "RESIDUAL": None}, 4),
+                    blocks, 4),
+        KernelBuild("slimformer.kernels.dropout", "_dropout_scale_kernel", signature, {**blocks, "RESIDUAL": None}, 4),
     ])  # fmt: skip

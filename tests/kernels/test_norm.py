@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from slimformer.kernels import dispatch
 from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
-from slimformer.kernels.philox import dropout_keep_mask, new_dropout_seed
+from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -31,7 +31,7 @@ def _params(n_cols, dtype, bias=True, seed=0):
 
 def _eager(x, residual, weight, bias, keep, is_rms, eps, n_cols):
     """Unfused PyTorch: dropout with the given mask, residual add, F.layer_norm/F.rms_norm."""
-    h = x if keep is None else torch.where(keep, x * (1.0 / (1.0 - DROPOUT_P)), torch.zeros_like(x))
+    h = x if keep is None else torch.where(keep, x * dropout_threshold(DROPOUT_P)[1], torch.zeros_like(x))
     if residual is not None:
         h = h + residual
     if is_rms:
@@ -65,8 +65,8 @@ def _check_norm(
     keep = None
     if with_dropout:
         torch.manual_seed(SEED)
-        offsets = torch.arange(x.numel(), device=device).view(shape)
-        keep = dropout_keep_mask(new_dropout_seed(x.device), offsets, p)
+        rows = torch.arange(x.numel() // n_cols, device=device)
+        keep = dropout_keep_block(new_dropout_seed(x.device), rows, 0, n_cols, n_cols, p).view(shape)
 
     def ours(x, residual, weight, bias):
         torch.manual_seed(SEED)
@@ -267,9 +267,10 @@ class TestDropout:
     def test_keep_fraction(self, backend, p):
         _, _, h = self._dropped((256, 4096), p, seed=0)
         keep_fraction = (h != 0).float().mean().item()
-        assert abs(keep_fraction - (1 - p)) < 0.01
+        threshold, scale = dropout_threshold(p)
+        assert abs(keep_fraction - (1 - threshold / 256)) < 0.01
         kept = h[h != 0]
-        torch.testing.assert_close(kept, torch.full_like(kept, 1 / (1 - p)))
+        torch.testing.assert_close(kept, torch.full_like(kept, scale))
 
     def test_backward_uses_the_forward_mask(self, backend):
         x, y, h = self._dropped((16, 97), 0.4, seed=3)

@@ -1,0 +1,112 @@
+"""The dropout mask scheme: Triton tiles vs the PyTorch reference, bit for bit, and its statistics."""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from slimformer.kernels.philox import (
+    DECISIONS_PER_CALL,
+    _philox4x32,
+    dropout_keep_block,
+    dropout_keep_tile,
+    dropout_keep_tile_t,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+)
+
+
+# Kernels run compiled on a GPU, else interpreted on CPU (conftest sets TRITON_INTERPRET).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _keep_tile_kernel(SEED, OUT, P, first_row, n_rows, col_start, n_cols, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):  # fmt: skip
+    tile_m = tl.arange(0, BLOCK_M)
+    tile_n = tl.arange(0, BLOCK_N)
+    threshold, scale = dropout_threshold_and_scale(tl.load(P))
+    rows = first_row + tile_m
+    if KEYS_FIRST:
+        keep = dropout_keep_tile_t(tl.load(SEED), rows, col_start, n_cols, threshold, BLOCK_N)
+        ptrs = OUT + tile_n[:, None] + tile_m[None, :] * BLOCK_N
+    else:
+        keep = dropout_keep_tile(tl.load(SEED), rows, col_start, n_cols, threshold, BLOCK_N)
+        ptrs = OUT + tile_m[:, None] * BLOCK_N + tile_n[None, :]
+    tl.store(ptrs, tl.where(keep, scale, 0.0))
+
+
+@triton.jit
+def _randint4x_kernel(SEED, COUNTERS, OUT, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    words = tl.randint4x(tl.load(SEED), tl.load(COUNTERS + i))
+    for k in tl.static_range(4):
+        tl.store(OUT + 4 * i + k, words[k].to(tl.int32, bitcast=True))
+
+
+def _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols, keys_first):
+    out = torch.empty(block_m, block_n, device=DEVICE)
+    p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
+    _keep_tile_kernel[(1,)](seed.to(DEVICE), out, p32, first_row, block_m, col_start, n_cols, BLOCK_M=block_m,
+                            BLOCK_N=block_n, KEYS_FIRST=keys_first)  # fmt: skip
+    return out.cpu()
+
+
+@pytest.mark.parametrize("n_cols", [1, 17, 97, 130])
+@pytest.mark.parametrize("keys_first", [False, True], ids=["rows-first", "keys-first"])
+def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols, keys_first):
+    seed = torch.tensor(0x5EED_1234_ABCD, dtype=torch.int64)
+    p = 0.3
+    block_m, block_n = 4, 32
+    _, scale = dropout_threshold(p)
+    for first_row, col_start in [(0, 0), (5, 0), (3, (n_cols - 1) // 16 * 16), (1000003, 96)]:
+        got = _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols, keys_first)
+        expected = dropout_keep_block(seed, torch.arange(first_row, first_row + block_m), col_start, block_n,
+                                      n_cols, p)  # fmt: skip
+        # columns past n_cols are decided too (callers mask them): compare the whole tile
+        assert torch.equal(got != 0, expected), (first_row, col_start)
+        assert torch.all((got == 0) | (got == torch.tensor(scale, dtype=torch.float32)))
+
+
+def test_reference_block_is_a_slice_of_the_whole_matrix():
+    seed = torch.tensor(77, dtype=torch.int64)
+    whole = dropout_keep_block(seed, torch.arange(9), 0, 130, 130, 0.4)
+    for col_start, width in [(0, 130), (1, 17), (15, 2), (16, 16), (113, 17), (129, 1)]:
+        block = dropout_keep_block(seed, torch.tensor([8, 2, 5]), col_start, width, 130, 0.4)
+        assert torch.equal(block, whole[[8, 2, 5], col_start : col_start + width])
+    assert dropout_keep_block(seed, torch.arange(0), 0, 5, 5, 0.4).shape == (0, 5)
+
+
+def test_reference_philox_is_triton_randint4x():
+    # Random123's known-answer vector for Philox-4x32-10 (key 0, counter 0), then
+    # tl.randint4x itself on counters that use the high word, under a 64-bit seed.
+    assert [w & 0xFFFFFFFF for w in _philox4x32(torch.tensor(0), torch.zeros(1, dtype=torch.int64))[0].tolist()] == [
+        0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8,
+    ]  # fmt: skip
+    seed = torch.tensor(0x0123_4567_89AB_CDEF, dtype=torch.int64)
+    counters = torch.tensor([0, 1, 2**31, 2**32 + 5, 2**40 + 123456789, 2**62 - 1, 7, 8], dtype=torch.int64)
+    words = torch.empty(8, 4, dtype=torch.int32, device=DEVICE)
+    _randint4x_kernel[(1,)](seed.to(DEVICE), counters.to(DEVICE), words, BLOCK=8)
+    assert torch.equal(words.cpu(), _philox4x32(seed, counters.clone()))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.25, 0.5, 0.9])
+def test_drop_rate_is_the_quantised_p_within_binomial_bounds(p):
+    threshold, scale = dropout_threshold(p)
+    p_eff = threshold / 256
+    assert abs(p_eff - p) <= 1 / 512 and scale == pytest.approx(1 / (1 - p_eff), rel=1e-12)
+    n = 512 * 512
+    keep = dropout_keep_block(torch.tensor(2024), torch.arange(512), 0, 512, 512, p)
+    dropped = n - keep.sum().item()
+    assert abs(dropped - n * p_eff) < 5 * math.sqrt(n * p_eff * (1 - p_eff))
+    # every byte of a Philox call is used: each of the 16 positions drops at the same rate
+    per_position = (~keep).view(512, -1, DECISIONS_PER_CALL).float().mean((0, 1))
+    assert (per_position - p_eff).abs().max() < 5 * math.sqrt(p_eff * (1 - p_eff) / (n / 16))
+
+
+def test_threshold_edges():
+    assert dropout_threshold(0.0) == (0, 1.0)
+    assert dropout_threshold(0.001) == (0, 1.0)  # below 1/512: no dropout
+    assert dropout_threshold(0.999)[0] == 255  # never drops everything
