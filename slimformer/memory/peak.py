@@ -29,16 +29,21 @@ __all__ = ["PeakMemory", "peak_memory"]
 
 @dataclass
 class PeakMemory:
-    """``bytes`` is filled in when the ``peak_memory`` block exits; ``current_bytes()``
-    tells, inside the block, what is allocated now above the block's start."""
+    """``bytes`` is filled in when the ``peak_memory`` block exits; inside the block,
+    ``current_bytes()`` and ``peak_so_far()`` tell what is allocated now and what was at
+    most until now, above the block's start."""
 
     device: str
     bytes: int = 0  # the peak, above what was allocated on entry
     method: str = ""  # how it was measured: "max_memory_allocated" or "live tensor storages"
     _current: Callable[[], int] = field(default=lambda: 0, repr=False)
+    _peak: Callable[[], int] = field(default=lambda: 0, repr=False)
 
     def current_bytes(self) -> int:
         return self._current()
+
+    def peak_so_far(self) -> int:
+        return self._peak()
 
 
 class _LiveStorageBytes(TorchDispatchMode):
@@ -86,6 +91,7 @@ def peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
         result._current = lambda: torch.cuda.memory_allocated(device) - before
+        result._peak = lambda: torch.cuda.max_memory_allocated(device) - before
         yield result
         torch.cuda.synchronize(device)
         result.bytes = torch.cuda.max_memory_allocated(device) - before
@@ -93,6 +99,7 @@ def peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
     elif device.type == "cpu":
         tracker = _LiveStorageBytes()
         result._current = lambda: tracker.live
+        result._peak = lambda: tracker.peak
         with tracker:
             yield result
         result.bytes = tracker.peak
