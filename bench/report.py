@@ -39,6 +39,7 @@ from rich.table import Table  # noqa: E402
 
 import torch  # noqa: E402
 from bench.bert_memory import bert_memory_section  # noqa: E402
+from bench.cpu_step import measure_times, time_lines  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -376,6 +377,11 @@ def write_report(data: dict, skipped: list[str], console: Console) -> list[Path]
     bert = bert_memory_section(torch.device(machine["bench_device_type"]), bert_plot, log=console.log)
     console.print(Markdown("\n".join(bert)))
     md += ["", *bert]
+    if machine["bench_device_type"] == "cpu":
+        # the CPU step's time is cheap (seconds a round); its peak is ``python -m bench.cpu_step``
+        step = ["## A BERT training step on CPU", "", *time_lines(measure_times(rounds=5, log=console.log))]
+        console.print(Markdown("\n".join(step)))
+        md += ["", *step]
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
 
