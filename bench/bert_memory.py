@@ -6,8 +6,9 @@ device. On a GPU that is BERT-base (12 layers) at batch 32, seq 512 in bf16, wit
 forward+backward peak and step time, checked against the target of issue 5: ``none``
 at least as fast as HF with SDPA with less than half its activation memory. On a CPU it
 is BERT-base with 2 layers at batch 1, seq 512 in fp32 (each layer keeps the same, so
-the per-layer rows hold for 12), activations only, the slimformer layers on their
-PyTorch path. The plot sweeps the sequence length for every column.
+the per-layer rows hold for 12), activations and the step peak (live tensor bytes), the
+slimformer layers on their PyTorch path; ``bench/cpu_step.py`` measures a CPU training
+step at larger sizes, with time. The plot sweeps the sequence length for every column.
 """
 
 import gc

@@ -48,6 +48,7 @@ from rich.table import Table  # noqa: E402
 import torch  # noqa: E402
 from bench.bert_memory import BASELINES as BERT_BASELINES  # noqa: E402
 from bench.bert_memory import bert_memory_section  # noqa: E402
+from bench.cpu_step import measure_times, time_lines  # noqa: E402
 from bench.harness import report_machine_info  # noqa: E402
 from bench.int8_inference import int8_inference_section  # noqa: E402
 from slimformer.recompute import POLICIES  # noqa: E402
@@ -467,6 +468,11 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         md += ["", *int8]
         if int8_plot.exists():
             written.append(int8_plot)
+    if device_type == "cpu" and chosen.selects("cpu_step"):
+        # the CPU step's time is cheap (seconds a round); its peak is ``python -m bench.cpu_step``
+        step = ["## A BERT training step on CPU", "", *time_lines(measure_times(rounds=5, log=console.log))]
+        console.print(Markdown("\n".join(step)))
+        md += ["", *step]
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
     written[0].write_text("\n".join(md) + "\n")

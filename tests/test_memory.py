@@ -12,6 +12,7 @@ from slimformer.memory import (
     TensorRecord,
     format_bytes,
     measure_activation_memory,
+    peak_memory,
 )
 
 TOKENS, HIDDEN = 32, 64
@@ -171,3 +172,17 @@ def test_per_token_validates_and_str_uses_units():
         "16.25 KiB",
         "3.00 GiB",
     ]
+
+
+def test_peak_memory_on_cpu_counts_live_tensor_bytes_above_the_start():
+    before = torch.ones(10_000)  # allocated before the block: not counted
+    with peak_memory("cpu") as peak:
+        a = torch.empty(1000)  # 4000 bytes
+        b = a + before[:1000]  # 8000 live
+        view = b[::2]  # a view: no new storage
+        del a
+        c = torch.empty(3000)  # 4000 + 12000 = 16000 live: the peak
+        del b, view, c
+        d = torch.empty(100)
+    assert peak.bytes == 16000 and peak.method == "live tensor storages"
+    del d

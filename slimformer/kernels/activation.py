@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, reference_row_blocks, use_triton
 from slimformer.kernels.dropout import tile_origin
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
@@ -194,16 +194,18 @@ def _activation_bwd(da, h, seed, activation, dropout_p):
     return dh
 
 
-def _activation_reference(z: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """act(z), act'(z) in fp32 for the single-input activations (the kernel's formulas)."""
+def _activation_value(z: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(z) in fp32 for the single-input activations (the kernel's functions, torch's CPU ops)."""
     if activation == "relu":
-        return z.clamp_min(0.0), (z > 0).to(z.dtype)
-    if activation == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * _INV_SQRT_2))
-        return z * cdf, cdf + z * torch.exp(-0.5 * z * z) * _INV_SQRT_2PI
-    t = torch.tanh(_SQRT_2_OVER_PI * (z + _GELU_TANH_CUBIC * z**3))
-    derivative = 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _GELU_TANH_CUBIC * z * z)
-    return 0.5 * z * (1 + t), derivative
+        return z.clamp_min(0.0)
+    return torch.nn.functional.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def _activation_input_grad(da: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    """da · act'(z) in fp32 for the single-input activations."""
+    if activation == "relu":
+        return torch.ops.aten.threshold_backward(da, z, 0.0)
+    return torch.ops.aten.gelu_backward(da, z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 def _halves(h: torch.Tensor, activation: str):
@@ -214,33 +216,81 @@ def _halves(h: torch.Tensor, activation: str):
     return h.float(), None
 
 
-def _dropout_reference(shape, seed, dropout_p, device):
-    M, N = shape
-    keep = dropout_keep_block(seed, torch.arange(M, device=device), 0, N, N, dropout_p)
-    return keep * torch.tensor(dropout_threshold(dropout_p)[1], dtype=torch.float32, device=device)
+def _dropout_scale_rows(seed, start, stop, n_cols, dropout_p, device) -> torch.Tensor:
+    """keep · scale in fp32 for rows start:stop of an (M, n_cols) matrix, as the kernels draw it."""
+    keep = dropout_keep_block(seed, torch.arange(start, stop, device=device), 0, n_cols, n_cols, dropout_p)
+    return keep.float().mul_(dropout_threshold(dropout_p)[1])
+
+
+def _activated_rows(h_rows, start, seed, activation, dropout_p) -> torch.Tensor:
+    """dropout(act(h)) in fp32 for the rows of h from row ``start`` on (the mask's rows)."""
+    z, up = _halves(h_rows, activation)
+    a = torch.nn.functional.silu(z).mul_(up) if activation == "swiglu" else _activation_value(z, activation)
+    if seed is not None:
+        a.mul_(_dropout_scale_rows(seed, start, start + len(h_rows), a.shape[1], dropout_p, h_rows.device))
+    return a
+
+
+def _input_grad_rows(da_rows, h_rows, start, seed, activation, dropout_p) -> torch.Tensor:
+    """The gradient of h in fp32 from that of dropout(act(h)), for rows from ``start`` on."""
+    da_rows = da_rows.float()
+    if seed is not None:
+        n_cols = da_rows.shape[1]
+        da_rows = da_rows * _dropout_scale_rows(seed, start, start + len(da_rows), n_cols, dropout_p, da_rows.device)
+    z, up = _halves(h_rows, activation)
+    if activation == "swiglu":
+        return torch.cat([torch.ops.aten.silu_backward(da_rows * up, z), da_rows.mul_(torch.nn.functional.silu(z))], 1)
+    return _activation_input_grad(da_rows, z, activation)
 
 
 def _activation_fwd_reference(h, seed, activation, dropout_p):
-    """PyTorch statement of ``_activation_fwd``."""
-    z, up = _halves(h, activation)
-    a = torch.nn.functional.silu(z) * up if activation == "swiglu" else _activation_reference(z, activation)[0]
-    if seed is not None:
-        a = a * _dropout_reference(a.shape, seed, dropout_p, h.device)
-    return a.to(h.dtype)
+    """PyTorch statement of ``_activation_fwd``, in blocks of rows."""
+    out = torch.empty((h.shape[0], _out_features(h, activation)), dtype=h.dtype, device=h.device)
+    for start, stop in reference_row_blocks(h.shape[0], h.shape[1]):
+        out[start:stop] = _activated_rows(h[start:stop], start, seed, activation, dropout_p)
+    return out
 
 
 def _activation_bwd_reference(da, h, seed, activation, dropout_p):
-    """PyTorch statement of ``_activation_bwd``."""
-    da = da.float()
-    if seed is not None:
-        da = da * _dropout_reference(da.shape, seed, dropout_p, da.device)
-    z, up = _halves(h, activation)
-    if activation == "swiglu":
-        sig = torch.sigmoid(z)
-        dh = torch.cat([da * up * sig * (1 + z * (1 - sig)), da * z * sig], dim=1)
-    else:
-        dh = da * _activation_reference(z, activation)[1]
-    return dh.to(h.dtype)
+    """PyTorch statement of ``_activation_bwd``, in blocks of rows."""
+    dh = torch.empty_like(h)
+    for start, stop in reference_row_blocks(h.shape[0], h.shape[1]):
+        dh[start:stop] = _input_grad_rows(da[start:stop], h[start:stop], start, seed, activation, dropout_p)
+    return dh
+
+
+def _mlp_fwd_reference(x, w1, b1, w2, b2, seed, activation, dropout_p, keep_h):
+    """The MLP forward on the PyTorch path: (out, h if ``keep_h`` else None). Works in
+    blocks of rows, so that with fc1 recomputed neither h nor the activation exists at
+    full size, and otherwise only h does."""
+    h = torch.nn.functional.linear(x, w1, b1) if keep_h else None
+    out = torch.empty((x.shape[0], w2.shape[0]), dtype=x.dtype, device=x.device)
+    for start, stop in reference_row_blocks(x.shape[0], w1.shape[0]):
+        h_rows = h[start:stop] if keep_h else torch.nn.functional.linear(x[start:stop], w1, b1)
+        a = _activated_rows(h_rows, start, seed, activation, dropout_p).to(x.dtype)
+        out[start:stop] = torch.nn.functional.linear(a, w2, b2)
+    return out, h
+
+
+def _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p):
+    """(dx, dw1, db1, dw2) of the MLP on the PyTorch path, in blocks of rows: a block of h
+    (recomputed from x when not kept), of the activation, of its gradient and of dh is
+    all that is alive besides the gradients; dW1, db1 and dW2 accumulate in fp32."""
+    dx = torch.empty_like(x)
+    dw1 = torch.zeros(w1.shape, dtype=torch.float32, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
+    db1 = None if b1 is None else torch.zeros(w1.shape[0], dtype=torch.float32, device=x.device)
+    for start, stop in reference_row_blocks(x.shape[0], w1.shape[0]):
+        x_rows, dout_rows = x[start:stop], dout[start:stop]
+        h_rows = torch.nn.functional.linear(x_rows, w1, b1) if h is None else h[start:stop]
+        a = _activated_rows(h_rows, start, seed, activation, dropout_p).to(x.dtype)
+        dw2.addmm_(dout_rows.t().float(), a.float())
+        dh = _input_grad_rows(dout_rows @ w2, h_rows, start, seed, activation, dropout_p).to(x.dtype)
+        dx[start:stop] = dh @ w1
+        dw1.addmm_(dh.t().float(), x_rows.float())
+        if db1 is not None:
+            db1 += dh.sum(0, dtype=torch.float32)
+    return dx, dw1.to(w1.dtype), None if db1 is None else db1.to(b1.dtype), dw2.to(w2.dtype)
 
 
 def _activation(h, seed, activation, dropout_p):
@@ -258,9 +308,11 @@ class _FusedMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, seed, activation, dropout_p, recompute_fc1):
-        h = torch.nn.functional.linear(x, w1, b1)
-        a = _activation(h, seed, activation, dropout_p)
-        out = torch.nn.functional.linear(a, w2, b2)
+        if use_triton(x):
+            h = torch.nn.functional.linear(x, w1, b1)
+            out = torch.nn.functional.linear(_activation(h, seed, activation, dropout_p), w2, b2)
+        else:
+            out, h = _mlp_fwd_reference(x, w1, b1, w2, b2, seed, activation, dropout_p, keep_h=not recompute_fc1)
         ctx.save_for_backward(x, w1, b1, w2, seed, None if recompute_fc1 else h)
         ctx.config = (activation, dropout_p, b2 is not None)
         return out
@@ -270,6 +322,11 @@ class _FusedMLPFunction(torch.autograd.Function):
         x, w1, b1, w2, seed, h = ctx.saved_tensors
         activation, dropout_p, has_b2 = ctx.config
         dout = dout.contiguous()
+        db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else None
+        if not use_triton(x):
+            with torch.autocast(x.device.type, enabled=False):  # as in the forward
+                dx, dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p)
+            return dx, dw1, db1, dw2, db2, None, None, None, None
         if h is None:
             h = torch.nn.functional.linear(x, w1, b1)
         a = _activation(h, seed, activation, dropout_p)
@@ -279,7 +336,6 @@ class _FusedMLPFunction(torch.autograd.Function):
         dx = dh @ w1
         dw1 = dh.t() @ x
         db1 = None if b1 is None else dh.sum(0, dtype=torch.float32).to(b1.dtype)
-        db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else None
         return dx, dw1, db1, dw2, db2, None, None, None, None
 
 

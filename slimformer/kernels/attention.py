@@ -47,7 +47,7 @@ import triton.language as tl
 from einops import rearrange
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from slimformer.kernels.dispatch import use_triton
+from slimformer.kernels.dispatch import reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     dropout_keep_block,
     dropout_keep_tile,
@@ -844,50 +844,71 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return rearrange(x, "b (k g) ... -> b k g ...", k=kv_heads)
 
 
-def _scores_reference(
-    q: torch.Tensor,
+def _reference_query_blocks(batch: int, heads: int, seq_q: int, seq_k: int) -> list[tuple[int, int]]:
+    """(start, stop) of the reference's blocks of query rows, every head at once: the
+    reference walks over them as the kernels walk over tiles, so no (batch, heads, seq_q,
+    seq_k) score, probability, dropout-mask or dS tensor is ever alive."""
+    return reference_row_blocks(seq_q, batch * heads * seq_k)
+
+
+def _reference_grouped_rows(x: torch.Tensor, kv_heads: int, start: int, stop: int) -> torch.Tensor:
+    """Rows start:stop of a (batch, heads, seq, head_dim) tensor as one contiguous fp32 (fp64
+    for fp64 inputs) (batch · kv_heads, heads per kv head · rows, head_dim) stack of matrices: the query
+    heads sharing a kv head are stacked, so one bmm serves the whole group (GQA)."""
+    block = _grouped(x[:, :, start:stop], kv_heads)
+    rows = torch.empty(block.shape, dtype=_reference_dtype(x), device=x.device).copy_(block)
+    return rows.view(-1, rows.shape[2] * rows.shape[3], rows.shape[4])
+
+
+def _no_allowed_key(best: torch.Tensor) -> torch.Tensor:
+    """Rows with no allowed key, from their best masked score (a NaN row is not one: it propagates)."""
+    return best == -math.inf
+
+
+def _masked_block_scores(
+    q_rows: torch.Tensor,
     k: torch.Tensor,
+    start: int,
+    stop: int,
+    heads: int,
     attn_mask: torch.Tensor | None,
     key_padding_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    """Scores (batch, heads, seq_q, seq_k) in fp32 (fp64 for fp64 inputs), −inf where a
-    key is not allowed."""
-    kv_heads, seq_k = k.shape[1], k.shape[2]
-    dtype = _reference_dtype(q)
-    s = torch.einsum("bkgqd,bksd->bkgqs", _grouped(q.to(dtype), kv_heads), k.to(dtype)) * scale
-    s = rearrange(s, "b k g q s -> b (k g) q s")
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        s = s.masked_fill(~attn_mask, -math.inf)
-    elif attn_mask is not None:
-        s = s + attn_mask.to(dtype).masked_fill(attn_mask <= MASKED_BIAS, -math.inf)
+    """Scores (fp32, fp64 for fp64 inputs) of query rows start:stop against the keys ``k``, −inf where a key is
+    not allowed: (batch · kv_heads, heads per kv head · rows, keys).
+
+    ``q_rows`` and ``k`` are as ``_reference_grouped_rows`` gives them; ``k`` may hold only the
+    first keys (a causal block leaves out the keys after its last row).
+    """
+    s = torch.bmm(q_rows, k.mT).mul_(scale)
+    n_keys = k.shape[1]
+    scores = s.view(-1, heads, stop - start, n_keys)  # (batch, heads, rows, keys)
+    if attn_mask is not None:
+        per_row = attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
+        mask = attn_mask[..., start:stop, :n_keys] if per_row else attn_mask[..., :n_keys]
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, -math.inf)
+        else:  # a NaN in the mask is not <= MASKED_BIAS: it propagates, as in SDPA
+            scores.add_(mask.to(scores.dtype).masked_fill(mask <= MASKED_BIAS, -math.inf))
     if key_padding_mask is not None:
-        s = s.masked_fill(key_padding_mask[:, None, None, :], -math.inf)
+        scores.masked_fill_(key_padding_mask[:, None, None, :n_keys], -math.inf)
     if is_causal:
-        future = torch.ones(q.shape[2], seq_k, dtype=torch.bool, device=q.device).triu(1)
-        s = s.masked_fill(future, -math.inf)
+        rows = torch.arange(start, stop, device=s.device)[:, None]
+        scores.masked_fill_(torch.arange(n_keys, device=s.device) > rows, -math.inf)
     return s
 
 
-def _dropout_scale_reference(
-    seed: torch.Tensor,
-    shape: torch.Size,
-    dropout_p: float,
-    queries: range | None = None,
-    keys: range | None = None,
+def _dropout_keep_block(
+    seed: torch.Tensor, batch_heads: int, seq_q: int, seq_k: int, start: int, stop: int, n_keys: int, p: float
 ) -> torch.Tensor:
-    """fp32 ``r · z`` of the (batch, heads, seq_q, seq_k) attention matrix ``shape``, as the
-    kernels draw it, for the query and key ranges given (default: all): shape
-    (batch, heads, len(queries), len(keys))."""
-    batch, heads, seq_q, seq_k = shape
-    queries = range(seq_q) if queries is None else queries
-    keys = range(seq_k) if keys is None else keys
-    query_rows = torch.arange(queries.start, queries.stop, device=seed.device)
-    rows = torch.arange(batch * heads, device=seed.device)[:, None] * seq_q + query_rows
-    keep = dropout_keep_block(seed, rows.view(-1), keys.start, len(keys), seq_k, dropout_p)
-    scale = torch.tensor(dropout_threshold(dropout_p)[1], dtype=torch.float32, device=seed.device)
-    return (keep * scale).view(batch, heads, len(queries), len(keys))
+    """The kernels' keep mask for query rows start:stop of every (batch, head) and keys
+    0:n_keys, as a bool (batch · heads · rows, n_keys) tensor. Row (b·heads + h)·seq_q + i of
+    the dropout matrix, which has seq_k columns, is query i of head h of batch entry b."""
+    device = seed.device
+    rows = torch.arange(batch_heads, device=device)[:, None] * seq_q + torch.arange(start, stop, device=device)
+    return dropout_keep_block(seed, rows.view(-1), 0, n_keys, seq_k, p)
 
 
 def _attention_fwd_reference(
@@ -901,21 +922,40 @@ def _attention_fwd_reference(
     scale: float,
     seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``_attention_fwd`` computes, in fp32 PyTorch (fp64 for fp64 inputs): (out in
-    q's dtype and the kernel's layout, lse). The score matrix lives only inside this
-    call, as it does in the kernel's registers."""
+    """What ``_attention_fwd`` computes, in fp32 PyTorch (fp64 for fp64 inputs), over
+    blocks of query rows: (out in q's dtype and the kernel's layout, lse)."""
     if q.numel() == 0 or k.numel() == 0:
         return _attention_fwd_empty(q)
-    s = _scores_reference(q, k, attn_mask, key_padding_mask, is_causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    # A +inf score makes the row NaN (inf − inf), as in the kernel and SDPA; a row with no
-    # allowed key gets +inf.
-    lse = torch.where(lse == math.inf, math.nan, torch.where(lse == -math.inf, math.inf, lse))
-    p = torch.exp(s - lse[..., None])
-    if seed is not None:
-        p = p * _dropout_scale_reference(seed, p.shape, dropout_p)
-    out = torch.einsum("bkgqs,bksd->bkgqd", _grouped(p, k.shape[1]), v.to(p.dtype))
-    return _empty_output(q).copy_(rearrange(out, "b k g q d -> b (k g) q d")), lse
+    out = _empty_output(q)
+    lse = torch.empty(q.shape[:3], dtype=_reference_dtype(q), device=q.device)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 bmm even when called under autocast
+        _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse)
+    return out, lse
+
+
+def _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse):
+    """The body of ``_attention_fwd_reference``: writes out and lse block by block."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    k_all, v_all = _reference_grouped_rows(k, kv_heads, 0, seq_k), _reference_grouped_rows(v, kv_heads, 0, seq_k)
+    for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
+        n_keys = min(seq_k, stop) if is_causal else seq_k
+        q_rows = _reference_grouped_rows(q, kv_heads, start, stop)
+        p = _masked_block_scores(
+            q_rows, k_all[:, :n_keys], start, stop, heads, attn_mask, key_padding_mask, is_causal, scale
+        )
+        best = p.amax(-1, keepdim=True)
+        no_key = _no_allowed_key(best)
+        p.sub_(best.masked_fill(no_key, 0.0)).exp_()
+        total = p.sum(-1, keepdim=True)
+        row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
+        if seed is not None:
+            p.mul_(_dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape))
+            row_scale.mul_(dropout_threshold(dropout_p)[1])
+        o = torch.bmm(p.mul_(row_scale), v_all[:, :n_keys])
+        out[:, :, start:stop].copy_(o.view(batch, heads, stop - start, head_dim))
+        block_lse = best.add_(total.log_()).masked_fill_(no_key, math.inf)
+        lse[:, :, start:stop].copy_(block_lse.view(batch, heads, stop - start))
 
 
 def _attention_bwd_reference(
@@ -935,25 +975,53 @@ def _attention_bwd_reference(
     dk: torch.Tensor,
     dv: torch.Tensor,
 ) -> None:
-    """What ``_attention_bwd`` computes, in fp32 PyTorch (fp64 for fp64 inputs), written
-    into dq, dk, dv."""
+    """What ``_attention_bwd`` computes, in fp32 PyTorch over blocks of query rows (dK and
+    dV accumulate over the blocks), written into dq, dk, dv. ``out`` is not read: each
+    block holds whole rows of P and dP, from which it takes delta."""
     if q.numel() == 0 or k.numel() == 0:
         for grad in (dq, dk, dv):
             grad.zero_()
         return
-    kv_heads, dtype = k.shape[1], _reference_dtype(q)
-    p = torch.exp(_scores_reference(q, k, attn_mask, key_padding_mask, is_causal, scale) - lse[..., None])
-    do = grad_out.to(dtype)
-    dp = rearrange(torch.einsum("bkgqd,bksd->bkgqs", _grouped(do, kv_heads), v.to(dtype)), "b k g q s -> b (k g) q s")
-    p_kept = p
-    if seed is not None:
-        dropout_scale = _dropout_scale_reference(seed, p.shape, dropout_p)
-        p_kept, dp = p * dropout_scale, dp * dropout_scale
-    delta = (do * out.to(dtype)).sum(-1, keepdim=True)
-    ds = _grouped(p * (dp - delta), kv_heads)
-    dv.copy_(torch.einsum("bkgqs,bkgqd->bksd", _grouped(p_kept, kv_heads), _grouped(do, kv_heads)))
-    dk.copy_(torch.einsum("bkgqs,bkgqd->bksd", ds, _grouped(q.to(dtype), kv_heads)) * scale)
-    dq.copy_(rearrange(torch.einsum("bkgqs,bksd->bkgqd", ds, k.to(dtype)) * scale, "b k g q d -> b (k g) q d"))
+    with torch.autocast(q.device.type, enabled=False):  # fp32 bmm even when called under autocast
+        _attention_bwd_blocks(
+            grad_out, q, k, v, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv
+        )
+
+
+def _attention_bwd_blocks(
+    grad_out, q, k, v, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv
+):
+    """The body of ``_attention_bwd_reference``: dq block by block, dk and dv accumulated."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    k_all, v_all = _reference_grouped_rows(k, kv_heads, 0, seq_k), _reference_grouped_rows(v, kv_heads, 0, seq_k)
+    dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
+    keep_scale = dropout_threshold(dropout_p)[1] if seed is not None else 1.0
+    for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
+        n_keys = min(seq_k, stop) if is_causal else seq_k
+        q_rows = _reference_grouped_rows(q, kv_heads, start, stop)
+        do_rows = _reference_grouped_rows(grad_out, kv_heads, start, stop)
+        p = _masked_block_scores(
+            q_rows, k_all[:, :n_keys], start, stop, heads, attn_mask, key_padding_mask, is_causal, scale
+        )
+        p.sub_(lse[:, :, start:stop].reshape(*q_rows.shape[:2], 1)).exp_()
+        if seed is None:
+            dv_all[:, :n_keys].baddbmm_(p.mT, do_rows)
+            dp = torch.bmm(do_rows, v_all[:, :n_keys].mT)
+        else:
+            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape)
+            dv_all[:, :n_keys].baddbmm_((p * keep).mT, do_rows, alpha=keep_scale)
+            dp = torch.bmm(do_rows * keep_scale, v_all[:, :n_keys].mT).mul_(keep)
+        # delta = Σ_j P_ij dP_ij, which equals the kernels' Σ_d dO_id O_id: a block holds
+        # whole rows, and summing the row itself keeps each row of dS summing to ~0, as
+        # torch's softmax backward does (no cancellation error from two different sums).
+        delta = torch.linalg.vecdot(p, dp).unsqueeze(-1)
+        ds = dp.sub_(delta).mul_(p)
+        dk_all[:, :n_keys].baddbmm_(ds.mT, q_rows)
+        dq_rows = torch.bmm(ds, k_all[:, :n_keys]).mul_(scale)
+        dq[:, :, start:stop].copy_(dq_rows.view(batch, heads, stop - start, head_dim))
+    dk.copy_(dk_all.mul_(scale).view(batch, kv_heads, seq_k, head_dim))
+    dv.copy_(dv_all.view(batch, kv_heads, seq_k, head_dim))
 
 
 def _runs_kernels(q: torch.Tensor) -> bool:

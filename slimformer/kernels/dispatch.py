@@ -7,6 +7,10 @@ import torch
 
 # The dtypes every kernel takes as input (fp32 statistics and accumulators inside).
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The PyTorch references work through big tensors in blocks of rows of about this many
+# elements (4 MiB in fp32), as the kernels work in tiles, so that their temporaries (fp32
+# upcasts, scores, the int64 Philox state) stay small next to the activations.
+REFERENCE_BLOCK_ELEMENTS = 2**20
 
 
 def use_triton(tensor: torch.Tensor) -> bool:
@@ -47,3 +51,10 @@ def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def reference_row_blocks(rows: int, row_elements: int) -> list[tuple[int, int]]:
+    """(start, stop) of the blocks of rows a PyTorch reference works in, for rows of
+    ``row_elements`` elements: about ``REFERENCE_BLOCK_ELEMENTS`` per block, at least one row."""
+    step = max(1, REFERENCE_BLOCK_ELEMENTS // max(1, row_elements))
+    return [(start, min(rows, start + step)) for start in range(0, rows, step)]

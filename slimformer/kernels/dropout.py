@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -86,13 +86,19 @@ def _dropout_scale(x, residual, seed, dropout_p, out_dtype):
 
 
 def _dropout_scale_reference(x, residual, seed, dropout_p, out_dtype):
-    """PyTorch statement of ``_dropout_scale``."""
+    """PyTorch statement of ``_dropout_scale``, in blocks of rows of the (M, N) dropout matrix."""
     M, N = _matrix_shape(x)
-    keep = dropout_keep_block(seed, torch.arange(M, device=x.device), 0, N, N, dropout_p).view(x.shape)
-    out = x.float() * torch.where(keep, dropout_threshold(dropout_p)[1], 0.0)
-    if residual is not None:
-        out = out + residual.float()
-    return out.to(out_dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rows_x, rows_out = x.view(M, N), out.view(M, N)
+    rows_residual = None if residual is None else residual.view(M, N)
+    scale = dropout_threshold(dropout_p)[1]
+    for start, stop in reference_row_blocks(M, N):
+        keep = dropout_keep_block(seed, torch.arange(start, stop, device=x.device), 0, N, N, dropout_p)
+        block = keep.float().mul_(scale).mul_(rows_x[start:stop])
+        if rows_residual is not None:
+            block += rows_residual[start:stop]
+        rows_out[start:stop] = block
+    return out
 
 
 def _apply_dropout(x, residual, seed, dropout_p, out_dtype):

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import multiprocessor_count, use_triton
+from slimformer.kernels.dispatch import multiprocessor_count, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -444,75 +444,102 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     return dx, dresidual, dw, db
 
 
-def _keep_mask_reference(seed: torch.Tensor, M: int, N: int, p: float) -> torch.Tensor:
-    return dropout_keep_block(seed, torch.arange(M, device=seed.device), 0, N, N, p)
+def _dropout_scale_rows(seed, start: int, stop: int, n_cols: int, spec: _NormSpec, device) -> torch.Tensor:
+    """keep · scale in fp32 for rows start:stop of the (M, n_cols) rows, as the kernels draw it."""
+    keep = dropout_keep_block(seed, torch.arange(start, stop, device=device), 0, n_cols, n_cols, spec.dropout_p)
+    return keep.float().mul_(spec.dropout_scale)
 
 
 def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Size):
-    """PyTorch statement of ``_norm_fwd``: same outputs, same dtypes, same mask."""
+    """PyTorch statement of ``_norm_fwd``: same outputs, same dtypes, same mask, in blocks of
+    rows (torch's fused CPU LayerNorm for the normalisation)."""
     M, N = x.shape
-    h = x.float()
-    if seed is not None:
-        keep = _keep_mask_reference(seed, M, N, spec.dropout_p)
-        h = h * torch.where(keep, spec.dropout_scale, 0.0)
-    if residual is not None:
-        h = h + residual.float()
     fused = seed is not None or residual is not None
-    if fused:
-        h = h.to(_h_dtype(x, residual)).float()
-    if spec.is_rms:
-        mean, centered = None, h
-    else:
-        mean = h.mean(dim=1)
-        centered = h - mean[:, None]
-    rstd = torch.rsqrt(centered.square().mean(dim=1) + spec.eps)
-    y = centered * rstd[:, None]
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
     keep_mean = not spec.is_rms and not spec.rebuild_from_output
-    h_out = _rows_in_shape(h, _h_dtype(x, residual), shape) if store_h else None
-    return _rows_in_shape(y, spec.out_dtype, shape), h_out, mean if keep_mean else None, rstd
-
-
-def _rows_in_shape(rows: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    """A new tensor of ``shape`` and ``dtype`` holding (M, N) ``rows``: not a view, so that an
-    output of the differentiable op can be modified in place, as torch's can."""
-    out = torch.empty(shape, dtype=dtype, device=rows.device)
-    out.view(rows.shape).copy_(rows)
-    return out
+    h_dtype = _h_dtype(x, residual)
+    # new tensors, not views: an output of the differentiable op can be modified in place
+    y = torch.empty(shape, dtype=spec.out_dtype, device=x.device)
+    h_out = torch.empty(shape, dtype=h_dtype, device=x.device) if store_h else None
+    mean = torch.empty(M, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    for start, stop in reference_row_blocks(M, N):
+        h = x[start:stop].float()
+        if seed is not None:
+            h = h * _dropout_scale_rows(seed, start, stop, N, spec, x.device)
+        if residual is not None:
+            h = h + residual[start:stop].float()
+        if fused:
+            h = h.to(h_dtype)
+            if store_h:
+                h_out.view(M, N)[start:stop] = h
+            h = h.float()
+        if spec.is_rms:
+            rstd[start:stop] = torch.rsqrt(h.square().mean(dim=1) + spec.eps)
+            y_rows = h * rstd[start:stop, None]
+            y_rows = y_rows if w is None else y_rows.mul_(w)
+        else:
+            y_rows, block_mean, block_rstd = torch.native_layer_norm(h, [N], w, b, spec.eps)
+            mean[start:stop], rstd[start:stop] = block_mean.view(-1), block_rstd.view(-1)
+        y.view(M, N)[start:stop] = y_rows
+    if M and not N:  # no blocks: the statistics of empty rows, as the row formulas give them
+        mean.fill_(math.nan)
+        rstd.fill_(math.nan)
+    return y, h_out, mean if keep_mean else None, rstd
 
 
 def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec):
-    """PyTorch statement of ``_norm_bwd``."""
+    """PyTorch statement of ``_norm_bwd``, in blocks of rows (torch's LayerNorm backward
+    for LayerNorm; with a rebuilt x̂ it runs on x̂ with mean 0 and rstd 1, then scales by rstd)."""
     M, N = dy.shape
-    dy = dy.float()
-    saved = saved.float()
-    rstd = rstd[:, None]
-    if spec.rebuild_from_output:
-        x_hat = saved - bias.float() if bias is not None else saved
-        x_hat = x_hat / weight.float() if weight is not None else x_hat
-    elif spec.is_rms:
-        x_hat = saved * rstd
-    else:
-        x_hat = (saved - mean[:, None]) * rstd
-    g = dy * weight.float() if weight is not None else dy
-    mean_g_xhat = (g * x_hat).mean(dim=1, keepdim=True)
-    if spec.is_rms:
-        dh = (g - x_hat * mean_g_xhat) * rstd
-    else:
-        dh = (g - g.mean(dim=1, keepdim=True) - x_hat * mean_g_xhat) * rstd
-    if dh_out is not None:
-        dh = dh + dh_out.float()
-    dresidual = None if residual_dtype is None else dh.to(residual_dtype)
-    if seed is not None:
-        keep = _keep_mask_reference(seed, M, N, spec.dropout_p)
-        dh = dh * torch.where(keep, spec.dropout_scale, 0.0)
-    dw = None if weight is None else (dy * x_hat).sum(dim=0).to(weight.dtype)
-    db = None if bias is None else dy.sum(dim=0).to(bias.dtype)
-    return dh.to(x_dtype), dresidual, dw, db
+    dx = torch.empty((M, N), dtype=x_dtype, device=dy.device)
+    separate_dresidual = residual_dtype is not None and (seed is not None or residual_dtype != x_dtype)
+    dresidual = torch.empty((M, N), dtype=residual_dtype, device=dy.device) if separate_dresidual else None
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    dw = None if weight is None else torch.zeros(N, dtype=torch.float32, device=dy.device)
+    db = None if bias is None else torch.zeros(N, dtype=torch.float32, device=dy.device)
+    for start, stop in reference_row_blocks(M, N):
+        dy_rows, saved_rows = dy[start:stop].float(), saved[start:stop].float()
+        block_rstd = rstd[start:stop, None]
+        if spec.rebuild_from_output:
+            x_hat = saved_rows if b is None else saved_rows - b
+            x_hat = x_hat if w is None else x_hat / w
+        elif spec.is_rms:
+            x_hat = saved_rows * block_rstd
+        else:
+            x_hat = None
+        if spec.is_rms:
+            g = dy_rows if w is None else dy_rows * w
+            dh = (g - x_hat * (g * x_hat).mean(dim=1, keepdim=True)).mul_(block_rstd)
+            dw_rows = None if w is None else (dy_rows * x_hat).sum(dim=0)
+            db_rows = None
+        elif x_hat is None:
+            dh, dw_rows, db_rows = torch.ops.aten.native_layer_norm_backward(
+                dy_rows, saved_rows, [N], mean[start:stop, None], block_rstd, w, b, [True, w is not None, b is not None]
+            )
+        else:
+            stats = torch.zeros_like(block_rstd), torch.ones_like(block_rstd)
+            dh, dw_rows, db_rows = torch.ops.aten.native_layer_norm_backward(
+                dy_rows, x_hat, [N], *stats, w, b, [True, w is not None, b is not None]
+            )
+            dh.mul_(block_rstd)
+        if dw is not None:
+            dw += dw_rows
+        if db is not None:
+            db += dy_rows.sum(dim=0) if db_rows is None else db_rows
+        if dh_out is not None:
+            dh += dh_out[start:stop].float()
+        if dresidual is not None:
+            dresidual[start:stop] = dh
+        if seed is not None:
+            dh.mul_(_dropout_scale_rows(seed, start, stop, N, spec, dy.device))
+        dx[start:stop] = dh
+    if residual_dtype is not None and dresidual is None:
+        dresidual = dx
+    return dx, dresidual, None if dw is None else dw.to(weight.dtype), None if db is None else db.to(bias.dtype)
 
 
 def _as_rows(t: torch.Tensor, spec: _NormSpec) -> torch.Tensor:

@@ -16,9 +16,11 @@ inputs), and returns a ``MemoryReport`` that prints as a rich table:
   minus its layers: embeddings, the hidden states between layers, heads. Splitting one
   forward by layer instead would need a second pair of saved-tensor hooks inside the
   measurement's, and only the innermost pair runs;
-* on CUDA also the step: the peak of ``torch.cuda.max_memory_allocated`` over a
-  forward+backward above what was allocated before it (activations, gradients and
-  temporaries), and the median time of that step.
+* the step's **peak**: the most memory allocated at any moment of a forward+backward,
+  above what was allocated before it (activations, gradients and temporaries), measured
+  by ``slimformer.memory.peak_memory``: ``torch.cuda.max_memory_allocated`` on CUDA, the
+  bytes of live tensor storages on CPU. This, not the kept activations, decides whether
+  a run fits. On CUDA also the median time of that step.
 
 The layers are the blocks of the model's ``nn.ModuleList`` with the most parameters
 (``encoder.layer`` of a HF BERT, ``layers`` of ``nn.TransformerEncoder``) unless named.
@@ -48,6 +50,7 @@ from torch import nn
 
 from slimformer.kernels.dispatch import resolve_device
 from slimformer.memory.measure import ActivationMemory, _tensors, format_bytes, measure_activation_memory
+from slimformer.memory.peak import peak_memory
 from slimformer.patch import patch
 from slimformer.recompute import POLICIES, recompute
 
@@ -69,6 +72,7 @@ __all__ = [
 
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per trainable parameter
 _TIMED_STEPS = 5
+_PEAK_METHODS = {"cuda": "max_memory_allocated", "cpu": "live tensor bytes"}
 _TEXT_WIDTH = 1000  # str(report): as wide as the table wants; tables do not expand
 
 
@@ -88,7 +92,7 @@ class ModelMemory:
     optimizer_bytes: int  # AdamW: exp_avg + exp_avg_sq in fp32
     activations: ActivationMemory  # the whole forward
     layers: tuple[tuple[str, ActivationMemory], ...]  # (qualified name, the layer measured alone)
-    peak_bytes: int | None = None  # CUDA: forward+backward peak above what was allocated before
+    peak_bytes: int | None = None  # forward+backward peak above what was allocated before
     step_seconds: float | None = None  # CUDA: median forward+backward time
 
     @property
@@ -117,7 +121,7 @@ class MemoryReport:
     def table(self) -> Table:
         """One column per model; rows: parameters, gradients, AdamW state, activations per
         layer (consecutive layers with equal values in every column share a row), rest,
-        totals, and on CUDA the step's peak and time."""
+        totals, the step's peak and on CUDA its time."""
         unit_name, unit = _unit(max(m.training_bytes for m in self.models))
         table = Table(title=self.title, caption=self._caption(unit_name), caption_justify="left")
         table.add_column(unit_name, min_width=24)
@@ -146,7 +150,8 @@ class MemoryReport:
         table.add_section()
         add("training total", [m.training_bytes for m in self.models])
         if any(m.peak_bytes is not None for m in self.models):
-            add("CUDA peak, fwd+bwd", [m.peak_bytes for m in self.models])
+            add("step peak, fwd+bwd", [m.peak_bytes for m in self.models])
+        if any(m.step_seconds is not None for m in self.models):
             table.add_row(
                 "step time, fwd+bwd (ms)",
                 *("-" if m.step_seconds is None else f"{m.step_seconds * 1e3:,.2f}" for m in self.models),
@@ -180,8 +185,12 @@ class MemoryReport:
                 "gets in the model, its input, output and parameters excluded."
             ),
         ]
-        if any(m.peak_bytes is not None for m in self.models):
-            lines.append("CUDA peak: max_memory_allocated over a forward+backward, above what was allocated before.")
+        methods = {_PEAK_METHODS[m.device.split(":")[0]] for m in self.models if m.peak_bytes is not None}
+        if methods:
+            lines.append(
+                "Step peak: the most allocated during a forward+backward (after a warm-up step), above what was "
+                f"allocated before ({', '.join(sorted(methods))})."
+            )
         return "\n".join(lines)
 
     def __rich__(self) -> Table:
@@ -285,8 +294,8 @@ def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], args: t
     return [captured[layer] for _, layer in layers]
 
 
-def _cuda_step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, float]:
-    """(peak bytes above the allocation before, median seconds) of forward+backward on CUDA."""
+def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, float | None]:
+    """(peak bytes above the allocation before, median seconds on CUDA, else None) of forward+backward."""
 
     def step() -> None:
         outputs = [t for t in _tensors(model(*args, **kwargs)) if t.requires_grad]
@@ -297,12 +306,11 @@ def _cuda_step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device
     model.zero_grad(set_to_none=True)
     step()  # warm-up: backward kernels compile, the allocator fills its cache
     model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before
+    with peak_memory(device) as peak:
+        step()
+    if device.type != "cuda":
+        model.zero_grad(set_to_none=True)
+        return peak.bytes, None
     times = []
     for _ in range(_TIMED_STEPS):
         model.zero_grad(set_to_none=True)
@@ -313,14 +321,12 @@ def _cuda_step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     model.zero_grad(set_to_none=True)
-    return peak, statistics.median(times)
+    return peak.bytes, statistics.median(times)
 
 
 def measurement_steps(model: nn.Module, layers: Sequence[str] | None = None) -> int:
     """How many times ``measure_model`` calls its ``progress`` for ``model``."""
-    parameters = list(model.parameters())
-    cuda = bool(parameters) and parameters[0].device.type == "cuda"
-    return len(_named_layers(model, layers)) + 2 + cuda
+    return len(_named_layers(model, layers)) + 3
 
 
 def measure_model(
@@ -334,10 +340,10 @@ def measure_model(
     """Measure one model's training memory (one column of a report) on its device.
 
     ``inputs`` as for ``report``. Runs one forward to catch the layers' inputs, one per
-    layer, one for the whole model, and on CUDA a warm-up and ``1 + 5`` timed
-    forward+backward steps (gradients are set to None after them). ``progress``, if
-    given, is called with a description after each of those steps
-    (``measurement_steps(model)`` times), e.g. a progress bar's update.
+    layer, one for the whole model, a warm-up and a measured forward+backward step, and
+    on CUDA 5 timed ones (gradients are set to None after them). ``progress``, if given,
+    is called with a description after each of those steps (``measurement_steps(model)``
+    times), e.g. a progress bar's update.
     """
     args, kwargs = _arguments(inputs)
     named = _named_layers(model, layers)
@@ -355,10 +361,8 @@ def measure_model(
     for (layer_name, layer), (layer_args, layer_kwargs) in zip(named, layer_inputs):
         per_layer.append((layer_name, measure_activation_memory(layer, *layer_args, **layer_kwargs)))
         done(f"{layer_name} measured")
-    peak = seconds = None
-    if device.type == "cuda":
-        peak, seconds = _cuda_step(model, args, kwargs, device)
-        done("CUDA steps timed")
+    peak, seconds = _step(model, args, kwargs, device)
+    done("forward+backward steps measured")
     activations = measure_activation_memory(model, *args, **kwargs)
     done("whole forward measured")
     return ModelMemory(
@@ -394,7 +398,7 @@ def report(
 
     Returns a ``MemoryReport``: ``print(report(...))`` (or ``.print()``) shows the table,
     its ``models`` hold the numbers (``ModelMemory``). Each model runs about three
-    forwards (see ``measure_model``); on CUDA also forward+backward steps, after which
+    forwards and two or more forward+backward steps (see ``measure_model``), after which
     its gradients are None. ``progress`` shows a tqdm bar on stderr (one step per layer).
     """
     models = dict(model) if isinstance(model, Mapping) else {"model": model}
@@ -532,9 +536,9 @@ no padding. Sequences beyond the config's max_position_embeddings extend the pos
 table. "slimformer (POLICY)" is a copy of the eager model after
 slimformer.patch.patch(model, recompute=POLICY).
 
-On CUDA the table adds the forward+backward peak (torch.cuda memory stats) and step
-time. On CPU only the saved/alive activation bytes are measured; the slimformer
-layers run their PyTorch path, which saves what the kernels save. Each model costs
+The table gives the forward+backward peak on every device (CUDA: torch.cuda memory
+stats; CPU: live tensor bytes) and on CUDA the step time. On CPU the slimformer layers
+run their PyTorch path, which saves what the kernels save and works block by block. Each model costs
 about three forwards, so BERT-base at batch 8, seq 512 in fp32 takes minutes and
 several GiB of RAM on a CPU.
 

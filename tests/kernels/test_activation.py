@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimformer.kernels import dispatch
 from slimformer.kernels.activation import ACTIVATIONS, fused_mlp
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from slimformer.layers.mlp import FusedMLP
@@ -71,6 +72,17 @@ def _check_mlp(activation, dtype, rows, d_model, d_ff, dropout_p, recompute_fc1,
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_fused_mlp_matches_eager(backend, activation, dtype, rows, d_model, d_ff, dropout_p, recompute_fc1):
     _check_mlp(activation, dtype, rows, d_model, d_ff, dropout_p, recompute_fc1)
+
+
+@pytest.mark.parametrize("recompute_fc1", [False, True], ids=["keep-fc1", "recompute-fc1"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_reference_in_small_row_blocks(monkeypatch, activation, recompute_fc1):
+    # The PyTorch path runs the MLP in blocks of rows (5 rows of fc1's 200 or 400 columns
+    # here, 97 rows in all): dropout rows, recomputed fc1 and the summed weight gradients
+    # must not depend on the blocks.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(dispatch, "REFERENCE_BLOCK_ELEMENTS", 5 * 200)
+    _check_mlp(activation, torch.float32, 97, 24, 200, 0.2, recompute_fc1)
 
 
 def test_no_bias_and_leading_dims(backend):

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from slimformer.kernels import attention as attention_module
+from slimformer.kernels import dispatch
 from slimformer.kernels.attention import attention, self_attention
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
@@ -296,6 +297,35 @@ def _check_dropout(case: Case, dtype: torch.dtype, ulps: float, device: str, p: 
 @pytest.mark.parametrize("dtype, ulps", DTYPES)
 def test_dropout_forward_and_gradient_use_the_same_mask(backend, dtype, ulps):
     _check_dropout(Case(2, 4, 2, 97, 70, 40, causal=True, masks=("padding",)), dtype, ulps, "cpu")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(2, 4, 2, 37, 29, 16, causal=True, masks=("padding", "bool")), Case(1, 3, 3, 23, 41, 24, masks=("additive",))],
+    ids=str,
+)
+def test_reference_in_small_query_blocks_matches(monkeypatch, case):
+    # The PyTorch reference walks over blocks of query rows; with blocks of a few rows
+    # (7 here, one at the smaller budget) every block boundary, the causal key limit per
+    # block and the per-block dropout rows are exercised against one-block runs.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def run(block_scores):
+        monkeypatch.setattr(dispatch, "REFERENCE_BLOCK_ELEMENTS", block_scores)
+        torch.manual_seed(5)
+        return _forward_backward(
+            lambda q, k, v: attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=0.2, is_causal=case.causal, enable_gqa=True,
+                key_padding_mask=key_padding_mask,
+            ),
+            q, k, v, grad,
+        )
+
+    q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, torch.float32)
+    whole = run(2**30)
+    for block_scores in (7 * case.batch * case.heads * case.seq_k, 1):
+        for name, blocked, one_block in zip(("out", "dq", "dk", "dv"), run(block_scores), whole):
+            torch.testing.assert_close(blocked, one_block, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_dropout_mask_is_philox_of_torch_seed(backend):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimformer.kernels import dispatch
 from slimformer.kernels import norm as norm_kernels
 from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
@@ -114,6 +115,16 @@ def test_norm_matches_eager(backend, is_rms, dtype, n_cols, fusion, memory_effic
 @pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_returned_residual_and_its_gradient(backend, is_rms, dtype, n_cols, memory_efficient):
     _check_norm(is_rms, dtype, n_cols, True, True, memory_efficient, return_residual=True)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_reference_in_small_row_blocks(monkeypatch, is_rms, memory_efficient):
+    # The PyTorch reference works in blocks of rows (here 2 rows of 97 out of 6): the
+    # dropout rows, the statistics and the summed dW/db must not depend on the blocks.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(dispatch, "REFERENCE_BLOCK_ELEMENTS", 2 * 97)
+    _check_norm(is_rms, torch.float32, 97, True, True, memory_efficient, return_residual=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
