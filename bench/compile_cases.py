@@ -90,13 +90,13 @@ def attention_cases() -> list[Case]:
     cases = []
     for head_dim in (40, 64, 72, 80, 96, 128, 256):
         for dtype in ("bf16", "fp16", "fp32"):
-            cases.append(attention_case(head_dim, dtype, ci=dtype == "bf16" and head_dim == 72))
+            cases.append(attention_case(head_dim, dtype, ci=(dtype, head_dim) in (("bf16", 72), ("fp32", 128))))
     for head_dim in (64, 128):
         cases += [
             attention_case(head_dim, causal=True),
             attention_case(head_dim, dropout=0.1),
             attention_case(head_dim, mask="bool"),
-            attention_case(head_dim, mask="additive"),
+            attention_case(head_dim, mask="additive", ci=head_dim == 128),
             attention_case(head_dim, key_padding=True),
             attention_case(head_dim, heads=32, kv_heads=8),
             attention_case(head_dim, seq=500),

@@ -21,7 +21,6 @@ from slimformer.kernels import dispatch
 from slimformer.kernels.attention import attention, self_attention
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
-from tests.aot_compile import KernelBuild, compile_for_hopper
 from tests.helpers import assert_within_reference_error
 
 # (dtype, ulps): the absolute slack of assert_within_reference_error, in units in the
@@ -648,63 +647,6 @@ def test_dropout_on_gpu(dtype, ulps):
 @pytest.mark.parametrize("dtype, ulps", DTYPES)
 def test_every_head_dim_on_gpu(dtype, ulps, head_dim):
     _check_case(Case(2, 4, 2, 300, 257, head_dim, causal=True, masks=("padding", "additive")), dtype, ulps, "cuda")
-
-
-_TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-_SCALARS = ["stride_mb", "stride_mh", "stride_mm", "stride_mn", "stride_kpb", "stride_kpn",
-            "num_heads", "group_size", "seq_q", "seq_k"]  # fmt: skip
-
-
-def _strides(*names: str) -> dict:
-    return {f"stride_{name}{dim}": "i32" for name in names for dim in "bhs"}
-
-
-def _hopper_builds(dtype: torch.dtype, head_dim: int, mask_kind: int) -> list[KernelBuild]:
-    """The four kernels as the launchers specialise them: with an attn_mask (1: bool,
-    2: additive) plus padding, causal and dropout, or (0) with none of them."""
-    ptr = f"*{_TYPE_NAMES[dtype]}"
-    every_feature = mask_kind != 0
-    optional = {"SEED": "*i64", "MASK": "*u8" if mask_kind == 1 else ptr, "KPM": "*u8"}
-    flags = dict(MASK_KIND=mask_kind, HAS_KPM=every_feature, IS_CAUSAL=every_feature, HAS_DROPOUT=every_feature,
-                 PRECISION="ieee" if dtype == torch.float32 else "tf32", UPCAST=False,
-                 HEAD_DIM=head_dim, STRIDE_UNIT=8)  # fmt: skip
-    pointers = optional if every_feature else {}
-    absent = {} if every_feature else dict.fromkeys(optional)
-    scalars = {name: "i32" for name in _SCALARS} | {"sm_scale": "fp32", "dropout_p": "fp32"}
-    tensors = {
-        "_attention_fwd_kernel": ("fwd", ["q", "k", "v", "o"], ["LSE"]),
-        "_attention_bwd_dkdv_kernel": ("dkdv", ["q", "k", "v", "do", "dk", "dv"], ["LSE", "DELTA"]),
-        "_attention_bwd_dq_kernel": ("dq", ["q", "k", "v", "do", "dq"], ["LSE", "DELTA"]),
-    }
-    builds = []
-    for kernel, (name, strided, statistics) in tensors.items():
-        config = attention_module._block_config(head_dim, dtype, name, every_feature)
-        signature = {n.upper(): ptr for n in strided} | dict.fromkeys(statistics, "*fp32")
-        blocks = {k: v for k, v in config.items() if k.startswith("BLOCK")}
-        scale_sign = {"NEGATIVE_SCALE": False} if name == "fwd" else {}
-        builds.append(KernelBuild(
-            "slimformer.kernels.attention", kernel, signature | pointers | _strides(*strided) | scalars,
-            flags | blocks | absent | scale_sign, config["num_warps"],
-        ))  # fmt: skip
-    config = attention_module._block_config(head_dim, dtype, "dq", every_feature)
-    builds.append(KernelBuild(
-        "slimformer.kernels.attention", "_attention_bwd_preprocess_kernel",
-        {"O": ptr, "DO": ptr, "DELTA": "*fp32", **_strides("o", "do"), "num_heads": "i32", "seq_q": "i32"},
-        {"BLOCK_M": config["BLOCK_M"], "BLOCK_D": config["BLOCK_D"], "HEAD_DIM": head_dim, "STRIDE_UNIT": 8},
-        config["num_warps"],
-    ))  # fmt: skip
-    return builds
-
-
-def test_kernels_compile_for_sm90():
-    builds = [
-        *_hopper_builds(torch.bfloat16, 40, 1),
-        *_hopper_builds(torch.bfloat16, 80, 2),
-        *_hopper_builds(torch.bfloat16, 256, 1),
-        *_hopper_builds(torch.float32, 128, 2),
-        *_hopper_builds(torch.float16, 64, 0),
-    ]
-    compile_for_hopper(builds)
 
 
 @pytest.mark.gpu
