@@ -11,9 +11,6 @@ from tests.aot_compile import ci_case_names, compile_ci_cases
 FAMILIES = ("attention", "norm", "dropout", "activation", "gemm")
 # Cases that break a limit today, each with its reason; strict, so a fix must remove it.
 KNOWN_FAILURES = {
-    "gemm float 4096x768->3072 bf16": "autotune configs 128x256x64 and 128x128x64 spill 188 / 96 B",
-    "gemm w8a8 4096x768->3072 bf16": "autotune config 128x256x128 (8 warps, 3 stages) spills 176 B",
-    "gemm w8a16 4096x768->3072 bf16": "autotune config 128x256x64 (8 warps, 3 stages) spills 180 B",
 }
 
 
