@@ -358,9 +358,12 @@ def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
             # contraction dimensions known equal.
             torch._check(weight.shape[1] == K)
             acc = torch._int_mm(x, weight.t())
+            # int32 -> fp32 in the accumulator's own memory (same element size, each element
+            # read before it is written): a fresh (M, N) buffer costs its page faults too.
+            out = acc.view(torch.float32).copy_(acc)
         else:
-            acc = (x.double() @ weight.double().t()).float()
-        out = acc.float().mul_(x_scale[:, None])
+            out = (x.double() @ weight.double().t()).float()
+        out.mul_(x_scale[:, None])
     elif w_scale is None:
         out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     else:

