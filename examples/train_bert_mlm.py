@@ -367,11 +367,7 @@ def memory_report(result: TrainResult, recompute: str | None):
 
 
 def _is_patched(model) -> bool:
-    try:
-        sf.patch_summary(model)
-    except ValueError:
-        return False
-    return True
+    return sf.patch_summary(model).patched
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,7 +44,7 @@ def test_memory_report_shows_a_progress_bar(capsys):
     model = _Keywords()
     report({"a": model, "b": model}, {"input_ids": torch.randn(2, 8, requires_grad=True)})
     err = capsys.readouterr().err
-    assert "memory report" in err and "8/8" in err  # 2 models x (2 layers + capture + whole forward)
+    assert "memory report" in err and "10/10" in err  # 2 models x (2 layers + capture + forward+backward step + whole forward)
 
 
 def test_memory_cli_shows_progress(tmp_path, capsys):
@@ -57,7 +57,7 @@ def test_memory_cli_shows_progress(tmp_path, capsys):
     assert memory_main(["--model", str(tmp_path / "config.json"), "--batch", "1", "--seq", "16"]) == 0
     captured = capsys.readouterr()
     assert "measuring 2 models (eager, slimformer (none))" in " ".join(captured.out.split())
-    assert "8/8" in captured.err and "slimformer (none): whole forward measured" in captured.err
+    assert "10/10" in captured.err and "slimformer (none): whole forward measured" in captured.err
 
 
 def test_sweep_plot_keeps_coinciding_lines_visible(tmp_path, monkeypatch):
