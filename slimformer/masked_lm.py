@@ -77,7 +77,7 @@ class FusedMaskedLM:
     fused_loss = True
 
     def forward(self, *args, **kwargs):
-        bound = inspect.signature(self._original_class.forward).bind(self, *args, **kwargs)
+        bound = self._forward_signature.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         labels = arguments.pop("labels", None)
         extra = arguments.pop("kwargs", {})
@@ -111,6 +111,7 @@ def fused_masked_lm_class(model_class: type) -> type:
         namespace = {
             "__module__": __name__,
             "_original_class": model_class,
+            "_forward_signature": inspect.signature(model_class.forward),
             "_output_class": MaskedLMOutput,
         }
         _FUSED_CLASSES[model_class] = type(f"Fused{model_class.__name__}", (FusedMaskedLM, model_class), namespace)
