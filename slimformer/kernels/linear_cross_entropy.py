@@ -152,10 +152,8 @@ def _logits_grad(logits, labels, lse, row_grad, start, vocab, label_smoothing, t
 def _logits_grad_reference(logits, labels, lse, row_grad, start, vocab, label_smoothing):
     """What ``_chunk_logits_grad_kernel`` computes."""
     dz = torch.exp(logits.float() - lse[:, None]) - label_smoothing / vocab
-    local = labels - start
-    hit = (local >= 0) & (local < dz.shape[1])
-    rows = hit.nonzero()[:, 0]
-    dz[rows, local[rows]] -= 1.0 - label_smoothing
+    target = torch.arange(start, start + dz.shape[1], device=dz.device) == labels[:, None]
+    dz -= (1.0 - label_smoothing) * target
     return logits.copy_(dz.mul_(row_grad[:, None]))
 
 
@@ -256,7 +254,9 @@ def _check_inputs(x, weight, bias, labels, ignore_index, label_smoothing, reduct
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     vocab = weight.shape[0]
     outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if outside.any():  # one host sync; a CUDA gather would fault instead
+    if torch.compiler.is_compiling():  # no host sync in a graph: checked on the device
+        torch._assert_async(~outside.any(), f"labels must be in [0, {vocab}) or ignore_index={ignore_index}")
+    elif outside.any():  # one host sync; a CUDA gather would fault instead
         bad = labels[outside][0].item()
         raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}, got {bad}")
 
@@ -286,7 +286,7 @@ def linear_cross_entropy(
     Gradients flow to input, weight and bias (dW and db as whole (vocab, ...) tensors,
     accumulated by autograd into a tied Parameter's grad).
     Raises TypeError / ValueError naming the argument for bad shapes, dtypes, devices,
-    and for labels outside the vocabulary (checked with one host sync).
+    and for labels outside the vocabulary (one host sync; under torch.compile a device-side assert).
     """
     _check_inputs(input, weight, bias, labels, ignore_index, label_smoothing, reduction)
     autocast = torch.is_autocast_enabled(input.device.type)

@@ -36,7 +36,9 @@ def masked_token_loss(
     dense + activation + LayerNorm do not). decoder_weight: (V, H), e.g. the tied word
     embedding; decoder_bias: (V,) or None.
     Returns the mean loss over labelled positions: NaN when none is labelled, as in
-    ``F.cross_entropy``. Gathering the positions costs one host sync.
+    ``F.cross_entropy``. Gathering the positions costs one host sync; under
+    ``torch.compile`` nothing is gathered (the transform runs on every position, the
+    logits are still never formed) and the label range is checked on the device.
     Raises ValueError / TypeError naming ``labels`` for a wrong shape, dtype or a label
     outside the vocabulary.
     """
@@ -51,9 +53,11 @@ def masked_token_loss(
     if labels.dtype != torch.int64:
         raise TypeError(f"labels must be torch.int64 token ids, got {labels.dtype}")
     flat_labels = labels.to(hidden.device).reshape(-1)
-    rows = (flat_labels != ignore_index).nonzero()[:, 0]
-    selected = hidden.reshape(positions, hidden.shape[-1]).index_select(0, rows)
+    rows = hidden.reshape(positions, hidden.shape[-1])
+    if not torch.compiler.is_compiling():  # a graph cannot hold a data-dependent row count
+        labelled = (flat_labels != ignore_index).nonzero()[:, 0]
+        rows, flat_labels = rows.index_select(0, labelled), flat_labels.index_select(0, labelled)
     return linear_cross_entropy(
-        transform(selected), decoder_weight, decoder_bias, flat_labels.index_select(0, rows),
+        transform(rows), decoder_weight, decoder_bias, flat_labels,
         ignore_index=ignore_index, label_smoothing=label_smoothing,
     )  # fmt: skip
