@@ -8,7 +8,9 @@ and submodules, with a forward that, in training with ``labels`` (grad enabled,
 positions only and the decoder (tied to the word embeddings, gradients reaching the
 shared Parameter) fused with the cross-entropy, so logits over the vocabulary are never
 formed. It returns the model's ``MaskedLMOutput`` with ``logits=None`` (as
-Liger-Kernel's fused linear cross-entropy does); the loss is HF's (mean over labelled
+Liger-Kernel's fused linear cross-entropy does; ``BertForPreTraining``: its output with
+``prediction_logits=None``, the next-sentence loss added as HF does, when both
+``labels`` and ``next_sentence_label`` are given); the loss is HF's (mean over labelled
 tokens, ignore_index -100, NaN when no token is labelled) and so are the gradients.
 Every other call (eval, no labels, ``torch.no_grad``, ``return_dict=False``,
 ``model.fused_loss = False`` to get training logits) runs the model's own forward.
@@ -20,13 +22,17 @@ import inspect
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from slimformer.layers.mlm_head import masked_token_loss
 
 # model class -> how its head is laid out: "predictions" (BERT: cls.predictions with
-# transform + decoder) or "lm_head" (RoBERTa: lm_head with dense, gelu, layer_norm, decoder).
+# transform + decoder), "pretraining" (the same, beside cls.seq_relationship for
+# next-sentence prediction) or "lm_head" (RoBERTa: lm_head with dense, gelu,
+# layer_norm, decoder).
 _MASKED_LM_MODELS = {
     ("transformers.models.bert.modeling_bert", "BertForMaskedLM"): "predictions",
+    ("transformers.models.bert.modeling_bert", "BertForPreTraining"): "pretraining",
     ("transformers.models.ernie.modeling_ernie", "ErnieForMaskedLM"): "predictions",
     ("transformers.models.roberta.modeling_roberta", "RobertaForMaskedLM"): "lm_head",
     ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaForMaskedLM"): "lm_head",
@@ -46,13 +52,13 @@ def is_masked_lm(model: torch.nn.Module) -> bool:
 
 
 def _head_module(model):
-    return model.cls.predictions if _layout(model) == "predictions" else model.lm_head
+    return model.lm_head if _layout(model) == "lm_head" else model.cls.predictions
 
 
 def _head(model):
     """(transform: (rows, H) -> (rows, H), decoder Linear) of the model's MLM head."""
     head = _head_module(model)
-    if _layout(model) == "predictions":
+    if _layout(model) != "lm_head":
         return head.transform, head.decoder
     gelu = sys.modules[type(head).__module__].gelu  # the function the head's own forward calls
 
@@ -80,19 +86,26 @@ class FusedMaskedLM:
         bound = self._forward_signature.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
         labels = arguments.pop("labels", None)
+        next_sentence_label = arguments.pop("next_sentence_label", None)
         extra = arguments.pop("kwargs", {})
         return_dict = extra.pop("return_dict", None)
         if return_dict is None:
             return_dict = self.config.return_dict
-        if labels is None or not (self.training and torch.is_grad_enabled() and self.fused_loss and return_dict):
+        pretraining = _layout(self) == "pretraining"
+        # BertForPreTraining computes a loss only when both label tensors are given
+        has_loss = labels is not None and (next_sentence_label is not None or not pretraining)
+        if not (has_loss and self.training and torch.is_grad_enabled() and self.fused_loss and return_dict):
             return super().forward(*args, **kwargs)
         arguments.pop("self")
         outputs = getattr(self, self.base_model_prefix)(**arguments, **extra, return_dict=True)
         transform, decoder = _head(self)
         loss = masked_token_loss(outputs[0], labels, transform, decoder.weight, decoder.bias)
-        return self._output_class(
-            loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions
-        )
+        common = dict(hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        if not pretraining:
+            return self._output_class(loss=loss, logits=None, **common)
+        scores = self.cls.seq_relationship(outputs[1])
+        loss = loss + F.cross_entropy(scores.view(-1, 2), next_sentence_label.view(-1))
+        return self._output_class(loss=loss, prediction_logits=None, seq_relationship_logits=scores, **common)
 
     def __reduce_ex__(self, protocol):
         # Fused<Model> is made at run time: a pickle names the original class instead.
@@ -103,16 +116,23 @@ class FusedMaskedLM:
 _FUSED_CLASSES: dict[type, type] = {}
 
 
+def _output_class(model_class: type) -> type:
+    """What the model's forward returns: ``MaskedLMOutput``, or ``BertForPreTrainingOutput``."""
+    if _MASKED_LM_MODELS[model_class.__module__, model_class.__name__] == "pretraining":
+        return getattr(sys.modules[model_class.__module__], f"{model_class.__name__}Output")
+    from transformers.modeling_outputs import MaskedLMOutput
+
+    return MaskedLMOutput
+
+
 def fused_masked_lm_class(model_class: type) -> type:
     """``Fused<Model>``: FusedMaskedLM's forward over ``model_class``, made once per class."""
     if model_class not in _FUSED_CLASSES:
-        from transformers.modeling_outputs import MaskedLMOutput
-
         namespace = {
             "__module__": __name__,
             "_original_class": model_class,
             "_forward_signature": inspect.signature(model_class.forward),
-            "_output_class": MaskedLMOutput,
+            "_output_class": _output_class(model_class),
         }
         _FUSED_CLASSES[model_class] = type(f"Fused{model_class.__name__}", (FusedMaskedLM, model_class), namespace)
     return _FUSED_CLASSES[model_class]

@@ -18,7 +18,7 @@ the patch keep working):
   Every dropout mask is regenerated from a Philox seed rather than stored, so dropout
   draws differ from torch's, with the same distribution.
 * HuggingFace BERT-family ``*ForMaskedLM`` models (BERT, ERNIE, RoBERTa, XLM-RoBERTa,
-  CamemBERT, Data2VecText) change class in place to ``Fused<Model>``, whose training
+  CamemBERT, Data2VecText) and ``BertForPreTraining`` change class in place to ``Fused<Model>``, whose training
   loss skips the vocabulary logits (see ``slimformer.masked_lm``; ``logits`` is None
   when that loss is fused);
 * ``torch.nn.TransformerEncoderLayer`` -> ``slimformer.TransformerEncoderLayer``

@@ -177,3 +177,21 @@ def test_autocast_close_to_hf_autocast():
     assert out.loss.dtype == expected.loss.dtype == torch.float32
     # bf16 logits in both: each within a few bf16 roundings of the fp32 loss
     assert abs(out.loss - exact.loss) <= 2 * abs(expected.loss - exact.loss) + 4 * 2**-8 * exact.loss
+
+
+def test_bert_for_pretraining_mlm_part():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(**SIZES, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    reference = transformers.BertForPreTraining(config).train()
+    model = sf.patch(copy.deepcopy(reference))
+    ids, labels = _batch()
+    next_sentence = torch.tensor([0, 1, 1])
+    out, grads = _loss_and_grads(model, ids, labels, next_sentence_label=next_sentence)
+    expected, expected_grads = _loss_and_grads(reference, ids, labels, next_sentence_label=next_sentence)
+    assert out.prediction_logits is None
+    torch.testing.assert_close(out.seq_relationship_logits, expected.seq_relationship_logits)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=1e-6)
+    _assert_same_grads(grads, expected_grads)
+    # without next_sentence_label HF computes no loss: its forward runs, logits and all
+    unfused = model(input_ids=ids, labels=labels)
+    assert unfused.loss is None and unfused.prediction_logits is not None
