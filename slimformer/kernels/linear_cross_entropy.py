@@ -233,8 +233,8 @@ def _check_inputs(x, weight, bias, labels, ignore_index, label_smoothing, reduct
         raise TypeError("input, weight and labels must be torch.Tensors")
     if x.dim() != 2:
         raise ValueError(f"input must be 2-d (rows, hidden), got shape {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight must be (vocab, {x.shape[1]}), got shape {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] == 0:
+        raise ValueError(f"weight must be (vocab >= 1, {x.shape[1]}), got shape {tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be ({weight.shape[0]},) or None, got shape {tuple(bias.shape)}")
     if labels.shape != (x.shape[0],):
