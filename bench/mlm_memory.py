@@ -45,7 +45,9 @@ def main(argv=None) -> None:
     patched = sf.patch(copy.deepcopy(eager))
     inputs = _inputs(config.vocab_size, args.batch, args.seq, args.masked)
     encoder_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-    columns = {"HF eager": (eager, None), "slimformer none": (patched, "none"), "slimformer qkv+mlp": (patched, "qkv+mlp")}
+    columns = {
+        "HF eager": (eager, None), "slimformer none": (patched, "none"), "slimformer qkv+mlp": (patched, "qkv+mlp"),
+    }  # fmt: skip
     print(f"BertForMaskedLM, BERT-base dims, {args.layers} layers, batch {args.batch}, seq {args.seq}, "
           f"{args.masked:.0%} labelled, dropout 0.1, fp32, CPU")  # fmt: skip
     print(f"{'':<20} {'whole model':>12} {'model.bert':>12} {'head + loss':>12}")
