@@ -52,7 +52,7 @@ def _loss_and_grads(model, ids, labels, seed=2, **kwargs):
 def _assert_same_grads(grads, reference):
     assert grads.keys() == reference.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("name", ["Bert", "Roberta", "XLMRoberta", "Ernie"])
@@ -195,3 +195,35 @@ def test_bert_for_pretraining_mlm_part():
     # without next_sentence_label HF computes no loss: its forward runs, logits and all
     unfused = model(input_ids=ids, labels=labels)
     assert unfused.loss is None and unfused.prediction_logits is not None
+
+
+def _train(model, steps, fused=True):
+    model.fused_loss = fused
+    # SGD: AdamW would blow the key bias's zero-in-theory, rounding-noise gradient up to lr-sized steps
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(steps):
+        ids, labels = _batch(seed=100 + step, masked=0.15)
+        torch.manual_seed(step)  # the same dropout draws in both runs
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return torch.tensor(losses), dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_training_curve_and_final_weights_match(dropout):
+    """30 SGD steps: the fused loss against the unfused head on the same patched model
+    (dropout masks from the same seeds), and without dropout against HF itself."""
+    reference = _model(dropout=dropout)
+    model = sf.patch(copy.deepcopy(reference))
+    unfused = sf.patch(copy.deepcopy(reference)) if dropout else reference
+    losses, weights = _train(model, 30)
+    expected_losses, expected_weights = _train(unfused, 30, fused=False)
+    assert losses[-10:].mean() < losses[:10].mean() - 0.1  # it learns
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-4, atol=1e-5)
+    for name, weight in weights.items():
+        # per step the grads agree to ~2e-6 (test_loss_and_grads_match_hf): lr · steps · 2e-6 = 3e-5, plus slack
+        torch.testing.assert_close(weight, expected_weights[name], rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
