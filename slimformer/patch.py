@@ -17,6 +17,10 @@ the patch keep working):
 
   Every dropout mask is regenerated from a Philox seed rather than stored, so dropout
   draws differ from torch's, with the same distribution.
+* HuggingFace BERT-family ``*ForMaskedLM`` models (BERT, ERNIE, RoBERTa, XLM-RoBERTa,
+  CamemBERT, Data2VecText) and ``BertForPreTraining`` change class in place to ``Fused<Model>``, whose training
+  loss skips the vocabulary logits (see ``slimformer.masked_lm``; ``logits`` is None
+  when that loss is fused);
 * ``torch.nn.TransformerEncoderLayer`` -> ``slimformer.TransformerEncoderLayer``
   (``from_torch``), also inside ``torch.nn.TransformerEncoder``;
 * every other ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` -> ``slimformer.LayerNorm``
@@ -81,11 +85,13 @@ from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.norm import LayerNorm, RMSNorm
 from slimformer.layers.sharing import NotScriptable
 from slimformer.layers.transformer import TransformerEncoderLayer
+from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
 from slimformer.recompute import check_policy
 
 __all__ = [
     "FusedBertFamilyLayer",
     "FusedLlamaStyleRMSNorm",
+    "ClassSwap",
     "Left",
     "PatchSummary",
     "Swap",
@@ -479,6 +485,16 @@ class Swap:
 
 
 @dataclass(frozen=True)
+class ClassSwap:
+    """One module whose class ``patch`` changed in place (a ``*ForMaskedLM`` model), and
+    its class before, which ``unpatch`` restores."""
+
+    name: str
+    module: nn.Module
+    original_class: type
+
+
+@dataclass(frozen=True)
 class Left:
     """A candidate module that ``patch`` did not replace, and why."""
 
@@ -500,16 +516,21 @@ class PatchSummary:
     # layers are slimformer's now, which take padded tensors and a padding mask)
     nested_tensor_off: tuple[nn.Module, ...] = ()
     patched: bool = True
+    class_swaps: tuple[ClassSwap, ...] = ()
 
     def title(self) -> str:
         call = f"slimformer.patch({self.model_type}, recompute={self.recompute!r})"
         if not self.patched:
             call = f"{self.model_type}, not patched"
-        return f"{call}: {len(self.swapped)} swapped, {len(self.left)} left"
+        return f"{call}: {len(self.swapped) + len(self.class_swaps)} swapped, {len(self.left)} left"
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(module, original type, what it became or why it was left), one per module."""
-        rows = []
+        rows = [
+            (swap.name or "(model)", swap.original_class.__name__,
+             f"-> slimformer {type(swap.module).__name__} (masked-LM loss fused with the decoder)")
+            for swap in self.class_swaps
+        ]  # fmt: skip
         for swap in self.swapped:
             result = f"-> slimformer {type(swap.replacement).__name__}"
             policy = getattr(swap.replacement, "recompute", None)
@@ -563,6 +584,19 @@ def _plan(model: nn.Module) -> tuple[list[Swap], list[Left]]:
     return swaps, left
 
 
+def _plan_masked_lm(model: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
+    """``*ForMaskedLM`` models in ``model`` whose loss can be fused, and those that cannot."""
+    swaps, left = [], []
+    for name, module in model.named_modules():
+        if is_masked_lm(module) and not _is_slimformer(module):
+            problem = masked_lm_problem(module)
+            if problem is None:
+                swaps.append(ClassSwap(name, module, type(module)))
+            else:
+                left.append(Left(name, type(module).__name__, problem))
+    return swaps, left
+
+
 def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
@@ -595,8 +629,11 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
             stacklevel=2,
         )
         return model
+    model_type = type(model).__name__
     swaps, left = _plan(model)
-    if not swaps:
+    class_swaps, heads_left = _plan_masked_lm(model)
+    left += heads_left
+    if not swaps and not class_swaps:
         reasons = "".join(f"\n  {item.name or '(model)'} ({item.type_name}): {item.reason}" for item in left)
         warnings.warn(
             f"slimformer.patch: nothing to patch in {type(model).__name__}; nothing changed.{reasons}", stacklevel=2
@@ -607,7 +644,9 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
             swap.replacement.recompute = recompute
         if swap.parent is not None:
             setattr(swap.parent, swap.attribute, swap.replacement)
-    root = swaps[0].replacement if swaps[0].parent is None else model
+    for class_swap in class_swaps:
+        class_swap.module.__class__ = fused_masked_lm_class(class_swap.original_class)
+    root = swaps[0].replacement if swaps and swaps[0].parent is None else model
     nested_off = tuple(
         encoder
         for encoder in root.modules()
@@ -617,7 +656,10 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
     )
     for encoder in nested_off:
         encoder.use_nested_tensor = False
-    setattr(root, _RECORD, PatchSummary(type(model).__name__, tuple(swaps), tuple(left), recompute, nested_off))
+    summary = PatchSummary(
+        model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps)
+    )
+    setattr(root, _RECORD, summary)
     return root
 
 
@@ -635,12 +677,16 @@ def patch_summary(model: nn.Module) -> PatchSummary:
     if summary is not None:
         return summary
     swaps, left = _plan(model)
+    class_swaps, heads_left = _plan_masked_lm(model)
     would_swap = tuple(
+        Left(swap.name, swap.original_class.__name__, "not patched (slimformer.patch would fuse its masked-LM loss)")
+        for swap in class_swaps
+    ) + tuple(
         Left(swap.name, type(swap.original).__name__, f"not patched (slimformer.patch would swap it for slimformer "
                                                      f"{type(swap.replacement).__name__})")
         for swap in swaps
     )  # fmt: skip
-    return PatchSummary(type(model).__name__, (), (*would_swap, *left), None, patched=False)
+    return PatchSummary(type(model).__name__, (), (*would_swap, *left, *heads_left), None, patched=False)
 
 
 def _recorded_summary(model: nn.Module) -> PatchSummary:
@@ -669,5 +715,8 @@ def unpatch(model: nn.Module) -> nn.Module:
             setattr(swap.parent, swap.attribute, swap.original)
     for encoder in summary.nested_tensor_off:
         encoder.use_nested_tensor = True
+    for class_swap in summary.class_swaps:
+        class_swap.module.__class__ = class_swap.original_class
     delattr(model, _RECORD)
-    return summary.swapped[0].original if summary.swapped[0].parent is None else model
+    swapped_self = summary.swapped and summary.swapped[0].parent is None
+    return summary.swapped[0].original if swapped_self else model

@@ -111,7 +111,8 @@ def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.
             raise ValueError(f"the Linear shared as {names} is skipped under some of its names only: skip all or none")
         if skipped[0]:
             continue
-        owner = next((name for name in fused if first.startswith(f"{name}.") or not name), None)
+        # the innermost fused module (a patched *ForMaskedLM model holds fused layers)
+        owner = max((name for name in fused if first.startswith(f"{name}.") or not name), key=len, default=None)
         if owner is not None:
             raise ValueError(
                 f"{first!r} is inside the slimformer {fused[owner]} {owner!r}, whose fused kernels read its float "
