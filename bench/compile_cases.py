@@ -21,7 +21,7 @@ class Case:
     """``run()`` calls the op's forward and returns its backward as a callable (or None)."""
 
     name: str
-    family: str  # "attention", "norm", "dropout", "activation", "gemm"
+    family: str  # "attention", "norm", "dropout", "activation", "loss", "gemm"
     run: Callable[[], Callable[[], None] | None]
     params: dict = field(default_factory=dict)
     ci: bool = False
@@ -212,6 +212,25 @@ def elementwise_cases() -> list[Case]:
     return cases
 
 
+def loss_case(dtype="bf16", *, rows=300, hidden=768, vocab=30522, ci=False) -> Case:
+    """The masked-LM head's linear + cross-entropy: the labelled rows of a batch of 4 x 512."""
+    from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
+
+    def run():
+        torch_dtype = DTYPES[dtype]
+        x = torch.zeros(rows, hidden, dtype=torch_dtype, requires_grad=True)
+        w = torch.zeros(vocab, hidden, dtype=torch_dtype, requires_grad=True)
+        loss = linear_cross_entropy(x, w, None, torch.zeros(rows, dtype=torch.long))
+        return loss.backward
+
+    params = dict(rows=rows, n_cols=vocab, dtype=dtype, elements=rows * vocab)
+    return Case(f"linear+cross-entropy {rows}x{hidden}->{vocab} {dtype}", "loss", run, params, ci)
+
+
+def loss_cases() -> list[Case]:
+    return [loss_case(dtype, ci=dtype == "bf16") for dtype in ("bf16", "fp16", "fp32")]
+
+
 # ----------------------------------------------------------------------------- GEMMs
 
 
@@ -252,7 +271,7 @@ def gemm_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return attention_cases() + norm_cases() + elementwise_cases() + gemm_cases()
+    return attention_cases() + norm_cases() + elementwise_cases() + loss_cases() + gemm_cases()
 
 
 def allowed_pairs(seq_q: int, seq_k: int, causal: bool) -> int:

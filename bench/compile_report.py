@@ -267,7 +267,7 @@ def elementwise_section(collection: Collection) -> list[str]:
     from bench import compile_figures as fig
 
     device = collection.device
-    records = [r for r in collection.records if r.case.family in ("norm", "dropout", "activation")]
+    records = [r for r in collection.records if r.case.family in ("norm", "dropout", "activation", "loss")]
     records += [r for r in collection.records if r.case.family == "gemm" and not _is_gemm(r)]
     if not records:
         return []
@@ -556,7 +556,7 @@ def select(cases, pattern: str | None, ci_only: bool):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", dest="pattern", help="only cases whose name contains every word of this")
-    parser.add_argument("--family", choices=["attention", "norm", "dropout", "activation", "gemm"], nargs="+")
+    parser.add_argument("--family", choices=["attention", "norm", "dropout", "activation", "loss", "gemm"], nargs="+")
     parser.add_argument("--arch", nargs="+", default=["sm90", "sm80"], choices=["sm90", "sm80"])
     parser.add_argument("--ci", action="store_true", help="only the CI's representative cases")
     parser.add_argument("-j", "--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) - 1)))

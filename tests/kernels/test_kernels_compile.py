@@ -8,7 +8,7 @@ import pytest
 
 from tests.aot_compile import ci_case_names, compile_ci_cases
 
-FAMILIES = ("attention", "norm", "dropout", "activation", "gemm")
+FAMILIES = ("attention", "norm", "dropout", "activation", "loss", "gemm")
 # Cases that break a limit today, each with its reason; strict, so a fix must remove it.
 KNOWN_FAILURES = {
 }
