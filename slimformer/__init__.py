@@ -6,6 +6,7 @@ from slimformer import memory
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention, self_attention
 from slimformer.kernels.dropout import dropout_add
+from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
 from slimformer.kernels.norm import layer_norm, rms_norm
 from slimformer.layers.attention import MultiheadAttention, SelfAttention, register_transformers_attention
 from slimformer.layers.linear import Linear8bit, Linear16bit
@@ -31,6 +32,7 @@ __all__ = [
     "fidelity_report",
     "fused_mlp",
     "layer_norm",
+    "linear_cross_entropy",
     "load_quantized",
     "memory",
     "patch",
