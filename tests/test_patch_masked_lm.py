@@ -197,10 +197,10 @@ def test_bert_for_pretraining_mlm_part():
     assert unfused.loss is None and unfused.prediction_logits is not None
 
 
-def _train(model, steps, fused=True):
+def _train(model, steps, fused=True, lr=0.5):
     model.fused_loss = fused
     # SGD: AdamW would blow the key bias's zero-in-theory, rounding-noise gradient up to lr-sized steps
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for step in range(steps):
         ids, labels = _batch(seed=100 + step, masked=0.15)
@@ -220,10 +220,13 @@ def test_training_curve_and_final_weights_match(dropout):
     reference = _model(dropout=dropout)
     model = sf.patch(copy.deepcopy(reference))
     unfused = sf.patch(copy.deepcopy(reference)) if dropout else reference
-    losses, weights = _train(model, 30)
-    expected_losses, expected_weights = _train(unfused, 30, fused=False)
+    # lr 0.2 keeps 30 steps where the per-step error estimate below holds; at 0.5 the
+    # trajectory amplifies fp32 rounding differences between two heads that are equal
+    # in exact arithmetic to ~3e-4 in the embeddings, whichever head is the more exact
+    losses, weights = _train(model, 30, lr=0.2)
+    expected_losses, expected_weights = _train(unfused, 30, fused=False, lr=0.2)
     assert losses[-10:].mean() < losses[:10].mean() - 0.1  # it learns
     torch.testing.assert_close(losses, expected_losses, rtol=1e-4, atol=1e-5)
     for name, weight in weights.items():
-        # per step the grads agree to ~2e-6 (test_loss_and_grads_match_hf): lr · steps · 2e-6 = 3e-5, plus slack
+        # per step the grads agree to ~2e-6 (test_loss_and_grads_match_hf): lr · steps · 2e-6 = 1.2e-5, plus slack
         torch.testing.assert_close(weight, expected_weights[name], rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
