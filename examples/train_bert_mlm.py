@@ -23,11 +23,10 @@ trained weights beside the trained patched model, or the trained model alone und
 ``--no-patch``. On CPU the fused layers run their PyTorch reference path
 (``TRITON_INTERPRET=1`` would interpret the Triton kernels instead, much more slowly).
 
-Dropout defaults to 0.1 (BERT's) on a GPU and to 0 on CPU: there the reference path
-draws slimformer's dropout masks with the same Philox counter arithmetic as the kernel
-(bit-identical masks), done with int64 tensor ops, which at this model size makes a
-patched step several times slower than torch's dropout. ``--dropout 0.1`` on CPU works,
-only slowly.
+Dropout defaults to 0.1 (BERT's). On CPU the reference path draws slimformer's dropout
+masks bit-identical to the kernels', one Philox call per 16 decisions; with the fused
+masked-LM head a patched step runs 1.7x the tokens/s of eager HF (2-core Xeon, defaults,
+``--steps 40``, one thread: 14,700 vs 8,760 tokens/s).
 """
 
 import argparse
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--dropout", type=float, default=None,
-                        help="hidden and attention dropout (default: 0.1 on a GPU, 0 on CPU; see the docstring)")  # fmt: skip
+                        help="hidden and attention dropout (default: 0.1, BERT's)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--patch", action=argparse.BooleanOptionalAction, default=True,
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.recompute is not None and not args.patch:
         parser.error("--recompute applies to a patched model (drop --no-patch)")
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    dropout = args.dropout if args.dropout is not None else (0.1 if torch.cuda.is_available() else 0.0)
+    dropout = 0.1 if args.dropout is None else args.dropout
 
     result = train(
         layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, steps=args.steps,

@@ -38,7 +38,6 @@ def test_corpus_and_vocabulary_are_offline():
     assert not chosen[:, 0].any() and (masked[~chosen] == blocks[~chosen]).all()
 
 
-# dropout 0: on CPU the fused layers draw their Philox dropout masks with int64 tensor ops, slowly
 @pytest.mark.parametrize("patch, recompute", [(True, "none"), (False, None)])
 def test_mlm_loss_goes_down(patch, recompute):
     corpus = train_bert_mlm.build_corpus(modules=("json", "textwrap", "functools"))
