@@ -95,7 +95,8 @@ class KernelStats:
     def from_json(cls, data: dict) -> "KernelStats":
         data = dict(data)
         data["loops"] = [Loop(**loop) for loop in data["loops"]]
-        data["hot_loop"] = None if data["hot_loop"] is None else Loop(**data["hot_loop"])
+        # re-derived, so a cached analysis follows the current choice of the hot loop
+        data.update(hot_loop_fields(data["loops"], data["num_warps"]))
         return cls(**data)
 
 
@@ -228,7 +229,6 @@ def stats_from_binary(launch: Launch, cubin: bytes, ptxas_log: str, metadata) ->
     instructions = parse_sass(sass.stdout)
     opcodes = dict(Counter(i.opcode for i in instructions))
     loops = find_loops(instructions)
-    hot = loops[0] if loops else None
     num_warps = metadata.num_warps
     return KernelStats(
         kernel=launch.kernel,
@@ -242,10 +242,32 @@ def stats_from_binary(launch: Launch, cubin: bytes, ptxas_log: str, metadata) ->
         mma_opcodes={op: n for op, n in opcodes.items() if mma_flops(op, 1) or op.startswith(("HMMA", "IMMA"))},
         loads=_count_loads(opcodes),
         loops=loops,
+        **hot_loop_fields(loops, num_warps),
+        ptxas_version=ptxas_version(),
+    )
+
+
+def _loop_mma_flops(loop: Loop, num_warps: int) -> int:
+    return sum(mma_flops(op, num_warps) * n for op, n in loop.opcodes.items())
+
+
+def hot_loop_fields(loops: list[Loop], num_warps: int) -> dict:
+    """hot_loop, hot_loop_loads and hot_loop_mma_flops of a kernel's innermost loops.
+
+    The hot loop is the one most tiles run. With tensor-core work it is, among the loops
+    issuing the most MMA FLOPs, the one with the fewest instructions: kernels that split
+    their key loop run the same MMAs in an unmasked loop (most tiles) and in edge or
+    diagonal loops that add the compares. Without MMAs it is the largest loop.
+    """
+    hot = loops[0] if loops else None
+    flops = {id(loop): _loop_mma_flops(loop, num_warps) for loop in loops}
+    most = max(flops.values(), default=0)
+    if most:
+        hot = min((loop for loop in loops if flops[id(loop)] == most), key=lambda loop: loop.instructions)
+    return dict(
         hot_loop=hot,
         hot_loop_loads=_count_loads(hot.opcodes) if hot else {},
-        hot_loop_mma_flops=sum(mma_flops(op, num_warps) * n for op, n in hot.opcodes.items()) if hot else 0,
-        ptxas_version=ptxas_version(),
+        hot_loop_mma_flops=flops[id(hot)] if hot else 0,
     )
 
 
