@@ -429,9 +429,11 @@ def git_revision() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              check=True).stdout.strip()  # fmt: skip
+        kernels = subprocess.run(["git", "log", "-1", "--format=%h", "--", "slimformer"], cwd=root,
+                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "slimformer"], cwd=root, capture_output=True,
                                text=True).stdout.strip()  # fmt: skip
-        return rev + (" (slimformer/ modified)" if dirty else "")
+        return f"{rev} (slimformer/ " + ("with uncommitted changes)" if dirty else f"as of {kernels})")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
