@@ -429,9 +429,11 @@ def git_revision() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              check=True).stdout.strip()  # fmt: skip
+        kernels = subprocess.run(["git", "log", "-1", "--format=%h", "--", "slimformer"], cwd=root,
+                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "slimformer"], cwd=root, capture_output=True,
                                text=True).stdout.strip()  # fmt: skip
-        return rev + (" (slimformer/ modified)" if dirty else "")
+        return f"{rev} (slimformer/ " + ("with uncommitted changes)" if dirty else f"as of {kernels})")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -489,7 +491,8 @@ def plot(collection: Collection, path: Path) -> bool:
             elementwise.append((f"{r.case.name} [{r.launch.phase}]", e.issue_s / e.memory_s))
     if not base and not elementwise:
         return False
-    fig_, (left, right) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [1, 1.4]})
+    height = max(6.0, 0.16 * len(elementwise))
+    fig_, (left, right) = plt.subplots(1, 2, figsize=(15, height), gridspec_kw={"width_ratios": [1, 1.4]})
     for kernel, points in sorted(base.items()):
         dims = sorted(points)
         left.plot(dims, [points[d] for d in dims], marker="o", label=kernel.strip("_").removesuffix("_kernel"))
@@ -506,7 +509,6 @@ def plot(collection: Collection, path: Path) -> bool:
         left.legend(fontsize=8)
     left.grid(alpha=0.3)
     if elementwise:
-        elementwise = elementwise[:40]
         right.barh(range(len(elementwise)), [v for _, v in elementwise],
                    color=["tab:red" if v > 1 else "tab:green" for _, v in elementwise])  # fmt: skip
         right.set_yticks(range(len(elementwise)), [n for n, _ in elementwise], fontsize=6)

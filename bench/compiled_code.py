@@ -74,7 +74,6 @@ class KernelStats:
     num_warps: int
     num_stages: int
     sass_instructions: int
-    mma_kind: str  # "wgmma", "mma.sync" or "–"
     mma_opcodes: dict  # whole kernel
     loads: dict  # load class -> count, whole kernel
     loops: list  # innermost loops, largest first
@@ -83,6 +82,10 @@ class KernelStats:
     hot_loop_mma_flops: int  # MMA FLOPs one program issues per hot-loop iteration
     ptxas_version: str = ""
     compile_seconds: float = 0.0
+
+    @property
+    def mma_kind(self) -> str:
+        return mma_kind(self.mma_opcodes)
 
     @property
     def spill_bytes(self) -> int:
@@ -94,6 +97,7 @@ class KernelStats:
     @classmethod
     def from_json(cls, data: dict) -> "KernelStats":
         data = dict(data)
+        data.pop("mma_kind", None)  # derived from mma_opcodes (older cache entries stored it)
         data["loops"] = [Loop(**loop) for loop in data["loops"]]
         # re-derived, so a cached analysis follows the current choice of the hot loop
         data.update(hot_loop_fields(data["loops"], data["num_warps"]))
@@ -238,7 +242,6 @@ def stats_from_binary(launch: Launch, cubin: bytes, ptxas_log: str, metadata) ->
         num_warps=num_warps,
         num_stages=metadata.num_stages,
         sass_instructions=len(instructions),
-        mma_kind=mma_kind(opcodes),
         mma_opcodes={op: n for op, n in opcodes.items() if mma_flops(op, 1) or op.startswith(("HMMA", "IMMA"))},
         loads=_count_loads(opcodes),
         loops=loops,
