@@ -50,24 +50,32 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 @triton.jit
-def _sigmoid(x):
-    # 1 / (1 + e^-x) with the fast reciprocal (div.full.f32, 2 ulp; 1 / inf = 0) rather than
-    # IEEE division, a ~10-instruction subroutine per element that made the tanh/SiLU
-    # kernels issue-bound (tl.sigmoid divides that way).
-    return tl.fdiv(1.0, 1.0 + tl.exp(-x))
+def _reciprocal(x):
+    """1 / x for x >= 1 (or inf): rsqrt(x)² is two instructions on sm_90 (MUFU.RSQ, FMUL;
+    about 3 ulp), where IEEE division is a subroutine and ``tl.fdiv``'s div.full.f32 eight
+    instructions (range checks around MUFU.RCP) per element."""
+    r = tl.math.rsqrt(x)
+    return r * r
 
 
 @triton.jit
-def _normal_cdf(z, pdf):
-    """Φ(z) given φ(z), from Abramowitz & Stegun 7.1.26 (|error in Φ| < 8e-8, about one
+def _sigmoid(x):
+    # 1 / (1 + 2^(-x log2 e)): tl.exp2 is one MUFU.EX2 (flush-to-zero), tl.exp adds a
+    # multiply and the denormal range fix-up (five instructions); 1 / inf = 0 far left.
+    return _reciprocal(1.0 + tl.exp2(x * -1.4426950408889634))
+
+
+@triton.jit
+def _normal_upper_tail(z):
+    """(Φ(-|z|), e^{-z²/2}) from Abramowitz & Stegun 7.1.26 (|error in Φ| < 8e-8, about one
     fp32 ulp of Φ; GELU needs Φ to that absolute accuracy): one reciprocal and a degree-5
     polynomial, where libdevice's erf selects between two polynomials per element and made
     the GELU kernels issue-bound. With x = |z| / √2, t = 1 / (1 + 0.3275911 x):
-    Φ(|z|) = 1 - √(π/2) φ(z) (a1 t + ... + a5 t⁵)."""
-    t = tl.fdiv(1.0, 1.0 + 0.23164190554202086 * tl.abs(z))  # 0.3275911 / √2
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    upper_tail = 1.2533141373155001 * pdf * poly  # √(π/2) φ(z) = e^{-x²} / 2
-    return tl.where(z >= 0.0, 1.0 - upper_tail, upper_tail)
+    Φ(-|z|) = e^{-x²} (a1 t + ... + a5 t⁵) / 2; the coefficients below are a_i / 2."""
+    t = _reciprocal(1.0 + 0.23164190554202086 * tl.abs(z))  # 0.3275911 / √2
+    gauss = tl.exp2(z * z * -0.7213475204444817)  # e^{-z²/2} = 2^(-z² log2(e) / 2)
+    poly = t * (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
+    return gauss * poly, gauss
 
 
 @triton.jit
@@ -77,15 +85,17 @@ def _activation_and_derivative(z, ACTIVATION: tl.constexpr):
         value = tl.maximum(z, 0.0)
         derivative = tl.where(z > 0.0, 1.0, 0.0)
     elif ACTIVATION == 1:  # gelu: z Φ(z), derivative Φ(z) + z φ(z)
-        pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327
-        cdf = _normal_cdf(z, pdf)
+        tail, gauss = _normal_upper_tail(z)
+        cdf = tl.where(z >= 0.0, 1.0 - tail, tail)
         value = z * cdf
-        derivative = cdf + z * pdf
+        derivative = cdf + z * (0.3989422804014327 * gauss)
     else:  # gelu_tanh: 0.5 z (1 + tanh(u)) = z s, s = sigmoid(2u), u = √(2/π) (z + 0.044715 z³);
         # derivative s + z u' (1 - tanh²(u)) / 2 = s + 2 z u' s (1 - s)
-        s = _sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+        z2 = z * z
+        # s = 1 / (1 + 2^(-2u log2 e)), the constants folded by hand (the compiler keeps fp order)
+        s = _reciprocal(1.0 + tl.exp2(z * (-2.302208198144325 - 0.1029432395800235 * z2)))
         value = z * s
-        derivative = s + 1.5957691216057308 * z * s * (1.0 - s) * (1.0 + 0.134145 * z * z)
+        derivative = s + 1.5957691216057308 * z * s * (1.0 - s) * (1.0 + 0.134145 * z2)
     return value, derivative
 
 
@@ -158,9 +168,10 @@ def _activation_bwd_kernel(
 
 
 def _grid(M: int, N: int) -> tuple[tuple[int], int, int]:
-    """2-D tiles of 4096 elements, wide along the contiguous columns, on one grid axis."""
+    """2-D tiles of 8192 elements (64 per thread: the per-program set-up and the Philox key
+    schedule amortised), wide along the contiguous columns, on one grid axis."""
     block_n = min(1024, max(DECISIONS_PER_CALL, triton.next_power_of_2(N)))
-    block_m = 4096 // block_n
+    block_m = 8192 // block_n
     return (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),), block_m, block_n
 
 

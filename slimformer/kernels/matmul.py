@@ -240,10 +240,22 @@ GPU_CONFIGS = {
 INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
 
 
+# When K is not a multiple of 16 the JIT cannot prove 16-byte rows, so X and W tiles are
+# loaded element by element, each with its own address registers: sm_90 cubins of the
+# 16-bit and int8 64x128 and 128x128 tiles then spill 0.1-1.6 KB (K = 770 and 776). Tiles
+# of at most 2048 outputs compile without spills, so only those are candidates there
+# (fp32 keeps its list: its spills come from the K depth, not the addresses).
+_UNALIGNED_K_MAX_TILE = 32 * 64
+
+
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop tiles taller than M's bucket, and short tiles once M is large."""
+    """Drop tiles taller than M's bucket, and short tiles once M is large (with 16-byte
+    aligned rows; with unaligned rows, the tiles that would spill)."""
     bucket = named_args["M_BUCKET"]
-    return [c for c in configs if c.kwargs["BLOCK_M"] <= bucket and (bucket < 1024 or c.kwargs["BLOCK_M"] >= 64)]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= bucket]
+    if named_args["K"] % 16 and named_args["X"].dtype != torch.float32:
+        return [c for c in kept if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= _UNALIGNED_K_MAX_TILE]
+    return [c for c in kept if bucket < 1024 or c.kwargs["BLOCK_M"] >= 64]
 
 
 def _tuned_gemm(kind: str):

@@ -17,7 +17,7 @@ tiny and |b| / |w| is bounded, which ``output_rebuilds_input`` decides once, whe
 layer gets its weights, never per step. The dropout mask is regenerated from the
 seed (see ``philox.py``), never stored. dw and db are reduced in two stages without
 atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
-the partials are summed. Rows wider than 8192 are processed in 4096-column blocks
+the partials are summed. Rows wider than 16384 (forward) or 8192 (backward) are processed in 4096-column blocks
 (``_norm_*_wide_kernel``), so no row has to fit in registers.
 """
 
@@ -47,11 +47,20 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_BIAS_OVER_WEIGHT = 7.0
 _MIN_ABS_WEIGHT = 1e-3
 
-# Whole rows up to 8192 columns stay in registers (16 per thread, up to 16 warps); wider ones
-# are processed in column blocks.
+# Whole rows up to 8192 columns stay in registers in backward (16 per thread, up to 16 warps),
+# up to 16384 in forward (32 per thread); wider ones are processed in column blocks.
 _MAX_WHOLE_ROW = 8192
+_MAX_WHOLE_ROW_FORWARD = 16384
 _WIDE_BLOCK_N = 4096
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _aligned(N, N_ALIGN: tl.constexpr):
+    """N, written so that the compiler knows it is a multiple of N_ALIGN (``_row_alignment``):
+    Triton's specialisation only tells it whether N is a multiple of 16, so rows of, say,
+    1000 bf16 values would otherwise load two bytes at a time."""
+    return N // N_ALIGN * N_ALIGN
 
 
 @triton.jit
@@ -90,9 +99,11 @@ def _norm_fwd_kernel(
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
     STORE_H: tl.constexpr,
+    N_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    N = _aligned(N, N_ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -141,9 +152,11 @@ def _norm_bwd_kernel(
     rows_per_program,
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
+    N_ALIGN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    N = _aligned(N, N_ALIGN)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -218,11 +231,13 @@ def _norm_fwd_wide_kernel(
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
     STORE_H: tl.constexpr,
+    N_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``_norm_fwd_kernel`` for rows too wide for registers: one row per program, in column
     blocks; statistics in one pass (Chan's pairwise mean/variance merge), then the output
     from h reloaded (or recomputed when it is not stored)."""
+    N = _aligned(N, N_ALIGN)
     row = tl.program_id(0)
     rows = row + tl.arange(0, 1)
     mean = tl.zeros([1], tl.float32)
@@ -306,12 +321,14 @@ def _norm_bwd_wide_kernel(
     rows_per_program,
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
+    N_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``_norm_bwd_kernel`` for rows too wide for registers: each program walks its rows one at
     a time, in column blocks: the two row sums first, then dh. Its partial dw/db row is
     accumulated in place (written at its first row, then read-added-written by the same
     threads), so no memset is needed."""
+    N = _aligned(N, N_ALIGN)
     pid = tl.program_id(0)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
@@ -373,16 +390,24 @@ class _NormSpec:
         return dropout_threshold(self.dropout_p)[1]
 
 
-def _block_config(n_cols: int) -> tuple[int, int, int, bool]:
+def _block_config(n_cols: int, forward: bool = False) -> tuple[int, int, int, bool]:
     """(BLOCK_M rows, BLOCK_N columns, num_warps, wide): whole rows in registers, several when
-    rows are short, 16 fp32 values per thread; wider rows go in 4096-column blocks (``wide``),
-    since the backward pass holds six values per element and would spill."""
-    if n_cols > _MAX_WHOLE_ROW:
+    rows are short, 16 fp32 values per thread in backward, which holds six values per element;
+    forward holds two and takes 32 per thread, so its row sums (shuffles, and shared memory
+    across warps) are shared by twice the elements, and whole rows up to 16384 columns.
+    Wider rows go in 4096-column blocks (``wide``)."""
+    if n_cols > (_MAX_WHOLE_ROW_FORWARD if forward else _MAX_WHOLE_ROW):
         return 1, _WIDE_BLOCK_N, _WIDE_BLOCK_N // 512, True
     block_n = max(DECISIONS_PER_CALL, triton.next_power_of_2(n_cols))
     block_m = max(1, min(16, 2048 // block_n))
     num_warps = max(4, block_m * block_n // 512)
-    return block_m, block_n, num_warps, False
+    return block_m, block_n, max(1, num_warps // 2) if forward else num_warps, False
+
+
+def _row_alignment(n_cols: int) -> int:
+    """The largest power of two <= 8 dividing n_cols: 8 makes every row of a 16-bit (M, N)
+    tensor 16-byte aligned, so the kernels load and store whole vectors."""
+    return math.gcd(n_cols, 8)
 
 
 def _h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
@@ -402,8 +427,9 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0 or N == 0:
         return y, h, mean, rstd
-    block_m, block_n, num_warps, wide = _block_config(N)
-    flags = dict(IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h)
+    block_m, block_n, num_warps, wide = _block_config(N, forward=True)
+    flags = dict(IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
+                 N_ALIGN=_row_alignment(N))  # fmt: skip
     args = (x, residual, weight, bias, y, h, mean, rstd, seed, M, N, spec.eps, spec.dropout_p)
     if wide:
         _norm_fwd_wide_kernel[(M,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
@@ -432,7 +458,7 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     if M > 0 and N > 0:
         args = (dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
                 M, N, spec.dropout_p, rows_per_program)  # fmt: skip
-        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output)
+        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N))
         if wide:
             _norm_bwd_wide_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:
