@@ -137,6 +137,7 @@ def _norm_bwd_kernel(
     DY,  # (M, N) gradient of the output
     SAVED,  # (M, N) h, or the output y when REBUILD_FROM_OUTPUT
     W,  # (N,) weight, or None
+    W_RECIPROCAL,  # (N,) fp32 1 / w when rebuilding x̂ from the output with a weight, or None
     B,  # (N,) bias, or None
     MEAN,  # (M,) fp32 row means, or None
     RSTD,  # (M,) fp32 reciprocal standard deviations
@@ -161,8 +162,7 @@ def _norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if W is not None:
-        # Padding columns load w = 1 so the rebuild never divides by zero there.
-        w = tl.load(W + cols, mask=col_ok, other=1.0).to(tl.float32)[None, :]
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if B is not None:
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SEED is not None:
@@ -185,8 +185,9 @@ def _norm_bwd_kernel(
         if REBUILD_FROM_OUTPUT:
             if B is not None:
                 saved -= b
-            if W is not None:
-                saved /= w
+            if W_RECIPROCAL is not None:
+                # reloaded per row (from L1) rather than held: 16 more registers spill at N = 8192
+                saved *= tl.load(W_RECIPROCAL + cols, mask=col_ok, other=0.0)[None, :]
             x_hat = saved
         elif IS_RMS:
             x_hat = saved * rstd
@@ -221,12 +222,12 @@ def _norm_bwd_kernel(
 
 
 @triton.jit
-def _norm_fwd_wide_kernel(
-    X, RESIDUAL, W, B, Y, H, MEAN, RSTD, SEED,  # as in _norm_fwd_kernel
-    M,
+def _norm_fwd_wide_stats_kernel(
+    X, RESIDUAL, H, SEED,  # as in _norm_fwd_kernel
+    STATS,  # (M, S, 2) fp32 per row segment: mean of h (RMSNorm: 0), sum of squared deviations from it
     N,
-    eps,
     dropout_p,
+    segment_cols,
     IS_RMS: tl.constexpr,
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
@@ -234,17 +235,20 @@ def _norm_fwd_wide_kernel(
     N_ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``_norm_fwd_kernel`` for rows too wide for registers: one row per program, in column
-    blocks; statistics in one pass (Chan's pairwise mean/variance merge), then the output
-    from h reloaded (or recomputed when it is not stored)."""
+    """First pass of ``_norm_fwd_kernel`` for rows too wide for registers: program (r, s) takes
+    segment s (``segment_cols`` columns, a multiple of BLOCK_N) of row r in column blocks,
+    stores h when STORE_H and its segment's statistics (Chan's pairwise mean/variance merge
+    over the blocks). Rows are split into segments when there are fewer rows than SMs."""
     N = _aligned(N, N_ALIGN)
     row = tl.program_id(0)
+    segment = tl.program_id(1)
     rows = row + tl.arange(0, 1)
+    start = segment * segment_cols
     mean = tl.zeros([1], tl.float32)
     sum_sq = tl.zeros([1], tl.float32)  # sum of squared deviations from mean (RMSNorm: from 0)
-    for col_start in range(0, N, BLOCK_N):
+    for col_start in range(start, tl.minimum(start + segment_cols, N), BLOCK_N):
         cols = col_start + tl.arange(0, BLOCK_N)
-        mask = (cols < N)[None, :]
+        mask = (cols < N)[None, :]  # segments end on a block boundary or at N
         offsets = row.to(tl.int64) * N + cols[None, :]
         h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, BLOCK_N)
         if STORE_H:
@@ -252,27 +256,70 @@ def _norm_fwd_wide_kernel(
         if IS_RMS:
             sum_sq += tl.sum(h * h, axis=1)
         else:
-            seen = tl.minimum(col_start + BLOCK_N, N).to(tl.float32)
-            count = seen - col_start
+            before = (col_start - start).to(tl.float32)
+            seen = (tl.minimum(col_start + BLOCK_N, N) - start).to(tl.float32)
+            count = seen - before
             block_mean = tl.sum(h, axis=1) / count
             deviation = tl.where(mask, h - block_mean[:, None], 0.0)
             delta = block_mean - mean
             mean += delta * (count / seen)
-            sum_sq += tl.sum(deviation * deviation, axis=1) + delta * delta * (col_start * count / seen)
+            sum_sq += tl.sum(deviation * deviation, axis=1) + delta * delta * (before * count / seen)
+    entry = (row * tl.num_programs(1) + segment) * 2 + tl.arange(0, 1)
+    tl.store(STATS + entry, mean)
+    tl.store(STATS + entry + 1, sum_sq)
+
+
+@triton.jit
+def _norm_fwd_wide_apply_kernel(
+    X, RESIDUAL, W, B, Y, H, MEAN, RSTD, SEED,  # as in _norm_fwd_kernel; X, RESIDUAL, SEED None when H is read
+    STATS,  # (M, S, 2) fp32 from _norm_fwd_wide_stats_kernel
+    N,
+    eps,
+    dropout_p,
+    segment_cols,
+    IS_RMS: tl.constexpr,
+    ROUND_H: tl.constexpr,
+    H_DTYPE: tl.constexpr,
+    N_ALIGN: tl.constexpr,
+    SEGMENTS: tl.constexpr,  # a power of two >= S
+    BLOCK_N: tl.constexpr,
+):
+    """Second pass: program (r, s) merges row r's segment statistics (every program of the
+    row the same way, in the same order), then writes y for its segment from h reloaded
+    (H given) or recomputed from x and the residual (not stored: memory-efficient mode)."""
+    N = _aligned(N, N_ALIGN)
+    row = tl.program_id(0)
+    segment = tl.program_id(1)
+    rows = row + tl.arange(0, 1)
+    segments = tl.num_programs(1)
+    index = tl.arange(0, SEGMENTS)
+    valid = index < segments
+    entries = (row * segments + index) * 2
+    segment_sum_sq = tl.load(STATS + entries + 1, mask=valid, other=0.0)
+    if IS_RMS:
+        sum_sq = tl.sum(segment_sum_sq, axis=0)
+    else:
+        segment_mean = tl.load(STATS + entries, mask=valid, other=0.0)
+        counts = tl.minimum(tl.maximum(N - index * segment_cols, 0), segment_cols).to(tl.float32)
+        mean = tl.sum(counts * segment_mean, axis=0) / N
+        spread = segment_mean - mean
+        sum_sq = tl.sum(segment_sum_sq + counts * spread * spread, axis=0)
     rstd = 1.0 / tl.sqrt(sum_sq / N + eps)
-    tl.store(RSTD + rows, rstd)
-    if not IS_RMS and MEAN is not None:
-        tl.store(MEAN + rows, mean)
-    for col_start in range(0, N, BLOCK_N):
+    if segment == 0:
+        tl.store(RSTD + row, rstd)
+        if not IS_RMS and MEAN is not None:
+            tl.store(MEAN + row, mean)
+    start = segment * segment_cols
+    for col_start in range(start, tl.minimum(start + segment_cols, N), BLOCK_N):
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (cols < N)[None, :]
         offsets = row.to(tl.int64) * N + cols[None, :]
-        if STORE_H:
+        if H is not None:
             h = tl.load(H + offsets, mask=mask, other=0.0).to(tl.float32)
         else:
             h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
                              BLOCK_N)  # fmt: skip
-        y = h * rstd[:, None] if IS_RMS else (h - mean[:, None]) * rstd[:, None]
+        y = h * rstd if IS_RMS else (h - mean) * rstd
         if W is not None:
             y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if B is not None:
@@ -281,21 +328,19 @@ def _norm_fwd_wide_kernel(
 
 
 @triton.jit
-def _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS: tl.constexpr,
+def _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS: tl.constexpr,
                  REBUILD_FROM_OUTPUT: tl.constexpr):  # fmt: skip
     """(dy, x̂, g = dy · w) in fp32 for one tile of rows x cols; x̂ is 0 outside ``mask``."""
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
     saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
     g = dy
     if W is not None:
-        # Padding columns load w = 1 so the rebuild never divides by zero there.
-        w = tl.load(W + cols[None, :], mask=mask, other=1.0).to(tl.float32)
-        g = dy * w
+        g = dy * tl.load(W + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if REBUILD_FROM_OUTPUT:
         if B is not None:
             saved -= tl.load(B + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if W is not None:
-            saved /= w
+        if W_RECIPROCAL is not None:
+            saved *= tl.load(W_RECIPROCAL + cols[None, :], mask=mask, other=0.0)
         x_hat = saved
     elif IS_RMS:
         x_hat = saved * rstd
@@ -314,7 +359,7 @@ def _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS: tl.constexpr):
 
 @triton.jit
 def _norm_bwd_wide_kernel(
-    DY, SAVED, W, B, MEAN, RSTD, DH_OUT, DX, DRESIDUAL, DW_PARTIAL, DB_PARTIAL, SEED,  # as in _norm_bwd_kernel
+    DY, SAVED, W, W_RECIPROCAL, B, MEAN, RSTD, DH_OUT, DX, DRESIDUAL, DW_PARTIAL, DB_PARTIAL, SEED,  # as in _norm_bwd_kernel
     M,
     N,
     dropout_p,
@@ -341,8 +386,8 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS,
-                                        REBUILD_FROM_OUTPUT)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, rows, cols, offsets, mask, rstd,
+                                        IS_RMS, REBUILD_FROM_OUTPUT)  # fmt: skip
             sum_g_xhat += tl.sum(g * x_hat, axis=1)
             sum_g += tl.sum(g, axis=1)
         mean_g_xhat = (sum_g_xhat / N)[:, None]
@@ -351,8 +396,8 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS,
-                                        REBUILD_FROM_OUTPUT)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, rows, cols, offsets, mask, rstd,
+                                        IS_RMS, REBUILD_FROM_OUTPUT)  # fmt: skip
             dh = _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS)
             if DH_OUT is not None:
                 dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -432,11 +477,31 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
                  N_ALIGN=_row_alignment(N))  # fmt: skip
     args = (x, residual, weight, bias, y, h, mean, rstd, seed, M, N, spec.eps, spec.dropout_p)
     if wide:
-        _norm_fwd_wide_kernel[(M,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
+        _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flags, block_n, num_warps)
     else:
         _norm_fwd_kernel[(triton.cdiv(M, block_m),)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
                                                      num_warps=num_warps)  # fmt: skip
     return y, h, mean, rstd
+
+
+def _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flags, block_n, num_warps):
+    """The two passes over rows wider than registers hold. With fewer rows than SMs, each row
+    is split into S segments of whole column blocks (grid (M, S)) so that every SM works."""
+    M, N = x.shape
+    blocks = triton.cdiv(N, block_n)
+    segment_cols = triton.cdiv(blocks, max(1, min(blocks, multiprocessor_count(x.device) // M))) * block_n
+    segments = triton.cdiv(N, segment_cols)
+    stats = torch.empty((M, segments, 2), dtype=torch.float32, device=x.device)
+    _norm_fwd_wide_stats_kernel[(M, segments)](
+        x, residual, h, seed, stats, N, spec.dropout_p, segment_cols, **flags, BLOCK_N=block_n, num_warps=num_warps
+    )
+    recompute = h is None  # memory-efficient mode: h is recomputed, not reloaded
+    _norm_fwd_wide_apply_kernel[(M, segments)](
+        x if recompute else None, residual if recompute else None, weight, bias, y, h, mean, rstd,
+        seed if recompute else None, stats, N, spec.eps, spec.dropout_p, segment_cols,
+        **{k: v for k, v in flags.items() if k != "STORE_H"}, SEGMENTS=triton.next_power_of_2(segments),
+        BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
 
 
 def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec):
@@ -456,8 +521,10 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     dw_partial = None if weight is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
     db_partial = None if bias is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
     if M > 0 and N > 0:
-        args = (dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
-                M, N, spec.dropout_p, rows_per_program)  # fmt: skip
+        # x̂ = (y - b) · (1 / w): a multiply per element where a division is eight instructions
+        w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
+        args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial,
+                seed, M, N, spec.dropout_p, rows_per_program)  # fmt: skip
         flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N))
         if wide:
             _norm_bwd_wide_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)

@@ -132,13 +132,17 @@ def test_hidden_size_65536(backend, dtype):
     _check_norm(False, dtype, 65536, True, False, True)
 
 
+@pytest.mark.parametrize("multiprocessors", [4, 18], ids=["whole-rows", "row-segments"])
 @pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
 @pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
-def test_rows_in_column_blocks(backend, monkeypatch, is_rms, memory_efficient):
+def test_rows_in_column_blocks(backend, monkeypatch, is_rms, memory_efficient, multiprocessors):
     # The kernels for rows wider than registers hold (here: > 64 columns, in blocks of 32,
-    # the last one partial), with dropout, residual and the returned h.
+    # the last one partial), with dropout, residual and the returned h. With 18 SMs for 6
+    # rows, the forward splits each row into segments of 64 and 36 columns.
     monkeypatch.setattr(norm_kernels, "_MAX_WHOLE_ROW", 64)
+    monkeypatch.setattr(norm_kernels, "_MAX_WHOLE_ROW_FORWARD", 64)
     monkeypatch.setattr(norm_kernels, "_WIDE_BLOCK_N", 32)
+    monkeypatch.setattr(norm_kernels, "multiprocessor_count", lambda device: multiprocessors)
     _check_norm(is_rms, torch.float32, 100, True, True, memory_efficient, return_residual=True)
 
 
