@@ -17,8 +17,9 @@ tiny and |b| / |w| is bounded, which ``output_rebuilds_input`` decides once, whe
 layer gets its weights, never per step. The dropout mask is regenerated from the
 seed (see ``philox.py``), never stored. dw and db are reduced in two stages without
 atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
-the partials are summed. Rows wider than 16384 (forward) or 8192 (backward) are processed in 4096-column blocks
-(``_norm_*_wide_kernel``), so no row has to fit in registers.
+the partials are summed. Rows wider than 16384 (forward) or 8192 (backward) are processed
+in 4096-column blocks (``_norm_*_wide_*kernel``), so no row has to fit in registers; the
+forward then splits each row into segments over the SMs when there are fewer rows than SMs.
 """
 
 import math
