@@ -283,6 +283,21 @@ def test_non_contiguous_arguments(backend):
         torch.testing.assert_close(op(x, wq_t, w_scale, bias), contiguous, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", list(matmul.GPU_CONFIGS))
+@pytest.mark.parametrize("rows", [1, 250, 4096])
+@pytest.mark.parametrize("k", [768, 770, 776])
+def test_autotune_candidates_at_every_shape(kind, rows, k):
+    # When K is not a multiple of 16 (rows not provably 16-byte aligned) only tiles that
+    # compile without spills on sm_90 remain, for 16-bit and int8 operands; some always remain.
+    x_dtype = {"float32": torch.float32, "float": torch.bfloat16, "w8a8": torch.int8, "w8a16": torch.bfloat16}[kind]
+    named_args = {"M_BUCKET": matmul._m_bucket(rows), "K": k, "X": torch.empty(0, dtype=x_dtype)}
+    kept = matmul._prune_configs(matmul.GPU_CONFIGS[kind], named_args)
+    assert kept
+    assert all(c.kwargs["BLOCK_M"] <= named_args["M_BUCKET"] for c in kept)
+    if k % 16 and kind != "float32":
+        assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 32 * 64 for c in kept)
+
+
 def test_backward_raises_a_clear_error(backend):
     x, weight, bias = _inputs(7, 33, 17, torch.float32)
     wq, w_scale = quantize_per_channel(weight)
