@@ -32,6 +32,7 @@ zero row where HF pools the padding token's state (neither is a [CLS] embedding)
 """
 
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -202,7 +203,16 @@ def unpadded_class(model_class: type) -> type:
         }
         name = f"Unpadded{model_class.__name__}"
         _UNPADDED_CLASSES[model_class] = type(name, (UnpaddedEncoderModel, model_class), namespace)
+        _share_output_capture(model_class, _UNPADDED_CLASSES[model_class])
     return _UNPADDED_CLASSES[model_class]
+
+
+def _share_output_capture(model_class: type, unpadded: type) -> None:
+    """transformers finds which outputs a model can capture (``output_hidden_states``) in a
+    registry keyed by the class's name; give ``Unpadded<Model>`` its original's entry."""
+    registry = getattr(sys.modules.get("transformers.utils.output_capturing"), "_CAN_RECORD_REGISTRY", None)
+    if registry is not None and str(model_class) in registry:
+        dict.__setitem__(registry, str(unpadded), dict.__getitem__(registry, str(model_class)))
 
 
 def _new_unpadded(original_class: type):
