@@ -299,3 +299,34 @@ def test_packing():
     assert packing.indices.tolist() == [0, 1, 7, 8]
     assert packing.cu_seqlens.tolist() == [0, 2, 2, 4] and packing.cu_seqlens.dtype == torch.int32
     assert (packing.max_seqlen, packing.total) == (3, 4)
+
+
+def _ddp_worker(rank, world_size, init_file, state, ids, mask, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    model = _model("BertForMaskedLM")
+    model.load_state_dict(state)
+    ddp = nn.parallel.DistributedDataParallel(sf.patch(model, "qkv+mlp", unpad=True))
+    ids, mask = ids.chunk(world_size)[rank], mask.chunk(world_size)[rank]
+    ddp(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    torch.save({name: p.grad for name, p in model.named_parameters()}, f"{results}{rank}.pt")
+    del ddp  # before the process group: see tests/test_patch.py
+    dist.destroy_process_group()
+
+
+def test_ddp_two_gloo_processes_match_one(tmp_path):
+    import torch.multiprocessing as mp
+
+    reference = _model("BertForMaskedLM")
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference = sf.patch(reference, "qkv+mlp", unpad=True).train()
+    ids, mask = _batch(reference.config, "holes")
+    ids, mask = torch.cat([ids, ids.flip(0)]), torch.cat([mask, mask.flip(0)])
+    for chunk_ids, chunk_mask in zip(ids.chunk(2), mask.chunk(2)):  # DDP averages the ranks' gradients
+        loss = reference(chunk_ids, attention_mask=chunk_mask, labels=chunk_ids.masked_fill(chunk_mask == 0, -100)).loss
+        (loss / 2).backward()
+    mp.spawn(_ddp_worker, args=(2, tmp_path / "store", state, ids, mask, str(tmp_path / "grads")), nprocs=2, join=True)
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    for rank in range(2):
+        _assert_grads_close(torch.load(tmp_path / f"grads{rank}.pt"), expected)
