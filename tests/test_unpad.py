@@ -330,3 +330,14 @@ def test_ddp_two_gloo_processes_match_one(tmp_path):
     expected = {name: p.grad for name, p in reference.named_parameters()}
     for rank in range(2):
         _assert_grads_close(torch.load(tmp_path / f"grads{rank}.pt"), expected)
+
+
+def test_torch_compile_breaks_the_graph_at_the_packing_and_matches():
+    padded, unpadded = (m.eval() for m in _pair())
+    ids, mask = _batch(padded.config, "left")
+    compiled = torch.compile(unpadded, backend="eager")  # dynamo's tracing, no code generation
+    with torch.no_grad():
+        out = compiled(ids, attention_mask=mask).last_hidden_state
+        expected = unpadded(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, expected)
+    torch._dynamo.reset()
