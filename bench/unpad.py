@@ -133,7 +133,7 @@ def loss_curves(steps: int = 50) -> tuple[list[float], list[float]]:
     curves = []
     for unpad in (False, True):
         model = patch(copy.deepcopy(base), unpad=unpad).train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
         losses = []
         for _ in range(steps):
             optimizer.zero_grad()

@@ -113,6 +113,15 @@ def pad_tokens(x: torch.Tensor, packing: PackedSequences) -> torch.Tensor:
     return out.index_copy(0, packing.indices, x).view(packing.batch, packing.seq, *x.shape[1:])
 
 
+def _first_positions(packed: torch.Tensor, packing: PackedSequences, first_is_token: torch.Tensor) -> torch.Tensor:
+    """(batch, ...) position 0 of every row of ``pad_tokens(packed, packing)``: a row's
+    first packed token when position 0 is a token, else zeros."""
+    if packing.total == 0:
+        return packed.new_zeros(packing.batch, *packed.shape[1:])
+    first = packed.index_select(0, packing.cu_seqlens[:-1].clamp(max=packing.total - 1))
+    return torch.where(first_is_token.view(-1, *[1] * (packed.dim() - 1)), first, 0.0)
+
+
 def is_unpaddable_base_model(module: nn.Module) -> bool:
     """Whether ``module`` is one of the base models ``patch(unpad=True)`` can unpad."""
     kind = getattr(type(module), "_original_class", type(module))
@@ -135,7 +144,8 @@ class UnpaddedEncoderModel:
         return_dict = extra.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
-        packing = pack_padding_mask(arguments["attention_mask"])
+        mask = arguments["attention_mask"]
+        packing = pack_padding_mask(mask)
         if arguments.get("position_ids") is None:
             arguments["position_ids"] = self._padded_position_ids(arguments, packing)
         for name, value in arguments.items():
@@ -143,9 +153,12 @@ class UnpaddedEncoderModel:
                 arguments[name] = unpad_tokens(value, packing)[None]
         arguments["attention_mask"] = packing
         outputs = super().forward(**arguments, **extra, return_dict=True)
-        outputs["last_hidden_state"] = pad_tokens(outputs.last_hidden_state[0], packing)
+        packed = outputs.last_hidden_state[0]
+        outputs["last_hidden_state"] = pad_tokens(packed, packing)
         if getattr(self, "pooler", None) is not None:
-            outputs["pooler_output"] = self.pooler(outputs.last_hidden_state)
+            # The pooler reads position 0; handing it those rows alone (not a view of the
+            # padded output) keeps backward from holding the padded output's storage.
+            outputs["pooler_output"] = self.pooler(_first_positions(packed, packing, mask[:, 0] != 0)[:, None])
         if outputs.get("hidden_states") is not None:
             outputs["hidden_states"] = tuple(pad_tokens(h[0], packing) for h in outputs.hidden_states)
         return outputs if return_dict else outputs.to_tuple()
