@@ -83,6 +83,7 @@ from slimformer.kernels.attention import attention
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
 from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention
+from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.norm import LayerNorm, RMSNorm
 from slimformer.layers.sharing import NotScriptable
 from slimformer.layers.transformer import TransformerEncoderLayer
@@ -631,6 +632,16 @@ def _plan_unpad(root: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
     return swaps, left
 
 
+def _check_no_quantized_linears(model: nn.Module) -> None:
+    """NotImplementedError if ``model`` holds ``sf.quantize``'s Linears (unpad needs fused float layers)."""
+    for name, module in model.named_modules():
+        if isinstance(module, (Linear8bit, Linear16bit)):
+            raise NotImplementedError(
+                f"patch(unpad=True) does not support sf.quantize's inference Linears yet ({name} is a "
+                f"{type(module).__name__}): the fused layers that run unpadded read float weights; unpad a float model"
+            )
+
+
 def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
@@ -653,11 +664,14 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``unpad`` is not a bool.
         ValueError: ``recompute`` is not a policy.
+        NotImplementedError: ``unpad=True`` on a model holding ``sf.quantize``'s Linears.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(unpad, bool):
         raise TypeError(f"unpad must be a bool, got {type(unpad).__name__} {unpad!r}")
+    if unpad:
+        _check_no_quantized_linears(model)
     if recompute is not None:
         check_policy(recompute)
     patched = [name or "the model itself" for name, module in model.named_modules() if _RECORD in module.__dict__]

@@ -286,6 +286,12 @@ def test_bad_input():
         sf.patch(_model(), unpad="yes")
     with pytest.raises(ValueError, match="attention_mask must be 2-d"):
         pack_padding_mask(mask[0])
+    quantized = sf.quantize(_model().eval(), "int8")
+    with pytest.raises(NotImplementedError, match="patch\\(unpad=True\\) does not support sf.quantize's"):
+        sf.patch(quantized, unpad=True)
+    assert sf.patch_summary(quantized).patched is False  # nothing changed
+    with pytest.raises(ValueError, match="quantize the unpatched model"):  # the other order: sf.quantize refuses
+        sf.quantize(unpadded, "int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sf.patch(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), unpad=True)
