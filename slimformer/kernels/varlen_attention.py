@@ -62,10 +62,25 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """A (rows, BLOCK_D) tile, zero past HEAD_DIM and (when CHECK_ROWS) past ``n_rows``."""
     if CHECK_ROWS:
-        x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     else:
-        x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        if HEAD_DIM == BLOCK_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
     return x
+
+
+@triton.jit
+def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store the first ``n_rows`` rows and HEAD_DIM columns of a (rows, BLOCK_D) tile."""
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
+    else:
+        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -109,19 +124,29 @@ def _allowed_scores(s, rows, cols, seq_k, IS_CAUSAL: tl.constexpr):
 def _varlen_fwd_tile(
     acc, l_i, m_i, q, K, V, start_n, offs_m, tile_n, offs_d, seq_k, qk_scale, stride_kt, stride_vt,
     seed, drop_rows, max_seqlen_k, dropout_p,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, EDGE: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One key block of the online softmax: the updated (acc, l_i, m_i)."""
     offs_n = start_n + tile_n
     k = _load_rows(K + offs_n[:, None] * stride_kt + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, EDGE)
-    s = _dot(q, tl.trans(k), None, PRECISION, UPCAST) * qk_scale
+    qk = _dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE:
-        s = _allowed_scores(s, offs_m[:, None], offs_n[None, :], seq_k, IS_CAUSAL)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_shift[:, None])
+        s = _allowed_scores(qk * qk_scale, offs_m[:, None], offs_n[None, :], seq_k, IS_CAUSAL)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+    else:
+        # Every key is allowed, so the row max is finite and the scale folds into the
+        # exponent's multiply-add (max(c·x) is c·max(x) for c >= 0, c·min(x) else).
+        if NEGATIVE_SCALE:
+            m_new = tl.maximum(m_i, tl.min(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_shift = m_new
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
@@ -143,10 +168,18 @@ def _varlen_fwd_kernel(
     CU_K,  # (batch + 1,) int32 likewise in k and v
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_q, num_heads, group_size, max_seqlen_q, max_seqlen_k, sm_scale, dropout_p,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # Strides come in units of STRIDE_UNIT elements: multiplying by the constexpr tells
+    # Triton that rows start 16-byte aligned (head_dim % 8 == 0), so they load as vectors.
+    stride_qt, stride_qh, stride_kt, stride_kh = (
+        stride_qt * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_kt * STRIDE_UNIT, stride_kh * STRIDE_UNIT
+    )
+    stride_vt, stride_vh, stride_ot, stride_oh = (
+        stride_vt * STRIDE_UNIT, stride_vh * STRIDE_UNIT, stride_ot * STRIDE_UNIT, stride_oh * STRIDE_UNIT
+    )
     pid_m, off_h, off_b = _program_ids(num_heads, max_seqlen_q, BLOCK_M)
     q_start, seq_q = _sequence(CU_Q, off_b)
     k_start, seq_k = _sequence(CU_K, off_b)
@@ -183,21 +216,20 @@ def _varlen_fwd_kernel(
             acc, l_i, m_i = _varlen_fwd_tile(
                 acc, l_i, m_i, q, K, V, start_n, offs_m, tile_n, offs_d, seq_k, qk_scale, stride_kt, stride_vt,
                 seed, drop_rows, max_seqlen_k, dropout_p,
-                IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+                IS_CAUSAL, HAS_DROPOUT, False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
         for start_n in range(full_hi, hi, BLOCK_N):
             acc, l_i, m_i = _varlen_fwd_tile(
                 acc, l_i, m_i, q, K, V, start_n, offs_m, tile_n, offs_d, seq_k, qk_scale, stride_kt, stride_vt,
                 seed, drop_rows, max_seqlen_k, dropout_p,
-                IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+                IS_CAUSAL, HAS_DROPOUT, True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
         # Only a row with no allowed key (an empty key sequence) has l_i = 0: o = 0, lse = +inf.
         has_keys = l_i != 0.0
         out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
         lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * _LN2, float("inf"))
-        rows_ok = offs_m[:, None] < seq_q
-        tl.store(O + tile_m[:, None] * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=rows_ok & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
+        _store_rows(O + tile_m[:, None] * stride_ot + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, seq_q,
+                    offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
         tl.store(LSE + off_h * total_q + q_start + offs_m, lse, mask=offs_m < seq_q)
 
 
@@ -246,10 +278,19 @@ def _varlen_bwd_dkdv_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     total_q, num_heads, group_size, max_seqlen_k, sm_scale, dropout_p,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    stride_qt, stride_qh, stride_kt, stride_kh = (
+        stride_qt * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_kt * STRIDE_UNIT, stride_kh * STRIDE_UNIT
+    )
+    stride_vt, stride_vh, stride_dot, stride_doh = (
+        stride_vt * STRIDE_UNIT, stride_vh * STRIDE_UNIT, stride_dot * STRIDE_UNIT, stride_doh * STRIDE_UNIT
+    )
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh = (
+        stride_dkt * STRIDE_UNIT, stride_dkh * STRIDE_UNIT, stride_dvt * STRIDE_UNIT, stride_dvh * STRIDE_UNIT
+    )
     pid_n, off_hk, off_b = _program_ids(num_heads // group_size, max_seqlen_k, BLOCK_N)
     q_start, seq_q = _sequence(CU_Q, off_b)
     k_start, seq_k = _sequence(CU_K, off_b)
@@ -306,10 +347,10 @@ def _varlen_bwd_dkdv_kernel(
                     seq_k, qk_scale, stride_qt, stride_dot, seed, drop_base, num_heads, max_seqlen_k, start_n,
                     dropout_p, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
                 )
-        store_mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
-        tl.store(DK + tile_n[:, None] * stride_dkt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-                 mask=store_mask)  # fmt: skip
-        tl.store(DV + tile_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=store_mask)
+        _store_rows(DK + tile_n[:, None] * stride_dkt + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+                    offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+        _store_rows(DV + tile_n[:, None] * stride_dvt + offs_d[None, :], dv.to(DV.dtype.element_ty), offs_n, seq_k,
+                    offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
 @triton.jit
@@ -342,10 +383,17 @@ def _varlen_bwd_dq_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
     total_q, num_heads, group_size, max_seqlen_q, max_seqlen_k, sm_scale, dropout_p,
-    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    stride_qt, stride_qh, stride_kt, stride_kh = (
+        stride_qt * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_kt * STRIDE_UNIT, stride_kh * STRIDE_UNIT
+    )
+    stride_vt, stride_vh, stride_dot, stride_doh = (
+        stride_vt * STRIDE_UNIT, stride_vh * STRIDE_UNIT, stride_dot * STRIDE_UNIT, stride_doh * STRIDE_UNIT
+    )
+    stride_dqt, stride_dqh = stride_dqt * STRIDE_UNIT, stride_dqh * STRIDE_UNIT
     pid_m, off_h, off_b = _program_ids(num_heads, max_seqlen_q, BLOCK_M)
     q_start, seq_q = _sequence(CU_Q, off_b)
     k_start, seq_k = _sequence(CU_K, off_b)
@@ -391,8 +439,8 @@ def _varlen_bwd_dq_kernel(
                 seed, drop_rows, max_seqlen_k, dropout_p,
                 IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
             )
-        tl.store(DQ + tile_m[:, None] * stride_dqt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
+        _store_rows(DQ + tile_m[:, None] * stride_dqt + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+                    offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
 def _grid(max_seqlen: int, block: int, heads: int, batch: int) -> tuple[int]:
@@ -415,6 +463,17 @@ def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
     )
 
 
+def _stride_unit(*tensors: torch.Tensor) -> int:
+    """The largest of 8, 4, 2, 1 dividing every (token, head) stride (see the kernels)."""
+    strides = [stride for tensor in tensors for stride in tensor.stride()[:2]]
+    return next(unit for unit in (8, 4, 2, 1) if all(stride % unit == 0 for stride in strides))
+
+
+def _strides(unit: int, *tensors: torch.Tensor) -> list[int]:
+    """(token, head) strides of each tensor in units of ``unit`` elements, flattened."""
+    return [stride // unit for tensor in tensors for stride in tensor.stride()[:2]]
+
+
 def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed):
     """Launch the forward kernel: (out (total_q, heads, head_dim), lse (heads, total_q) fp32)."""
     total_q, heads, head_dim = q.shape
@@ -426,11 +485,11 @@ def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
     config = _block_config(head_dim, q.dtype, "fwd", dropout_p > 0.0)
+    unit = _stride_unit(q, k, v, out)
     _varlen_fwd_kernel[_grid(max_q, config["BLOCK_M"], heads, batch)](
-        q, k, v, out, lse, seed, cu_q, cu_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        q, k, v, out, lse, seed, cu_q, cu_k, *_strides(unit, q, k, v, out),
         total_q, heads, heads // kv_heads, max_q, max_k, scale, dropout_p,
-        **_kernel_flags(q, is_causal, dropout_p), **config,
+        **_kernel_flags(q, is_causal, dropout_p), NEGATIVE_SCALE=scale < 0, STRIDE_UNIT=unit, **config,
     )  # fmt: skip
     return out, lse
 
@@ -444,19 +503,16 @@ def _varlen_bwd(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dro
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.linalg.vecdot(out.float(), grad_out.float()).T.contiguous()  # (heads, total_q)
-    flags = _kernel_flags(q, is_causal, dropout_p)
+    unit = _stride_unit(q, k, v, grad_out, dq, dk, dv)
+    flags = dict(**_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
     dkdv_config = _block_config(head_dim, q.dtype, "dkdv", dropout_p > 0.0)
     _varlen_bwd_dkdv_kernel[_grid(max_k, dkdv_config["BLOCK_N"], kv_heads, batch)](
-        q, k, v, grad_out, lse, delta, dk, dv, seed, cu_q, cu_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        q, k, v, grad_out, lse, delta, dk, dv, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dk, dv),
         total_q, heads, heads // kv_heads, max_k, scale, dropout_p, **flags, **dkdv_config,
     )  # fmt: skip
     dq_config = _block_config(head_dim, q.dtype, "dq", dropout_p > 0.0)
     _varlen_bwd_dq_kernel[_grid(max_q, dq_config["BLOCK_M"], heads, batch)](
-        q, k, v, grad_out, lse, delta, dq, seed, cu_q, cu_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
+        q, k, v, grad_out, lse, delta, dq, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dq),
         total_q, heads, heads // kv_heads, max_q, max_k, scale, dropout_p, **flags, **dq_config,
     )  # fmt: skip
     return dq, dk, dv
