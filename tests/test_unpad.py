@@ -369,3 +369,14 @@ def test_real_minilm_sentence_embeddings():
         return (hidden * mask).sum(1) / mask.sum(1)
 
     torch.testing.assert_close(embeddings(unpadded), embeddings(reference), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["BertModel", "RobertaModel"])
+def test_inputs_embeds_and_token_types(name):
+    padded, unpadded = (m.eval() for m in _pair(name, type_vocab_size=2))
+    ids, mask = _batch(padded.config, "left")
+    inputs = dict(inputs_embeds=padded.embeddings.word_embeddings(ids), token_type_ids=(ids % 2), attention_mask=mask)
+    with torch.no_grad():
+        out, expected = unpadded(**inputs).last_hidden_state, padded(**inputs).last_hidden_state
+    real = mask.bool()
+    torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
