@@ -148,8 +148,9 @@ class UnpaddedEncoderModel:
         packing = pack_padding_mask(mask)
         if arguments.get("position_ids") is None:
             arguments["position_ids"] = self._padded_position_ids(arguments, packing)
+        per_token = (packing.batch, packing.seq)
         for name, value in arguments.items():
-            if name != "attention_mask" and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == (packing.batch, packing.seq):
+            if name != "attention_mask" and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == per_token:
                 arguments[name] = unpad_tokens(value, packing)[None]
         arguments["attention_mask"] = packing
         outputs = super().forward(**arguments, **extra, return_dict=True)

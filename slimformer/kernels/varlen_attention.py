@@ -677,7 +677,9 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
     if values[-1] != total:
         raise ValueError(f"{name}[-1] must equal {tensor_name}'s number of rows {total}, got {values[-1]}")
     if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"max_seqlen for {name} must be at least its longest sequence {max(lengths)}, got {max_seqlen}")
+        raise ValueError(
+            f"max_seqlen for {name} must be at least its longest sequence {max(lengths)}, got {max_seqlen}"
+        )
 
 
 def _check_max_seqlen(name: str, value) -> None:
