@@ -114,6 +114,37 @@ def attention_cases() -> list[Case]:
     return cases
 
 
+def varlen_attention_case(head_dim, dtype="bf16", *, seq=512, batch=16, causal=False, dropout=0.0, ci=False) -> Case:
+    """``varlen_attention`` over ``batch`` packed sequences of ``seq`` tokens each: the
+    dense cases' work, so the figures compare with theirs."""
+    from slimformer.kernels.varlen_attention import varlen_attention
+
+    heads = max(1, 768 // head_dim)
+    flags = [f"d{head_dim}", dtype, f"s{seq}", "varlen", "causal" if causal else "",
+             f"dropout{dropout:g}" if dropout else ""]  # fmt: skip
+    name = "attn " + " ".join(f for f in flags if f)
+
+    def run():
+        cu_seqlens = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32)
+        qkv = torch.zeros(batch * seq, 3 * heads, head_dim, dtype=DTYPES[dtype], requires_grad=True)
+        q, k, v = qkv.split(heads, dim=1)
+        out = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, seq, seq, dropout, causal)
+        return lambda: out.backward(torch.zeros_like(out))
+
+    params = dict(
+        head_dim=head_dim, dtype=dtype, batch=batch, heads=heads, kv_heads=heads, seq_q=seq, seq_k=seq,
+        causal=causal, dropout=dropout, mask=None, key_padding=False, layout="varlen",
+    )  # fmt: skip
+    return Case(name, "attention", run, params, ci)
+
+
+def varlen_attention_cases() -> list[Case]:
+    cases = [varlen_attention_case(head_dim) for head_dim in (64, 72, 128)]
+    cases.append(varlen_attention_case(64, causal=True, dropout=0.1, ci=True))
+    cases.append(varlen_attention_case(128, causal=True))
+    return cases
+
+
 # ----------------------------------------------------------------------------- norms
 
 
@@ -271,7 +302,8 @@ def gemm_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    return attention_cases() + norm_cases() + elementwise_cases() + loss_cases() + gemm_cases()
+    attention = attention_cases() + varlen_attention_cases()
+    return attention + norm_cases() + elementwise_cases() + loss_cases() + gemm_cases()
 
 
 def allowed_pairs(seq_q: int, seq_k: int, causal: bool) -> int:

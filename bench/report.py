@@ -9,6 +9,8 @@ prints one table per family/op/mode with rich and writes
     bench/results/<device-slug>-bert-memory.png  a BERT's activation memory vs sequence length
     bench/results/<device-slug>-int8.png  INT8 inference of all-MiniLM-L6-v2: latency and fidelity per mode
 
+and, on a CPU, the unpadded-BERT section (``bench.unpad``, selected as ``-k unpad``).
+
 A run that selects benchmarks (``-k EXPR``, ``-m EXPR`` or test paths) is partial: its
 files are named ``<device-slug>-partial-<selection>*`` and the full report is left as it
 is. ``-k`` also selects the memory sections, matched like a test name: the norm table
@@ -53,6 +55,7 @@ from bench.harness import report_machine_info  # noqa: E402
 from bench.int8_inference import int8_inference_section  # noqa: E402
 from slimformer.recompute import POLICIES  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
+from bench.unpad import report_lines as unpad_lines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -473,6 +476,10 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         step = ["## A BERT training step on CPU", "", *time_lines(measure_times(rounds=5, log=console.log))]
         console.print(Markdown("\n".join(step)))
         md += ["", *step]
+    if device_type == "cpu" and chosen.selects("unpad"):
+        unpad = ["## Unpadded BERT batches on CPU", "", *unpad_lines(log=console.log)]
+        console.print(Markdown("\n".join(unpad)))
+        md += ["", *unpad]
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
     written[0].write_text("\n".join(md) + "\n")
@@ -492,6 +499,7 @@ def main(pytest_args: list[str]) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)  # logs: don't cut columns at 80
     bert_columns = [*BERT_BASELINES, *(f"slimformer ({policy})" for policy in POLICIES)]
     memory_selected = chosen.selects("norm_memory") or any(chosen.selects(f"bert_memory {c}") for c in bert_columns)
+    memory_selected = memory_selected or chosen.selects("unpad")
     if data is None and not memory_selected:
         sys.exit("no benchmark and no memory section selected; no report written")
     for path in write_report(data, skipped, console, chosen):

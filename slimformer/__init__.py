@@ -8,6 +8,7 @@ from slimformer.kernels.attention import attention, self_attention
 from slimformer.kernels.dropout import dropout_add
 from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
 from slimformer.kernels.norm import layer_norm, rms_norm
+from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention, SelfAttention, register_transformers_attention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.mlp import FusedMLP
@@ -44,4 +45,5 @@ __all__ = [
     "save_quantized",
     "self_attention",
     "unpatch",
+    "varlen_attention",
 ]

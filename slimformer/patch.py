@@ -81,12 +81,15 @@ from torch.utils.checkpoint import checkpoint
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
+from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention
+from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.norm import LayerNorm, RMSNorm
 from slimformer.layers.sharing import NotScriptable
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
 from slimformer.recompute import check_policy
+from slimformer.unpad import PackedSequences, is_unpaddable_base_model, unpadded_class
 
 __all__ = [
     "FusedBertFamilyLayer",
@@ -186,7 +189,14 @@ class FusedBertFamilyLayer(NotScriptable):
         past_key_values=None,
         **kwargs,
     ):
+        packed = isinstance(attention_mask, PackedSequences)
         if past_key_values is not None or kwargs.get("output_attentions") or self._unfused_reason():
+            if packed:
+                raise RuntimeError(
+                    "an unpadded (packed) batch reached a layer that must run its original forward "
+                    f"({self._unfused_reason() or 'output_attentions / past_key_values'}); call the base model, "
+                    "which runs such calls padded"
+                )
             # The original attention writes the cache (an encoder layer gets one only when
             # a caller passes it explicitly) and forms the attention weights; hooks and
             # replaced submodules need the original's calls.
@@ -195,7 +205,10 @@ class FusedBertFamilyLayer(NotScriptable):
                 encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values, **kwargs,
             )  # fmt: skip
         policy = check_policy(self.recompute)
-        attn_mask, padding = _kernel_masks(attention_mask, *hidden_states.shape[:2])
+        if packed:
+            attn_mask, padding = attention_mask, None
+        else:
+            attn_mask, padding = _kernel_masks(attention_mask, *hidden_states.shape[:2])
         if policy == "full" and torch.is_grad_enabled():
             return checkpoint(self._fused_block, hidden_states, attn_mask, padding, "none", use_reentrant=False)
         return self._fused_block(hidden_states, attn_mask, padding, policy)
@@ -227,13 +240,20 @@ class FusedBertFamilyLayer(NotScriptable):
         return self._add_norm(h, y, self.output)
 
     def _self_attention(self, x, attn_mask, padding):
-        """(batch, seq, hidden) context, before the output projection."""
+        """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
+        a ``PackedSequences`` (x is then (1, total, hidden): every real token, packed)."""
         attn = self.attention.self
+        dropout_p = attn.dropout.p if attn.training else 0.0
+        if isinstance(attn_mask, PackedSequences):
+            q, k, v = (rearrange(proj(x), "1 t (h d) -> t h d", h=attn.num_attention_heads)
+                       for proj in (attn.query, attn.key, attn.value))  # fmt: skip
+            cu, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
+            out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=attn.scaling)
+            return rearrange(out, "t h d -> 1 t (h d)")
         q, k, v = (
             rearrange(proj(x), "b s (h d) -> b h s d", h=attn.num_attention_heads)
             for proj in (attn.query, attn.key, attn.value)
         )
-        dropout_p = attn.dropout.p if attn.training else 0.0
         out = attention(q, k, v, attn_mask, dropout_p, scale=attn.scaling, key_padding_mask=padding)
         return rearrange(out, "b h s d -> b s (h d)")
 
@@ -486,12 +506,13 @@ class Swap:
 
 @dataclass(frozen=True)
 class ClassSwap:
-    """One module whose class ``patch`` changed in place (a ``*ForMaskedLM`` model), and
-    its class before, which ``unpatch`` restores."""
+    """One module whose class ``patch`` changed in place (a ``*ForMaskedLM`` model, or an
+    unpadded base model), and its class before, which ``unpatch`` restores."""
 
     name: str
     module: nn.Module
     original_class: type
+    change: str = "masked-LM loss fused with the decoder"
 
 
 @dataclass(frozen=True)
@@ -528,7 +549,7 @@ class PatchSummary:
         """(module, original type, what it became or why it was left), one per module."""
         rows = [
             (swap.name or "(model)", swap.original_class.__name__,
-             f"-> slimformer {type(swap.module).__name__} (masked-LM loss fused with the decoder)")
+             f"-> slimformer {type(swap.module).__name__} ({swap.change})")
             for swap in self.class_swaps
         ]  # fmt: skip
         for swap in self.swapped:
@@ -597,7 +618,31 @@ def _plan_masked_lm(model: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
     return swaps, left
 
 
-def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
+def _plan_unpad(root: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
+    """Base models in ``root`` (already patched) to unpad, and those that cannot be."""
+    swaps, left = [], []
+    for name, module in root.named_modules():
+        if not is_unpaddable_base_model(module) or _is_slimformer(module):
+            continue
+        layers = list(getattr(getattr(module, "encoder", None), "layer", ()))
+        if layers and all(isinstance(layer, FusedBertFamilyLayer) for layer in layers):
+            swaps.append(ClassSwap(name, module, type(module), "unpadded: packed real tokens, varlen attention"))
+        else:
+            left.append(Left(name, type(module).__name__, "unpad: its encoder layers are not all fused"))
+    return swaps, left
+
+
+def _check_no_quantized_linears(model: nn.Module) -> None:
+    """NotImplementedError if ``model`` holds ``sf.quantize``'s Linears (unpad needs fused float layers)."""
+    for name, module in model.named_modules():
+        if isinstance(module, (Linear8bit, Linear16bit)):
+            raise NotImplementedError(
+                f"patch(unpad=True) does not support sf.quantize's inference Linears yet ({name} is a "
+                f"{type(module).__name__}): the fused layers that run unpadded read float weights; unpad a float model"
+            )
+
+
+def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
     Args:
@@ -606,6 +651,9 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
         recompute: policy for the swapped layers that take one ("none", "qkv", "mlp",
             "qkv+mlp", "full"); None leaves them at "none". ``slimformer.recompute``
             changes it later.
+        unpad: also unpad BERT-family base models (``slimformer.unpad``): with a padded
+            ``attention_mask``, every layer runs on the real tokens only, and padded
+            positions of ``last_hidden_state`` are zeros. Off by default.
 
     Returns:
         ``model`` (or its replacement, when ``model`` is itself a swappable layer), with
@@ -614,11 +662,16 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
         with a ``UserWarning`` saying so.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``, ``unpad`` is not a bool.
         ValueError: ``recompute`` is not a policy.
+        NotImplementedError: ``unpad=True`` on a model holding ``sf.quantize``'s Linears.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(unpad, bool):
+        raise TypeError(f"unpad must be a bool, got {type(unpad).__name__} {unpad!r}")
+    if unpad:
+        _check_no_quantized_linears(model)
     if recompute is not None:
         check_policy(recompute)
     patched = [name or "the model itself" for name, module in model.named_modules() if _RECORD in module.__dict__]
@@ -656,6 +709,18 @@ def patch(model: nn.Module, recompute: str | None = None) -> nn.Module:
     )
     for encoder in nested_off:
         encoder.use_nested_tensor = False
+    if unpad:
+        unpad_swaps, unpad_left = _plan_unpad(root)
+        if not unpad_swaps:
+            warnings.warn(
+                f"slimformer.patch: unpad=True but {type(model).__name__} has no BERT-family base model whose "
+                "encoder layers are all fused; nothing is unpadded",
+                stacklevel=2,
+            )
+        for class_swap in unpad_swaps:
+            class_swap.module.__class__ = unpadded_class(class_swap.original_class)
+        class_swaps += unpad_swaps
+        left += unpad_left
     summary = PatchSummary(
         model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps)
     )

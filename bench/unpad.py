@@ -1,0 +1,214 @@
+"""Unpadded BERT fine-tuning and inference on the CPU: ``patch(model, unpad=True)`` vs padded.
+
+The batch: 32 sentences whose token lengths are drawn (fixed seed) from a log-normal
+distribution, median 62 tokens, clipped to [4, 128], padded to 128 (as a tokenizer with
+``padding="max_length", max_length=128`` does): about half the tokens are padding.
+The model: ``BertForSequenceClassification`` with BERT-base dims (hidden 768, 12 heads,
+FFN 3072, vocab 30522), 2 layers, random weights, fp32, dropout 0.1, two labels. Columns:
+
+* ``HF eager``, ``HF SDPA``: the model as transformers runs it (padded);
+* ``slimformer padded``: ``slimformer.patch(model)``;
+* ``slimformer unpadded``: ``slimformer.patch(model, unpad=True)``.
+
+Measured in one process, one intra-op thread, the columns interleaved round after round
+(A B C D, A B C D ...), process CPU time, median with min–max:
+
+* kept activations: bytes saved for backward by the training forward
+  (``slimformer.memory.measure_activation_memory``, the parameters excluded);
+* training: forward + backward of the classification loss (the optimizer step, the
+  same for every column, is left out), and tokens/s = real tokens / that time;
+* inference: an eval forward under ``torch.no_grad``;
+* loss curves: 50 SGD steps of a small model (hidden 128, 2 layers, dropout 0) on the
+  same batch, padded vs unpadded patched: the largest difference of the losses.
+
+Targets (issue 15): kept bytes of the unpadded model <= 1.1 x (real / padded tokens) x
+the padded patched model's; training tokens/s >= 1.6x the padded patched model's,
+inference likewise; identical loss curves.
+
+    python -m bench.unpad [--rounds 5] [--layers 2]
+"""
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from slimformer.memory import measure_activation_memory
+from slimformer.patch import patch
+
+BATCH, MAX_LEN, SEED = 32, 128, 0
+MEDIAN_LENGTH, SIGMA = 62, 0.5
+KEPT_SLACK, SPEEDUP = 1.1, 1.6
+COLUMNS = ("HF eager", "HF SDPA", "slimformer padded", "slimformer unpadded")
+MiB = 2**20
+
+
+def sentence_lengths(batch: int = BATCH, max_len: int = MAX_LEN, seed: int = SEED) -> list[int]:
+    """Token lengths of ``batch`` sentences, log-normal around MEDIAN_LENGTH, in [4, max_len]."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.empty(batch).log_normal_(torch.tensor(MEDIAN_LENGTH).log().item(), SIGMA, generator=generator)
+    return lengths.round().clamp(4, max_len).int().tolist()
+
+
+def padded_batch(config: BertConfig, lengths: list[int], max_len: int = MAX_LEN) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask (right padding to max_len) and labels."""
+    generator = torch.Generator().manual_seed(SEED + 1)
+    mask = (torch.arange(max_len) < torch.tensor(lengths)[:, None]).long()
+    ids = torch.randint(5, config.vocab_size, mask.shape, generator=generator).masked_fill(mask == 0, 0)
+    labels = torch.randint(0, 2, (len(lengths),), generator=generator)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _config(layers: int, **overrides) -> BertConfig:
+    dims = dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, vocab_size=30522)
+    return BertConfig(**{**dims, **overrides}, num_hidden_layers=layers, num_labels=2, max_position_embeddings=512)
+
+
+def build_models(config: BertConfig) -> dict[str, torch.nn.Module]:
+    """Column -> model, all with the same weights, in training mode."""
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(config)
+    models = {}
+    for name, implementation in (("HF eager", "eager"), ("HF SDPA", "sdpa")):
+        models[name] = copy.deepcopy(base)
+        models[name].set_attn_implementation(implementation)
+    base.set_attn_implementation("sdpa")
+    models["slimformer padded"] = patch(copy.deepcopy(base))
+    models["slimformer unpadded"] = patch(copy.deepcopy(base), unpad=True)
+    return {name: model.train() for name, model in models.items()}
+
+
+def kept_bytes(models: dict, inputs: dict) -> dict[str, int]:
+    """Column -> bytes saved for backward by the training forward."""
+    kept = {}
+    for name, model in models.items():
+        torch.manual_seed(0)
+        kept[name] = measure_activation_memory(lambda m=model: m(**inputs).loss, exclude=model.parameters()).saved_bytes
+    return kept
+
+
+def _train_step(model, inputs) -> None:
+    model.zero_grad(set_to_none=True)
+    model(**inputs).loss.backward()
+
+
+def _infer(model, inputs) -> None:
+    with torch.no_grad():
+        model(**{k: v for k, v in inputs.items() if k != "labels"})
+
+
+def interleaved_times(models: dict, inputs: dict, rounds: int, log=print) -> dict[str, dict[str, list[float]]]:
+    """{"train": column -> CPU s per round, "infer": likewise}, one thread, interleaved."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = {"train": {name: [] for name in models}, "infer": {name: [] for name in models}}
+    try:
+        for model in models.values():  # warm-up
+            _train_step(model, inputs)
+        for round_ in range(rounds):
+            for name, model in models.items():
+                for kind, run in (("train", _train_step), ("infer", _infer)):
+                    model.train(kind == "train")
+                    gc.collect()
+                    start = time.process_time()
+                    run(model, inputs)
+                    times[kind][name].append(time.process_time() - start)
+            log(f"round {round_ + 1}/{rounds}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times["train"].items()))
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
+def loss_curves(steps: int = 50) -> tuple[list[float], list[float]]:
+    """(padded, unpadded) losses of ``steps`` SGD steps of a small patched model, dropout 0."""
+    config = _config(2, hidden_size=128, num_attention_heads=2, intermediate_size=512, vocab_size=1000,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    inputs = padded_batch(config, sentence_lengths())
+    torch.manual_seed(0)
+    base = BertForSequenceClassification(config)
+    curves = []
+    for unpad in (False, True):
+        model = patch(copy.deepcopy(base), unpad=unpad).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+        losses = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = model(**inputs).loss
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    return curves[0], curves[1]
+
+
+def _median(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}–{max(values):.3f})"
+
+
+def report_lines(layers: int = 2, rounds: int = 5, log=print) -> list[str]:
+    """The benchmark's Markdown lines (measures everything)."""
+    lengths = sentence_lengths()
+    config = _config(layers)
+    inputs = padded_batch(config, lengths)
+    real = sum(lengths)
+    fraction = real / (BATCH * MAX_LEN)
+    models = build_models(config)
+    kept = kept_bytes(models, inputs)
+    times = interleaved_times(models, inputs, rounds, log)
+    padded_curve, unpadded_curve = loss_curves()
+    curve_gap = max(abs(a - b) for a, b in zip(padded_curve, unpadded_curve))
+
+    padded = "slimformer padded"
+    lines = [
+        f"Batch {BATCH}, padded to {MAX_LEN}: {real} real tokens of {BATCH * MAX_LEN} ({fraction:.1%}; lengths "
+        f"{min(lengths)}–{max(lengths)}, median {statistics.median(lengths):.0f}). BertForSequenceClassification, "
+        f"BERT-base dims, {layers} layers, fp32, dropout 0.1; CPU, one thread, {rounds} interleaved rounds, "
+        "process CPU time, median (min–max):",
+        "",
+        "| | kept activations | train fwd+bwd s | train tokens/s | vs padded | inference s | vs padded |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in models:
+        train, infer = times["train"][name], times["infer"][name]
+        lines.append(
+            f"| {name} | {kept[name] / MiB:,.1f} MiB | {_median(train)} | {real / statistics.median(train):,.0f} | "
+            f"{statistics.median(times['train'][padded]) / statistics.median(train):.2f}x | {_median(infer)} | "
+            f"{statistics.median(times['infer'][padded]) / statistics.median(infer):.2f}x |"
+        )
+    unpadded = "slimformer unpadded"
+    kept_bound = KEPT_SLACK * fraction * kept[padded]
+    train_speedup = statistics.median(times["train"][padded]) / statistics.median(times["train"][unpadded])
+    infer_speedup = statistics.median(times["infer"][padded]) / statistics.median(times["infer"][unpadded])
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    lines += [
+        "",
+        f"- kept bytes: {kept[unpadded] / MiB:,.1f} MiB vs the target {KEPT_SLACK} x {fraction:.3f} x "
+        f"{kept[padded] / MiB:,.1f} = {kept_bound / MiB:,.1f} MiB ({kept[unpadded] / (fraction * kept[padded]):.3f}"
+        f" x the real-token share): {verdict(kept[unpadded] <= kept_bound)}",
+        f"- training tokens/s: {train_speedup:.2f}x padded patched (target >= {SPEEDUP}x): "
+        f"{verdict(train_speedup >= SPEEDUP)}",
+        f"- inference: {infer_speedup:.2f}x padded patched (target >= {SPEEDUP}x): {verdict(infer_speedup >= SPEEDUP)}",
+        f"- loss curves, 50 SGD steps (hidden 128, 2 layers, dropout 0, same batch): largest |difference| "
+        f"{curve_gap:.2e} (losses {padded_curve[0]:.4f} -> {padded_curve[-1]:.4f}): {verdict(curve_gap < 1e-4)}",
+    ]
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.unpad", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    print("\n".join(report_lines(args.layers, args.rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

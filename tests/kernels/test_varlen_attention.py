@@ -1,0 +1,198 @@
+"""slimformer.varlen_attention vs SDPA run on each sequence alone (float64 exact, and in the
+tensor's dtype for PyTorch's own error), through the interpreted kernels and the reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from slimformer.kernels.philox import dropout_keep_block, dropout_threshold
+from slimformer.kernels.varlen_attention import varlen_attention
+from tests.helpers import assert_within_reference_error
+
+DTYPES = [
+    pytest.param(torch.float32, 8.0, id="fp32"),
+    pytest.param(torch.float16, 1.0, id="fp16"),
+    pytest.param(torch.bfloat16, 1.0, id="bf16"),
+]
+# (lengths, heads, kv_heads, head_dim, causal)
+CASES = [
+    pytest.param((1, 17, 97), 2, 2, 64, False, id="len1-17-97-d64"),
+    pytest.param((17, 1, 5), 2, 1, 40, True, id="len17-1-5-d40-gqa-causal"),
+    pytest.param((0, 33, 0, 2), 1, 1, 16, True, id="empty-len33-causal"),
+]
+
+
+def _cu_seqlens(lengths):
+    return F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _inputs(lengths, heads, kv_heads, head_dim, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q = torch.randn(total, heads, head_dim, generator=generator).to(dtype)
+    k = torch.randn(total, kv_heads, head_dim, generator=generator).to(dtype)
+    v = torch.randn(total, kv_heads, head_dim, generator=generator).to(dtype)
+    do = torch.randn(total, heads, head_dim, generator=generator).to(dtype)
+    return q, k, v, do
+
+
+def _per_sequence_sdpa(q, k, v, do, cu, causal):
+    """SDPA on each sequence alone, in q's dtype: (out, dq, dk, dv) packed."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    bounds = cu.tolist()
+    outs = []
+    for start, stop in zip(bounds, bounds[1:]):
+        heads_first = [t[start:stop].transpose(0, 1)[None] for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*heads_first, is_causal=causal, enable_gqa=True)
+        outs.append(out[0].transpose(0, 1))
+    out = torch.cat(outs)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    return (out.detach(), *grads)
+
+
+def _varlen(q, k, v, do, cu, max_len, causal, dropout_p=0.0):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = varlen_attention(q, k, v, cu, cu, max_len, max_len, dropout_p, causal, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    return (out.detach(), *grads), lse
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+@pytest.mark.parametrize("lengths, heads, kv_heads, head_dim, causal", CASES)
+def test_matches_sdpa_per_sequence(backend, lengths, heads, kv_heads, head_dim, causal, dtype, ulps):
+    q, k, v, do = _inputs(lengths, heads, kv_heads, head_dim, dtype)
+    cu = _cu_seqlens(lengths)
+    actual, lse = _varlen(q, k, v, do, cu, max(lengths), causal)
+    same_dtype = _per_sequence_sdpa(q, k, v, do, cu, causal)
+    exact = _per_sequence_sdpa(q.double(), k.double(), v.double(), do.double(), cu, causal)
+    for name, a, t, e in zip(("out", "dq", "dk", "dv"), actual, same_dtype, exact):
+        assert a.dtype == dtype
+        assert_within_reference_error(name, a, t, e, ulps=ulps, scale=4.0)
+    assert lse.shape == (heads, sum(lengths)) and lse.dtype == torch.float32
+
+
+def test_lse_is_log_sum_exp_per_sequence(backend):
+    lengths = (3, 17)
+    q, k, v, do = _inputs(lengths, 2, 2, 16, torch.float32)
+    cu = _cu_seqlens(lengths)
+    _, lse = _varlen(q, k, v, do, cu, 17, False)
+    bounds = cu.tolist()
+    for start, stop in zip(bounds, bounds[1:]):
+        s = torch.einsum("ihd,jhd->hij", q[start:stop].double(), k[start:stop].double()) / 4.0
+        torch.testing.assert_close(lse[:, start:stop].double(), s.logsumexp(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_query_without_keys_is_zero_with_zero_gradient(backend):
+    q, k, v, do = _inputs((3,), 2, 2, 16, torch.float32)
+    cu_q, cu_k = _cu_seqlens((3, 0)), _cu_seqlens((0, 3))
+    q_, k_, v_ = (t.requires_grad_() for t in (q, k, v))
+    out, lse = varlen_attention(q_, k_, v_, cu_q, cu_k, 3, 3, return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
+    grads = torch.autograd.grad(out, (q_, k_, v_), do)
+    for grad in grads:
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def _dropout_case():
+    """q = k = 0 (uniform attention) and v_j = e_j, so o_i[j] = r z_ij / len: o shows the mask."""
+    lengths, heads, head_dim = (1, 17, 40), 2, 64
+    total = sum(lengths)
+    q = torch.zeros(total, heads, head_dim)
+    k = torch.zeros(total, heads, head_dim)
+    v = torch.zeros(total, heads, head_dim)
+    for start, stop in zip(_cu_seqlens(lengths).tolist(), _cu_seqlens(lengths).tolist()[1:]):
+        v[start:stop, :, : stop - start] = torch.eye(stop - start)[:, None, :]
+    return lengths, q, k, v
+
+
+def test_dropout_masks_are_the_documented_philox_bits(backend):
+    lengths, q, k, v = _dropout_case()
+    cu, max_len, p = _cu_seqlens(lengths), 48, 0.3
+    torch.manual_seed(7)
+    out = varlen_attention(q, k, v, cu, cu, max_len, max_len, p)
+    torch.manual_seed(7)
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # what the op draws
+    heads = q.shape[1]
+    bounds = cu.tolist()
+    for start, stop in zip(bounds, bounds[1:]):
+        length = stop - start
+        rows = torch.arange(start, stop)[:, None] * heads + torch.arange(heads)  # (token, head)
+        keep = dropout_keep_block(seed, rows, 0, length, max_len, p).view(length, heads, length)
+        expected = keep * (dropout_threshold(p)[1] / length)
+        torch.testing.assert_close(out[start:stop, :, :length], expected, atol=1e-6, rtol=1e-6)
+    dropped = (out[1:18, :, :17] == 0).float().mean().item()  # sequence of 17: 578 decisions
+    assert 0.2 < dropped < 0.4, dropped
+
+
+def test_dropout_kernel_equals_reference(monkeypatch):
+    lengths = (1, 17, 33)
+    q, k, v, do = _inputs(lengths, 2, 2, 16, torch.float32)
+    cu = _cu_seqlens(lengths)
+    results = {}
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        torch.manual_seed(3)
+        results[interpret] = _varlen(q, k, v, do, cu, 40, True, dropout_p=0.25)[0]
+    for name, kernel, reference in zip(("out", "dq", "dk", "dv"), results["1"], results["0"]):
+        torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=2e-6, msg=name)
+    # the mask really dropped something: the output differs from no dropout
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not torch.allclose(results["0"][0], _varlen(q, k, v, do, cu, 40, True)[0][0])
+
+
+def test_gradcheck_float64():
+    lengths = (2, 3)
+    q, k, v, _ = _inputs(lengths, 2, 1, 4, torch.float64)
+    cu = _cu_seqlens(lengths)
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: varlen_attention(q, k, v, cu, cu, 3, 3, is_causal=True), inputs)
+
+
+def _good():
+    q, k, v, _ = _inputs((2, 3), 2, 2, 16, torch.float32)
+    return dict(query=q, key=k, value=v, cu_seqlens_q=_cu_seqlens((2, 3)), cu_seqlens_k=_cu_seqlens((2, 3)),
+                max_seqlen_q=3, max_seqlen_k=3)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (dict(cu_seqlens_q=torch.tensor([0, 2, 5])), TypeError, "cu_seqlens_q must be int32, got torch.int64"),
+        (dict(cu_seqlens_k=torch.tensor([1, 2, 5], dtype=torch.int32)), ValueError, "cu_seqlens_k must start at 0"),
+        (dict(cu_seqlens_q=torch.tensor([0, 4, 2, 5], dtype=torch.int32), cu_seqlens_k=_cu_seqlens((2, 0, 3))),
+         ValueError, "cu_seqlens_q must be non-decreasing, got 4 then 2"),
+        (dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError,
+         "cu_seqlens_q\\[-1\\] must equal query's number of rows 5, got 4"),
+        (dict(cu_seqlens_k=_cu_seqlens((5,))), ValueError, "cu_seqlens_k must have cu_seqlens_q's 3 entries"),
+        (dict(cu_seqlens_q=_cu_seqlens((2, 3))[None]), ValueError, "cu_seqlens_q must be 1-d"),
+        (dict(cu_seqlens_q=[0, 2, 5]), TypeError, "cu_seqlens_q must be a torch.Tensor"),
+        (dict(max_seqlen_k=2), ValueError, "max_seqlen for cu_seqlens_k must be at least its longest sequence 3"),
+        (dict(max_seqlen_q=3.0), TypeError, "max_seqlen_q must be an int"),
+        (dict(query=torch.randn(5, 2, 16)[None]), ValueError, "query must be 3-d"),
+        (dict(key=torch.randn(5, 3, 16), value=torch.randn(5, 3, 16)), ValueError, "must divide query's 2 heads"),
+        (dict(value=torch.randn(5, 2, 8)), ValueError, "value must have key's shape"),
+        (dict(key=torch.randn(5, 2, 16).half()), TypeError, "key must have query's dtype"),
+        (dict(query=torch.randn(5, 2, 16).long()), TypeError, "query must be float16, bfloat16, float32"),
+    ],
+)
+def test_bad_input(change, error, message):
+    with pytest.raises(error, match=message):
+        varlen_attention(**{**_good(), **change})
+
+
+def test_bad_dropout():
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        varlen_attention(**_good(), dropout_p=1.0)
+
+
+def test_memory_kept_is_q_k_v_out_lse():
+    """Saved for backward: q, k, v, out, lse, the seed and both cu_seqlens, nothing per score."""
+    q, k, v, _ = _inputs((3, 9), 2, 2, 16, torch.float32)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    cu = _cu_seqlens((3, 9))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        saved = []
+        out = varlen_attention(q, k, v, cu, cu, 9, 9, 0.1)
+    shapes = sorted(tuple(t.shape) for t in saved)
+    assert shapes == sorted([(12, 2, 16)] * 4 + [(2, 12), (), (3,), (3,)]), shapes
+    assert out.is_contiguous()
