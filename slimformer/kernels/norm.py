@@ -15,7 +15,12 @@ x̂ = (y - b) / w is rebuilt in backward: the next Linear keeps y anyway, so the
 adds only rstd (4 bytes per row). That division is only trustworthy when no |w| is
 tiny and |b| / |w| is bounded, which ``output_rebuilds_input`` decides once, when a
 layer gets its weights, never per step. The dropout mask is regenerated from the
-seed (see ``philox.py``), never stored. dw and db are reduced in two stages without
+seed (see ``philox.py``), never stored.
+
+The dropout may instead follow the norm, out = dropout(y) (``dropout_after``, what
+BERT-family embeddings compute last); backward then masks dy before the norm's own
+backward. The output then has zeros where y does not, so x itself is saved (the next
+layer keeps out, not y: saving y would cost as much and round). dw and db are reduced in two stages without
 atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
 the partials are summed. Rows wider than 8192 are processed in 4096-column blocks
 (``_norm_*_wide_kernel``), so no row has to fit in registers.
@@ -56,10 +61,11 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 @triton.jit
 def _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H: tl.constexpr,
-                 H_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """h = dropout(x) + residual in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N))."""
+                 H_DTYPE: tl.constexpr, DROPOUT_AFTER: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """h = dropout(x) + residual in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N));
+    no dropout here when it follows the norm."""
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    if SEED is not None:
+    if SEED is not None and not DROPOUT_AFTER:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
         h *= tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
     if RESIDUAL is not None:
@@ -69,6 +75,13 @@ def _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p
         # PyTorch (which materialises x + residual) see the same numbers.
         h = h.to(H_DTYPE).to(tl.float32)
     return h
+
+
+@triton.jit
+def _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N: tl.constexpr):
+    """keep · scale in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N))."""
+    threshold, scale = dropout_threshold_and_scale(dropout_p)
+    return tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
 
 
 @triton.jit
@@ -90,6 +103,7 @@ def _norm_fwd_kernel(
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
     STORE_H: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -99,7 +113,8 @@ def _norm_fwd_kernel(
     mask = row_ok[:, None] & (cols < N)[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
 
-    h = _fused_input(X, RESIDUAL, SEED, rows, 0, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, BLOCK_N)
+    h = _fused_input(X, RESIDUAL, SEED, rows, 0, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER,
+                     BLOCK_N)  # fmt: skip
     if STORE_H:
         tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
 
@@ -118,6 +133,8 @@ def _norm_fwd_kernel(
         y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if B is not None:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if DROPOUT_AFTER:
+        y *= _dropout_scale_tile(SEED, rows, 0, N, dropout_p, BLOCK_N)
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -141,6 +158,7 @@ def _norm_bwd_kernel(
     rows_per_program,
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -167,6 +185,8 @@ def _norm_bwd_kernel(
         offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
 
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT_AFTER:
+            dy *= tl.where(dropout_keep_tile(seed, rows, 0, N, threshold, BLOCK_N), scale, 0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
         if REBUILD_FROM_OUTPUT:
@@ -192,7 +212,7 @@ def _norm_bwd_kernel(
             dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
         if DRESIDUAL is not None:
             tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
-        if SEED is not None:
+        if SEED is not None and not DROPOUT_AFTER:
             dh *= tl.where(dropout_keep_tile(seed, rows, 0, N, threshold, BLOCK_N), scale, 0.0)
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
 
@@ -218,6 +238,7 @@ def _norm_fwd_wide_kernel(
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
     STORE_H: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``_norm_fwd_kernel`` for rows too wide for registers: one row per program, in column
@@ -231,7 +252,8 @@ def _norm_fwd_wide_kernel(
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (cols < N)[None, :]
         offsets = row.to(tl.int64) * N + cols[None, :]
-        h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, BLOCK_N)
+        h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
+                         DROPOUT_AFTER, BLOCK_N)  # fmt: skip
         if STORE_H:
             tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
         if IS_RMS:
@@ -256,20 +278,26 @@ def _norm_fwd_wide_kernel(
             h = tl.load(H + offsets, mask=mask, other=0.0).to(tl.float32)
         else:
             h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
-                             BLOCK_N)  # fmt: skip
+                             DROPOUT_AFTER, BLOCK_N)  # fmt: skip
         y = h * rstd[:, None] if IS_RMS else (h - mean[:, None]) * rstd[:, None]
         if W is not None:
             y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if B is not None:
             y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if DROPOUT_AFTER:
+            y *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
         tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS: tl.constexpr,
-                 REBUILD_FROM_OUTPUT: tl.constexpr):  # fmt: skip
-    """(dy, x̂, g = dy · w) in fp32 for one tile of rows x cols; x̂ is 0 outside ``mask``."""
+def _x_hat_and_g(DY, SAVED, W, B, MEAN, SEED, rows, col_start, cols, offsets, mask, rstd, N, dropout_p,
+                 IS_RMS: tl.constexpr, REBUILD_FROM_OUTPUT: tl.constexpr, DROPOUT_AFTER: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """(dy, x̂, g = dy · w) in fp32 for one tile of rows x cols, dy masked by a dropout that
+    follows the norm; x̂ is 0 outside ``mask``."""
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+    if DROPOUT_AFTER:
+        dy *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
     saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
     g = dy
     if W is not None:
@@ -306,6 +334,7 @@ def _norm_bwd_wide_kernel(
     rows_per_program,
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``_norm_bwd_kernel`` for rows too wide for registers: each program walks its rows one at
@@ -324,8 +353,8 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS,
-                                        REBUILD_FROM_OUTPUT)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, SEED, rows, col_start, cols, offsets, mask, rstd, N,
+                                        dropout_p, IS_RMS, REBUILD_FROM_OUTPUT, DROPOUT_AFTER, BLOCK_N)  # fmt: skip
             sum_g_xhat += tl.sum(g * x_hat, axis=1)
             sum_g += tl.sum(g, axis=1)
         mean_g_xhat = (sum_g_xhat / N)[:, None]
@@ -334,16 +363,15 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS,
-                                        REBUILD_FROM_OUTPUT)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, B, MEAN, SEED, rows, col_start, cols, offsets, mask, rstd, N,
+                                        dropout_p, IS_RMS, REBUILD_FROM_OUTPUT, DROPOUT_AFTER, BLOCK_N)  # fmt: skip
             dh = _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS)
             if DH_OUT is not None:
                 dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
             if DRESIDUAL is not None:
                 tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
-            if SEED is not None:
-                threshold, scale = dropout_threshold_and_scale(dropout_p)
-                dh *= tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
+            if SEED is not None and not DROPOUT_AFTER:
+                dh *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
             tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
             accumulated = (cols < N) & (row > row_start)
             if DW_PARTIAL is not None:
@@ -367,6 +395,7 @@ class _NormSpec:
     rebuild_from_output: bool
     return_residual: bool
     out_dtype: torch.dtype
+    dropout_after: bool = False
 
     @property
     def dropout_scale(self) -> float:
@@ -385,6 +414,11 @@ def _block_config(n_cols: int) -> tuple[int, int, int, bool]:
     return block_m, block_n, num_warps, False
 
 
+def _input_is_fused(seed, residual, spec: _NormSpec) -> bool:
+    """Whether the norm's input h is something other than x itself."""
+    return (seed is not None and not spec.dropout_after) or residual is not None
+
+
 def _h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
     return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
 
@@ -393,7 +427,7 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     """Launch the forward kernel on (M, N) rows. Returns (y, h or None, mean or None, rstd), with
     y and h allocated in the caller's ``shape`` (the kernel only sees their flat storage)."""
     M, N = x.shape
-    fused = seed is not None or residual is not None
+    fused = _input_is_fused(seed, residual, spec)
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
     y = torch.empty(shape, dtype=spec.out_dtype, device=x.device)
     h = torch.empty(shape, dtype=_h_dtype(x, residual), device=x.device) if store_h else None
@@ -403,7 +437,8 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     if M == 0 or N == 0:
         return y, h, mean, rstd
     block_m, block_n, num_warps, wide = _block_config(N)
-    flags = dict(IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h)
+    flags = dict(IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
+                 DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
     args = (x, residual, weight, bias, y, h, mean, rstd, seed, M, N, spec.eps, spec.dropout_p)
     if wide:
         _norm_fwd_wide_kernel[(M,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
@@ -432,7 +467,8 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     if M > 0 and N > 0:
         args = (dy, saved, weight, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial, seed,
                 M, N, spec.dropout_p, rows_per_program)  # fmt: skip
-        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output)
+        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output,
+                     DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
         if wide:
             _norm_bwd_wide_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:
@@ -454,7 +490,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
     """PyTorch statement of ``_norm_fwd``: same outputs, same dtypes, same mask, in blocks of
     rows (torch's fused CPU LayerNorm for the normalisation)."""
     M, N = x.shape
-    fused = seed is not None or residual is not None
+    fused = _input_is_fused(seed, residual, spec)
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
     keep_mean = not spec.is_rms and not spec.rebuild_from_output
     h_dtype = _h_dtype(x, residual)
@@ -467,7 +503,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
     b = None if bias is None else bias.float()
     for start, stop in reference_row_blocks(M, N):
         h = x[start:stop].float()
-        if seed is not None:
+        if seed is not None and not spec.dropout_after:
             h = h * _dropout_scale_rows(seed, start, stop, N, spec, x.device)
         if residual is not None:
             h = h + residual[start:stop].float()
@@ -483,6 +519,8 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
         else:
             y_rows, block_mean, block_rstd = torch.native_layer_norm(h, [N], w, b, spec.eps)
             mean[start:stop], rstd[start:stop] = block_mean.view(-1), block_rstd.view(-1)
+        if spec.dropout_after and seed is not None:
+            y_rows = y_rows.mul_(_dropout_scale_rows(seed, start, stop, N, spec, x.device))
         y.view(M, N)[start:stop] = y_rows
     if M and not N:  # no blocks: the statistics of empty rows, as the row formulas give them
         mean.fill_(math.nan)
@@ -503,6 +541,8 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
     db = None if bias is None else torch.zeros(N, dtype=torch.float32, device=dy.device)
     for start, stop in reference_row_blocks(M, N):
         dy_rows, saved_rows = dy[start:stop].float(), saved[start:stop].float()
+        if spec.dropout_after and seed is not None:
+            dy_rows = dy_rows * _dropout_scale_rows(seed, start, stop, N, spec, dy.device)
         block_rstd = rstd[start:stop, None]
         if spec.rebuild_from_output:
             x_hat = saved_rows if b is None else saved_rows - b
@@ -534,7 +574,7 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
             dh += dh_out[start:stop].float()
         if dresidual is not None:
             dresidual[start:stop] = dh
-        if seed is not None:
+        if seed is not None and not spec.dropout_after:
             dh.mul_(_dropout_scale_rows(seed, start, stop, N, spec, dy.device))
         dx[start:stop] = dh
     if residual_dtype is not None and dresidual is None:
@@ -762,7 +802,10 @@ def _output_dtype(x: torch.Tensor, residual: torch.Tensor | None, autocast: bool
     return torch.float32 if autocast and x.device.type == "cuda" else _h_dtype(x, residual)
 
 
-def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms):
+def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms,
+                dropout_after=False):  # fmt: skip
+    """The checked call of ``_NormFunction``; ``dropout_after`` applies the dropout to the
+    norm's output instead of its input (then the input is saved whenever dropout_p > 0)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -785,9 +828,10 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
         normalized_ndim=len(shape),
         eps=float(eps),
         dropout_p=float(dropout_p),
-        rebuild_from_output=bool(memory_efficient),
+        rebuild_from_output=bool(memory_efficient) and not (dropout_after and dropout_p > 0),
         return_residual=bool(return_residual),
         out_dtype=_output_dtype(x, residual, autocast),
+        dropout_after=bool(dropout_after),
     )
     seed = new_dropout_seed(x.device) if dropout_p > 0 else None
     weight = None if weight is None else weight.contiguous().view(n_cols)
