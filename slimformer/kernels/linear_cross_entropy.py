@@ -44,8 +44,10 @@ def _chunk_statistics_kernel(
     ROW_TARGET,  # (rows,) fp32 z_label, written by the chunk holding the label
     stride_row,
     chunk,
+    chunk_padded,  # chunk rounded up to 16: the buffer holds (unused) columns up to there
     v_start,
     SUM_LOGITS: tl.constexpr,  # Σz is needed only with label smoothing
+    RAGGED: tl.constexpr,  # chunk != chunk_padded
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -54,10 +56,13 @@ def _chunk_statistics_kernel(
     running_sumexp = tl.load(ROW_SUMEXP + row)
     if SUM_LOGITS:
         running_sum = tl.load(ROW_SUM + row)
-    for start in range(0, chunk, BLOCK_V):
+    for start in range(0, chunk_padded, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        # columns past the chunk load -inf, whose exp is 0 (the max is finite once one logit is)
-        z = tl.load(logits + cols, mask=cols < chunk, other=-float("inf")).to(tl.float32)
+        # Loads up to chunk_padded (a multiple of 16) stay 16-byte vectors; columns past the
+        # chunk become -inf, whose exp is 0 (the max is finite once one logit is).
+        z = tl.load(logits + cols, mask=cols < chunk_padded, other=-float("inf")).to(tl.float32)
+        if RAGGED:
+            z = tl.where(cols < chunk, z, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         # exp(-inf - -inf) is NaN: an all -inf prefix contributes nothing.
         rescale = tl.where(running_max == new_max, 1.0, tl.exp2((running_max - new_max) * _LOG2E))
@@ -81,16 +86,17 @@ def _chunk_logits_grad_kernel(
     LSE,  # (rows,) fp32 log-sum-exp over the whole vocabulary
     ROW_GRAD,  # (rows,) fp32 g_i: d loss / d loss_i, 0 for ignored rows
     stride_row,
-    chunk,
+    chunk_padded,  # chunk rounded up to 16: the buffer's columns past the chunk are scratch
     v_start,
     target_weight,  # 1 - ε
     uniform_weight,  # ε / V
     BLOCK_V: tl.constexpr,
 ):
-    """One program per (row, BLOCK_V columns): elementwise, no loop."""
+    """One program per (row, BLOCK_V columns): elementwise, no loop. It also writes the
+    scratch columns up to chunk_padded, so that loads and stores stay 16-byte vectors."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = cols < chunk
+    mask = cols < chunk_padded
     logits = LOGITS + row * stride_row + cols
     label = tl.load(LABELS + row)
     lse_log2 = tl.load(LSE + row) * _LOG2E
@@ -110,11 +116,16 @@ def _chunk_width(rows: int, vocab: int) -> int:
     return min(vocab, width)
 
 
+def _padded(width: int) -> int:
+    return triton.cdiv(width, 16) * 16
+
+
 def _chunk_buffer(x, width: int) -> torch.Tensor:
     """(rows, width rounded up to 16) buffer that every chunk's logits are written into:
-    each row starts 16-element aligned even in a last, narrower chunk, so the kernels
-    load whole 16-byte vectors there too (an odd row stride would make them scalar)."""
-    return torch.empty(x.shape[0], triton.cdiv(width, 16) * 16, dtype=x.dtype, device=x.device)
+    each row starts 16-element aligned and has columns up to a multiple of 16 even in a
+    last, narrower chunk, so the kernels move whole 16-byte vectors there too (an odd
+    row stride or column count would make them scalar)."""
+    return torch.empty(x.shape[0], _padded(width), dtype=x.dtype, device=x.device)
 
 
 def _chunk_logits(x, weight, bias, start, stop, buffer):
@@ -129,10 +140,10 @@ def _chunk_statistics(logits, labels, stats, start, sum_logits: bool, triton_ker
     """Fold one chunk of logits into stats = (max, Σexp, Σz (if ``sum_logits``), z_label), in place."""
     row_max, row_sumexp, row_sum, row_target = stats
     if triton_kernel:
-        chunk = logits.shape[1]
+        chunk, padded = logits.shape[1], _padded(logits.shape[1])
         _chunk_statistics_kernel[(logits.shape[0],)](
-            logits, labels, row_max, row_sumexp, row_sum, row_target, logits.stride(0), chunk, start,
-            SUM_LOGITS=sum_logits, BLOCK_V=_block_v(chunk, 4096),
+            logits, labels, row_max, row_sumexp, row_sum, row_target, logits.stride(0), chunk, padded, start,
+            SUM_LOGITS=sum_logits, RAGGED=padded != chunk, BLOCK_V=_block_v(chunk, 4096),
         )  # fmt: skip
         return
     _chunk_statistics_reference(logits, labels, stats, start, sum_logits)
@@ -156,10 +167,10 @@ def _chunk_statistics_reference(logits, labels, stats, start, sum_logits: bool) 
 def _logits_grad(logits, labels, lse, row_grad, start, vocab, label_smoothing, triton_kernel: bool):
     """One chunk of logits -> d loss / d logits, in place."""
     if triton_kernel:
-        chunk = logits.shape[1]
-        block_v = _block_v(chunk, 1024)
-        _chunk_logits_grad_kernel[(logits.shape[0], triton.cdiv(chunk, block_v))](
-            logits, labels, lse, row_grad, logits.stride(0), chunk, start, 1.0 - label_smoothing,
+        padded = _padded(logits.shape[1])
+        block_v = _block_v(padded, 4096)
+        _chunk_logits_grad_kernel[(logits.shape[0], triton.cdiv(padded, block_v))](
+            logits, labels, lse, row_grad, logits.stride(0), padded, start, 1.0 - label_smoothing,
             label_smoothing / vocab, BLOCK_V=block_v,
         )  # fmt: skip
         return logits
