@@ -295,7 +295,7 @@ def test_summary_prints_as_text_and_rich_table(torch_path):
 
     model = patch(_model("RobertaModel", hidden_act="silu"), recompute="mlp")
     text = str(patch_summary(model))
-    assert text.splitlines()[0] == "slimformer.patch(RobertaModel, recompute='mlp'): 5 swapped, 2 left"
+    assert text.splitlines()[0] == "slimformer.patch(RobertaModel, recompute='mlp'): 6 swapped, 2 left"
     assert "embeddings.LayerNorm" in text and "left: hidden_act 'silu'" in text
     console = Console(record=True, width=200)
     console.print(patch_summary(model))
