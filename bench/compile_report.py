@@ -331,7 +331,12 @@ def norm_bytes_section(collection: Collection) -> list[str]:
 
 
 def _elements(record) -> int:
+    """Elements one launch covers: a vocabulary chunk of the linear + cross-entropy is
+    rows × that chunk's width (its own launch), not the whole vocabulary."""
     params = record.case.params
+    chunk = record.launch.arg_values.get("chunk_padded")
+    if record.case.family == "loss" and chunk:
+        return params["rows"] * chunk
     return params.get("elements") or params["rows"] * params["in_features"]
 
 

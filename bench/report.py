@@ -15,7 +15,8 @@ A run that selects benchmarks (``-k EXPR``, ``-m EXPR`` or test paths) is partia
 files are named ``<device-slug>-partial-<selection>*`` and the full report is left as it
 is. ``-k`` also selects the memory sections, matched like a test name: the norm table
 as ``norm_memory``, each column of the BERT section as ``bert_memory <column>``
-(``-k "bert_memory and not sdpa"``, ``-k "bert_memory and (eager or none)"``).
+(``-k "bert_memory and not sdpa"``, ``-k "bert_memory and (eager or none)"``), the
+masked-LM section (``bench/mlm_memory.py``) as ``mlm_memory``.
 
 The report knows no family: each benchmark's ``extra_info`` names its ``family``,
 ``op``, ``mode``, ``provider``, ``implementation``, the swept parameter (``sweep``, e.g.
@@ -53,6 +54,7 @@ from bench.bert_memory import bert_memory_section  # noqa: E402
 from bench.cpu_step import measure_times, time_lines  # noqa: E402
 from bench.harness import report_machine_info  # noqa: E402
 from bench.int8_inference import int8_inference_section  # noqa: E402
+from bench.mlm_memory import mlm_memory_section  # noqa: E402
 from slimformer.recompute import POLICIES  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 from bench.unpad import report_lines as unpad_lines  # noqa: E402
@@ -464,6 +466,10 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         console.print("\n".join(bert), markup=False, highlight=False, soft_wrap=True)
         md += ["", *bert]
         written.append(bert_plot)
+    if chosen.selects("mlm_memory"):
+        mlm = mlm_memory_section(torch.device(device_type), log=console.log)
+        console.print(Markdown("\n".join(mlm)))
+        md += ["", *mlm]
     if chosen.selects("int8_inference"):
         int8_plot = RESULTS / f"{stem}-int8.png"
         int8 = int8_inference_section(torch.device(device_type), int8_plot, log=console.log)
@@ -499,7 +505,7 @@ def main(pytest_args: list[str]) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)  # logs: don't cut columns at 80
     bert_columns = [*BERT_BASELINES, *(f"slimformer ({policy})" for policy in POLICIES)]
     memory_selected = chosen.selects("norm_memory") or any(chosen.selects(f"bert_memory {c}") for c in bert_columns)
-    memory_selected = memory_selected or chosen.selects("unpad")
+    memory_selected = memory_selected or chosen.selects("unpad") or chosen.selects("mlm_memory")
     if data is None and not memory_selected:
         sys.exit("no benchmark and no memory section selected; no report written")
     for path in write_report(data, skipped, console, chosen):

@@ -17,6 +17,13 @@ the patch keep working):
 
   Every dropout mask is regenerated from a Philox seed rather than stored, so dropout
   draws differ from torch's, with the same distribution.
+* the embeddings of those models (``BertEmbeddings`` ...): their ``LayerNorm`` and
+  ``dropout``, which their forward calls one after the other, become a
+  ``LayerNormDropout`` and a ``DropoutInNorm`` (``slimformer.layers.norm``), the
+  same fused norm kernel applying the dropout to its output with the mask regenerated
+  from a seed; the dropout's place passes its input through. Checked against the
+  embeddings' source: each ``x = self.LayerNorm(x)`` directly followed by
+  ``x = self.dropout(x)``, and no other call of either.
 * HuggingFace BERT-family ``*ForMaskedLM`` models (BERT, ERNIE, RoBERTa, XLM-RoBERTa,
   CamemBERT, Data2VecText) and ``BertForPreTraining`` change class in place to ``Fused<Model>``, whose training
   loss skips the vocabulary logits (see ``slimformer.masked_lm``; ``logits`` is None
@@ -84,7 +91,7 @@ from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
 from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.linear import Linear8bit, Linear16bit
-from slimformer.layers.norm import LayerNorm, RMSNorm
+from slimformer.layers.norm import LayerNorm, RMSNorm, fuse_with_dropout
 from slimformer.layers.sharing import NotScriptable
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
@@ -118,6 +125,20 @@ _BERT_LAYERS = frozenset(
         ("transformers.models.roc_bert.modeling_roc_bert", "RoCBertLayer"),
     }
 )
+# Their embeddings, whose forward ends with LayerNorm then dropout (checked against the source).
+_BERT_EMBEDDINGS = frozenset(
+    {
+        ("transformers.models.bert.modeling_bert", "BertEmbeddings"),
+        ("transformers.models.roberta.modeling_roberta", "RobertaEmbeddings"),
+        ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaEmbeddings"),
+        ("transformers.models.camembert.modeling_camembert", "CamembertEmbeddings"),
+        ("transformers.models.electra.modeling_electra", "ElectraEmbeddings"),
+        ("transformers.models.ernie.modeling_ernie", "ErnieEmbeddings"),
+        ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextEmbeddings"),
+        ("transformers.models.roc_bert.modeling_roc_bert", "RoCBertEmbeddings"),
+    }
+)
+_NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\)\n\s*\1 = self\.dropout\(\1\)\n")
 # config.hidden_act -> fused_mlp's activation.
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _MAX_HEAD_DIM = 256
@@ -456,6 +477,47 @@ def _has_user_hooks(module: nn.Module) -> bool:
     )
 
 
+_EMBEDDINGS_SOURCE_PROBLEM: dict[type, str | None] = {}
+
+
+def _embeddings_problem(embeddings: nn.Module) -> str | None:
+    """Why the LayerNorm and dropout of ``embeddings`` (an allow-listed class) cannot be
+    fused, or None."""
+    kind = type(embeddings)
+    if kind not in _EMBEDDINGS_SOURCE_PROBLEM:
+        try:
+            source = inspect.getsource(kind.forward)
+        except (OSError, TypeError):
+            source = ""
+        pairs = len(_NORM_THEN_DROPOUT.findall(source))
+        same = pairs > 0 and source.count("self.LayerNorm") == source.count("self.dropout") == pairs
+        problem = None if same else "its forward does not apply dropout right after each LayerNorm (source checked)"
+        _EMBEDDINGS_SOURCE_PROBLEM[kind] = problem
+    if _EMBEDDINGS_SOURCE_PROBLEM[kind] is not None:
+        return _EMBEDDINGS_SOURCE_PROBLEM[kind]
+    for name, expected in (("LayerNorm", nn.LayerNorm), ("dropout", nn.Dropout)):
+        module = getattr(embeddings, name, None)
+        if type(module) is not expected:
+            return f"{name} is a {type(module).__name__}, not torch.nn.{expected.__name__}"
+    return None
+
+
+def _embedding_swaps(embeddings: nn.Module, name: str) -> tuple[list["Swap"], str | None]:
+    """The swaps fusing the LayerNorm and dropout of BERT-family ``embeddings``, or
+    ([], why not), or ([], None) when ``embeddings`` is not such a module."""
+    if (type(embeddings).__module__, type(embeddings).__name__) not in _BERT_EMBEDDINGS:
+        return [], None
+    problem = _embeddings_problem(embeddings)
+    if problem is not None:
+        return [], problem
+    norm, dropout = fuse_with_dropout(embeddings.LayerNorm, embeddings.dropout)
+    prefix = f"{name}." if name else ""
+    return [
+        Swap(f"{prefix}LayerNorm", embeddings, embeddings.LayerNorm, norm),
+        Swap(f"{prefix}dropout", embeddings, embeddings.dropout, dropout),
+    ], None
+
+
 def _is_slimformer(module: nn.Module) -> bool:
     return type(module).__module__.startswith("slimformer.")
 
@@ -598,8 +660,14 @@ def _plan(model: nn.Module) -> tuple[list[Swap], list[Left]]:
         if replacement is not None:
             swaps.append(Swap(name, parent, module, replacement))
             return
+        fused_children, problem = _embedding_swaps(module, name)
+        swaps.extend(fused_children)
+        if problem is not None:
+            left.append(Left(name, type(module).__name__, problem))
+        done = {swap.attribute for swap in fused_children}
         for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name, module, inside_left or reason is not None)
+            if child_name not in done:
+                visit(child, f"{name}.{child_name}" if name else child_name, module, inside_left or reason is not None)
 
     visit(model, "", None, False)
     return swaps, left

@@ -2,6 +2,7 @@
 ``measure_activation_memory``, slimformer layers below torch's, the table, the sequence
 sweep and its plot, and the command line end to end on a tiny HF BERT config."""
 
+import copy
 import gc
 import json
 import subprocess
@@ -280,3 +281,29 @@ def test_cuda_peak_and_step_time():
     assert column.peak_bytes >= column.activations.alive_bytes > 0  # all of them are allocated at the peak
     assert column.step_seconds > 0
     assert "step peak, fwd+bwd" in str(measured) and "step time" in str(measured)
+
+
+def test_masked_lm_head_gets_its_own_row():
+    # head + loss = the whole forward minus the base model measured alone; the fused
+    # masked-LM loss of a patched model keeps far less there than HF's logits and softmax.
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=D_MODEL, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                        intermediate_size=FFN, vocab_size=500, max_position_embeddings=SEQ)  # fmt: skip
+    eager = BertForMaskedLM(config).train()
+    ids = torch.randint(5, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(SEQ) % 7 == 0, ids, -100)
+    models = {"eager": eager, "slimformer": sf.patch(copy.deepcopy(eager))}
+    result = sf.memory.report(models, {"input_ids": ids, "labels": labels}, progress=False)
+    for column, model in zip(result.models, models.values()):
+        assert column.base[0] == "bert"
+        alone = measure_activation_memory(model.bert, input_ids=ids)
+        assert column.base[1].saved_bytes == alone.saved_bytes
+        assert column.head_bytes == column.activation_bytes - max(alone.saved_bytes, alone.alive_bytes)
+        layers = sum(max(m.saved_bytes, m.alive_bytes) for _, m in column.layers)
+        assert column.rest_bytes == column.activation_bytes - layers - column.head_bytes >= 0
+    eager_head, fused_head = (column.head_bytes for column in result.models)
+    assert eager_head > BATCH * SEQ * 500 * FP32 > 4 * fused_head  # at least the logits vs a fraction of them
+    text = str(result)
+    assert "head + loss (all but bert)" in text and "rest (embeddings, layer I/O)" in text

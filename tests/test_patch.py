@@ -23,6 +23,8 @@ from transformers import (
 )
 
 import slimformer as sf
+from slimformer.kernels.philox import dropout_threshold
+from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import FusedBertFamilyLayer, patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES
@@ -166,6 +168,63 @@ def test_train_and_eval_modes(torch_path):
     )
 
 
+def _embeddings_grads(embeddings, ids, dy):
+    embeddings.zero_grad()
+    out = embeddings(input_ids=ids)
+    (out * dy).sum().backward()
+    return out, {name: p.grad.clone() for name, p in embeddings.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["BertModel", "RobertaModel"])
+def test_embeddings_norm_and_dropout_run_as_one_kernel(backend, name):
+    # Without dropout exactly HF's embeddings; with it, HF's computation with the mask the
+    # kernel drew (read from its output), which backward must regenerate.
+    ids, _ = _batch(_model(name).config, batch=2, seq=7)
+    dy = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(5))
+    for p in (0.0, 0.3):
+        reference = _model(name, dropout=p).train()
+        model = patch(copy.deepcopy(reference))
+        assert type(model.embeddings.LayerNorm) is LayerNormDropout and model.embeddings.LayerNorm.fuses_dropout()
+        out, grads = _embeddings_grads(model.embeddings, ids, dy)
+        keep = out != 0
+        if p:
+            assert 0.5 < keep.float().mean() < 0.9  # ~0.7 kept
+            reference.embeddings.dropout = nn.Identity()  # HF's embeddings, masked below with the kernel's mask
+            scale = dropout_threshold(p)[1]
+            reference.embeddings.register_forward_hook(lambda m, a, y: torch.where(keep, y * scale, 0.0))
+        expected_out, expected = _embeddings_grads(reference.embeddings, ids, dy)
+        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        _assert_grads_close(grads, expected)
+
+
+def test_embeddings_keep_no_dropout_mask(torch_path):
+    # HF keeps the LayerNorm's input and a byte mask; the fused kernel only the input
+    # (and the row statistics), or nothing beyond its output without dropout.
+    ids = torch.randint(5, 100, (4, 64), generator=torch.Generator().manual_seed(0))
+    elements = ids.numel() * 32
+    for p in (0.0, 0.1):
+        model = _model("BertModel", dropout=p).train()
+        before = measure_activation_memory(model.embeddings, input_ids=ids).saved_bytes
+        patch(model)
+        after = measure_activation_memory(model.embeddings, input_ids=ids).saved_bytes
+        assert after <= before - elements * (1 if p else 4), (p, before, after)
+
+
+def test_embeddings_fall_back_when_their_norm_or_dropout_has_hooks(torch_path):
+    reference = _model("BertModel", dropout=0.0).train()
+    model = patch(copy.deepcopy(reference))
+    seen = []
+    model.embeddings.dropout.register_forward_hook(lambda m, a, out: seen.append(out))
+    assert not model.embeddings.LayerNorm.fuses_dropout()
+    ids, _ = _batch(model.config)
+    dy = torch.randn(*ids.shape, 32)
+    out, grads = _embeddings_grads(model.embeddings, ids, dy)
+    expected_out, expected = _embeddings_grads(reference.embeddings, ids, dy)
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    _assert_grads_close(grads, expected)
+    assert len(seen) == 1 and seen[0] is out
+
+
 def test_state_dict_parameters_and_unpatch(torch_path):
     model = _model("BertForMaskedLM")
     modules = dict(model.named_modules())
@@ -174,11 +233,12 @@ def test_state_dict_parameters_and_unpatch(torch_path):
     assert patch(model) is model
     assert list(model.state_dict()) == keys
     assert all(p is parameters[name] for name, p in model.named_parameters())
-    assert type(model.bert.embeddings.LayerNorm) is sf.LayerNorm
+    assert type(model.bert.embeddings.LayerNorm) is LayerNormDropout
+    assert type(model.bert.embeddings.dropout) is DropoutInNorm
     assert type(model.cls.predictions.transform.LayerNorm) is sf.LayerNorm
     swapped = {swap.name for swap in patch_summary(model).swapped}
     assert swapped == {
-        "bert.embeddings.LayerNorm", "bert.encoder.layer.0", "bert.encoder.layer.1",
+        "bert.embeddings.LayerNorm", "bert.embeddings.dropout", "bert.encoder.layer.0", "bert.encoder.layer.1",
         "cls.predictions.transform.LayerNorm",
     }  # fmt: skip
     model.eval()
@@ -235,7 +295,7 @@ def test_summary_prints_as_text_and_rich_table(torch_path):
 
     model = patch(_model("RobertaModel", hidden_act="silu"), recompute="mlp")
     text = str(patch_summary(model))
-    assert text.splitlines()[0] == "slimformer.patch(RobertaModel, recompute='mlp'): 5 swapped, 2 left"
+    assert text.splitlines()[0] == "slimformer.patch(RobertaModel, recompute='mlp'): 6 swapped, 2 left"
     assert "embeddings.LayerNorm" in text and "left: hidden_act 'silu'" in text
     console = Console(record=True, width=200)
     console.print(patch_summary(model))

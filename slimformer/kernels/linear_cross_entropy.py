@@ -10,9 +10,12 @@ label smoothing ε:
 
 The vocabulary is walked in chunks of C tokens, C chosen so that one chunk of logits
 (rows × C, fp32 statistics) stays under a fixed budget whatever V is. Per chunk the
-logits come from one matmul (cuBLAS or PyTorch's CPU GEMM); the Triton kernels do the
-memory-bound part in place on that chunk: the forward kernel folds it into each row's
-running max, Σexp, Σz and z_y; the backward kernel turns it into dz, which two more
+logits come from one matmul (cuBLAS or PyTorch's CPU GEMM) written into one buffer
+whose rows start 16-element aligned (so a last, narrower chunk still gets vector
+loads); the Triton kernels do the memory-bound part in place on that chunk: the
+forward kernel (a program per row) folds it into each row's running max, Σexp, Σz
+(with label smoothing only) and z_y (one load from the chunk holding the label); the
+backward kernel (a program per row and 1024 columns) turns it into dz, which two more
 matmuls send to dx (accumulated in fp32 over the chunks), dW and db (written chunk by
 chunk). Saved for backward: x, W, b, the labels and lse (one fp32 per row); backward
 recomputes each chunk's logits (one extra matmul, a third of the backward's FLOPs)
@@ -28,73 +31,83 @@ from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
 # One chunk of logits holds at most this many elements (16 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 22
 _REDUCTIONS = ("mean", "sum", "none")
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def _chunk_statistics_kernel(
-    LOGITS,  # (rows, chunk) logits of vocabulary entries [v_start, v_start + chunk)
+    LOGITS,  # (rows, chunk) logits of vocabulary entries [v_start, v_start + chunk), rows stride_row apart
     LABELS,  # (rows,) int64 target per row
     ROW_MAX,  # (rows,) fp32 running max, updated in place
     ROW_SUMEXP,  # (rows,) fp32 running Σ exp(z - max), updated in place
-    ROW_SUM,  # (rows,) fp32 running Σ z, updated in place
+    ROW_SUM,  # (rows,) fp32 running Σ z, updated in place when SUM_LOGITS
     ROW_TARGET,  # (rows,) fp32 z_label, written by the chunk holding the label
     stride_row,
     chunk,
+    chunk_padded,  # chunk rounded up to 16: the buffer holds (unused) columns up to there
     v_start,
+    SUM_LOGITS: tl.constexpr,  # Σz is needed only with label smoothing
+    RAGGED: tl.constexpr,  # chunk != chunk_padded
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     logits = LOGITS + row * stride_row
-    label = tl.load(LABELS + row)
     running_max = tl.load(ROW_MAX + row)
     running_sumexp = tl.load(ROW_SUMEXP + row)
-    running_sum = tl.load(ROW_SUM + row)
-    for start in range(0, chunk, BLOCK_V):
+    if SUM_LOGITS:
+        running_sum = tl.load(ROW_SUM + row)
+    for start in range(0, chunk_padded, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < chunk
-        z = tl.load(logits + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        # Loads up to chunk_padded (a multiple of 16) stay 16-byte vectors; columns past the
+        # chunk become -inf, whose exp is 0 (the max is finite once one logit is).
+        z = tl.load(logits + cols, mask=cols < chunk_padded, other=-float("inf")).to(tl.float32)
+        if RAGGED:
+            z = tl.where(cols < chunk, z, -float("inf"))
         new_max = tl.maximum(running_max, tl.max(z, axis=0))
         # exp(-inf - -inf) is NaN: an all -inf prefix contributes nothing.
-        rescale = tl.where(running_max == new_max, 1.0, tl.exp(running_max - new_max))
-        running_sumexp = running_sumexp * rescale + tl.sum(tl.where(mask, tl.exp(z - new_max), 0.0), axis=0)
+        rescale = tl.where(running_max == new_max, 1.0, tl.exp2((running_max - new_max) * _LOG2E))
+        running_sumexp = running_sumexp * rescale + tl.sum(tl.exp2(z * _LOG2E - new_max * _LOG2E), axis=0)
         running_max = new_max
-        running_sum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        hit = cols == label - v_start
-        if tl.sum(hit.to(tl.int32), axis=0) > 0:
-            tl.store(ROW_TARGET + row, tl.sum(tl.where(hit, z, 0.0), axis=0))
+        if SUM_LOGITS:
+            running_sum += tl.sum(tl.where(cols < chunk, z, 0.0), axis=0)
     tl.store(ROW_MAX + row, running_max)
     tl.store(ROW_SUMEXP + row, running_sumexp)
-    tl.store(ROW_SUM + row, running_sum)
+    if SUM_LOGITS:
+        tl.store(ROW_SUM + row, running_sum)
+    local = tl.load(LABELS + row) - v_start
+    if (local >= 0) & (local < chunk):  # one load, not a search of every block
+        tl.store(ROW_TARGET + row, tl.load(logits + local).to(tl.float32))
 
 
 @triton.jit
 def _chunk_logits_grad_kernel(
-    LOGITS,  # (rows, chunk) logits in, dz out (in place)
+    LOGITS,  # (rows, chunk) logits in, dz out (in place), rows stride_row apart
     LABELS,  # (rows,) int64 target per row
     LSE,  # (rows,) fp32 log-sum-exp over the whole vocabulary
     ROW_GRAD,  # (rows,) fp32 g_i: d loss / d loss_i, 0 for ignored rows
     stride_row,
-    chunk,
+    chunk_padded,  # chunk rounded up to 16: the buffer's columns past the chunk are scratch
     v_start,
     target_weight,  # 1 - ε
     uniform_weight,  # ε / V
     BLOCK_V: tl.constexpr,
 ):
+    """One program per (row, BLOCK_V columns): elementwise, no loop. It also writes the
+    scratch columns up to chunk_padded, so that loads and stores stay 16-byte vectors."""
     row = tl.program_id(0).to(tl.int64)
-    logits = LOGITS + row * stride_row
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = cols < chunk_padded
+    logits = LOGITS + row * stride_row + cols
     label = tl.load(LABELS + row)
-    lse = tl.load(LSE + row)
+    lse_log2 = tl.load(LSE + row) * _LOG2E
     g = tl.load(ROW_GRAD + row)
-    for start in range(0, chunk, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < chunk
-        z = tl.load(logits + cols, mask=mask, other=0.0).to(tl.float32)
-        dz = tl.exp(z - lse) - uniform_weight - tl.where(cols == label - v_start, target_weight, 0.0)
-        tl.store(logits + cols, (g * dz).to(LOGITS.dtype.element_ty), mask=mask)
+    z = tl.load(logits, mask=mask, other=0.0).to(tl.float32)
+    dz = tl.exp2(z * _LOG2E - lse_log2) - uniform_weight - tl.where(cols == label - v_start, target_weight, 0.0)
+    tl.store(logits, (g * dz).to(LOGITS.dtype.element_ty), mask=mask)
 
 
-def _block_v(chunk: int) -> int:
-    return min(4096, triton.next_power_of_2(max(chunk, 16)))
+def _block_v(chunk: int, largest: int) -> int:
+    return min(largest, triton.next_power_of_2(max(chunk, 16)))
 
 
 def _chunk_width(rows: int, vocab: int) -> int:
@@ -103,27 +116,40 @@ def _chunk_width(rows: int, vocab: int) -> int:
     return min(vocab, width)
 
 
-def _chunk_logits(x, weight, bias, start, stop):
-    """(rows, stop - start) logits of one vocabulary chunk, in x's dtype."""
+def _padded(width: int) -> int:
+    return triton.cdiv(width, 16) * 16
+
+
+def _chunk_buffer(x, width: int) -> torch.Tensor:
+    """(rows, width rounded up to 16) buffer that every chunk's logits are written into:
+    each row starts 16-element aligned and has columns up to a multiple of 16 even in a
+    last, narrower chunk, so the kernels move whole 16-byte vectors there too (an odd
+    row stride or column count would make them scalar)."""
+    return torch.empty(x.shape[0], _padded(width), dtype=x.dtype, device=x.device)
+
+
+def _chunk_logits(x, weight, bias, start, stop, buffer):
+    """(rows, stop - start) logits of one vocabulary chunk, in x's dtype, in ``buffer``."""
+    out = buffer[:, : stop - start]
     if bias is None:
-        return x @ weight[start:stop].T
-    return torch.addmm(bias[start:stop], x, weight[start:stop].T)
+        return torch.mm(x, weight[start:stop].T, out=out)
+    return torch.addmm(bias[start:stop], x, weight[start:stop].T, out=out)
 
 
-def _chunk_statistics(logits, labels, stats, start, triton_kernel: bool) -> None:
-    """Fold one chunk of logits into stats = (max, Σexp, Σz, z_label), in place."""
+def _chunk_statistics(logits, labels, stats, start, sum_logits: bool, triton_kernel: bool) -> None:
+    """Fold one chunk of logits into stats = (max, Σexp, Σz (if ``sum_logits``), z_label), in place."""
     row_max, row_sumexp, row_sum, row_target = stats
     if triton_kernel:
-        chunk = logits.shape[1]
+        chunk, padded = logits.shape[1], _padded(logits.shape[1])
         _chunk_statistics_kernel[(logits.shape[0],)](
-            logits, labels, row_max, row_sumexp, row_sum, row_target, logits.stride(0), chunk, start,
-            BLOCK_V=_block_v(chunk),
+            logits, labels, row_max, row_sumexp, row_sum, row_target, logits.stride(0), chunk, padded, start,
+            SUM_LOGITS=sum_logits, RAGGED=padded != chunk, BLOCK_V=_block_v(chunk, 4096),
         )  # fmt: skip
         return
-    _chunk_statistics_reference(logits, labels, stats, start)
+    _chunk_statistics_reference(logits, labels, stats, start, sum_logits)
 
 
-def _chunk_statistics_reference(logits, labels, stats, start) -> None:
+def _chunk_statistics_reference(logits, labels, stats, start, sum_logits: bool) -> None:
     """What ``_chunk_statistics_kernel`` computes, with PyTorch ops on the chunk."""
     row_max, row_sumexp, row_sum, row_target = stats
     z = logits.float()
@@ -131,7 +157,8 @@ def _chunk_statistics_reference(logits, labels, stats, start) -> None:
     rescale = torch.where(row_max == new_max, 1.0, torch.exp(row_max - new_max))
     row_sumexp.mul_(rescale).add_(torch.exp(z - new_max[:, None]).sum(dim=1))
     row_max.copy_(new_max)
-    row_sum.add_(z.sum(dim=1))
+    if sum_logits:
+        row_sum.add_(z.sum(dim=1))
     local = labels - start
     hit = (local >= 0) & (local < z.shape[1])
     row_target.copy_(torch.where(hit, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], row_target))
@@ -140,10 +167,11 @@ def _chunk_statistics_reference(logits, labels, stats, start) -> None:
 def _logits_grad(logits, labels, lse, row_grad, start, vocab, label_smoothing, triton_kernel: bool):
     """One chunk of logits -> d loss / d logits, in place."""
     if triton_kernel:
-        chunk = logits.shape[1]
-        _chunk_logits_grad_kernel[(logits.shape[0],)](
-            logits, labels, lse, row_grad, logits.stride(0), chunk, start, 1.0 - label_smoothing,
-            label_smoothing / vocab, BLOCK_V=_block_v(chunk),
+        padded = _padded(logits.shape[1])
+        block_v = _block_v(padded, 4096)
+        _chunk_logits_grad_kernel[(logits.shape[0], triton.cdiv(padded, block_v))](
+            logits, labels, lse, row_grad, logits.stride(0), padded, start, 1.0 - label_smoothing,
+            label_smoothing / vocab, BLOCK_V=block_v,
         )  # fmt: skip
         return logits
     return _logits_grad_reference(logits, labels, lse, row_grad, start, vocab, label_smoothing)
@@ -169,9 +197,10 @@ def _linear_cross_entropy_fwd(x, weight, bias, labels, ignore_index, label_smoot
         torch.zeros(rows, **fp32),
     )
     width = _chunk_width(rows, vocab)
+    buffer = _chunk_buffer(x, width)
     for start in range(0, vocab, width):
-        logits = _chunk_logits(x, weight, bias, start, min(start + width, vocab))
-        _chunk_statistics(logits, labels, stats, start, triton_kernel)
+        logits = _chunk_logits(x, weight, bias, start, min(start + width, vocab), buffer)
+        _chunk_statistics(logits, labels, stats, start, label_smoothing > 0, triton_kernel)
     row_max, row_sumexp, row_sum, row_target = stats
     lse = row_max + torch.log(row_sumexp)
     loss = lse - (1.0 - label_smoothing) * row_target - label_smoothing * row_sum / vocab
@@ -187,9 +216,10 @@ def _linear_cross_entropy_bwd(row_grad, x, weight, bias, labels, lse, label_smoo
     dweight = torch.empty_like(weight) if needs[1] else None
     dbias = torch.empty_like(bias) if needs[2] else None
     width = _chunk_width(rows, vocab)
+    buffer = _chunk_buffer(x, width)
     for start in range(0, vocab, width):
         stop = min(start + width, vocab)
-        logits = _chunk_logits(x, weight, bias, start, stop)
+        logits = _chunk_logits(x, weight, bias, start, stop, buffer)
         dz = _logits_grad(logits, labels, lse, row_grad, start, vocab, label_smoothing, triton_kernel)
         if dx is not None:
             dx += dz @ weight[start:stop]

@@ -15,8 +15,14 @@ x̂ = (y - b) / w is rebuilt in backward: the next Linear keeps y anyway, so the
 adds only rstd (4 bytes per row). That division is only trustworthy when no |w| is
 tiny and |b| / |w| is bounded, which ``output_rebuilds_input`` decides once, when a
 layer gets its weights, never per step. The dropout mask is regenerated from the
-seed (see ``philox.py``), never stored. dw and db are reduced in two stages without
-atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
+seed (see ``philox.py``), never stored.
+
+The dropout may instead follow the norm, out = dropout(y) (``dropout_after``, what
+BERT-family embeddings compute last); backward then masks dy before the norm's own
+backward. The output then has zeros where y does not, so x itself is saved (the next
+layer keeps out, not y: saving y would cost as much and round).
+
+dw and db are reduced in two stages without atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
 the partials are summed. Rows wider than 16384 (forward) or 8192 (backward) are processed
 in 4096-column blocks (``_norm_*_wide_*kernel``), so no row has to fit in registers; the
 forward then splits each row into segments over the SMs when there are fewer rows than SMs.
@@ -66,10 +72,11 @@ def _aligned(N, N_ALIGN: tl.constexpr):
 
 @triton.jit
 def _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H: tl.constexpr,
-                 H_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """h = dropout(x) + residual in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N))."""
+                 H_DTYPE: tl.constexpr, DROPOUT_AFTER: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """h = dropout(x) + residual in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N));
+    no dropout here when it follows the norm."""
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    if SEED is not None:
+    if SEED is not None and not DROPOUT_AFTER:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
         h *= tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
     if RESIDUAL is not None:
@@ -79,6 +86,13 @@ def _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p
         # PyTorch (which materialises x + residual) see the same numbers.
         h = h.to(H_DTYPE).to(tl.float32)
     return h
+
+
+@triton.jit
+def _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N: tl.constexpr):
+    """keep · scale in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N))."""
+    threshold, scale = dropout_threshold_and_scale(dropout_p)
+    return tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
 
 
 @triton.jit
@@ -101,6 +115,7 @@ def _norm_fwd_kernel(
     H_DTYPE: tl.constexpr,
     STORE_H: tl.constexpr,
     N_ALIGN: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -111,7 +126,8 @@ def _norm_fwd_kernel(
     mask = row_ok[:, None] & (cols < N)[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
 
-    h = _fused_input(X, RESIDUAL, SEED, rows, 0, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, BLOCK_N)
+    h = _fused_input(X, RESIDUAL, SEED, rows, 0, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER,
+                     BLOCK_N)  # fmt: skip
     if STORE_H:
         tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
 
@@ -130,6 +146,8 @@ def _norm_fwd_kernel(
         y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if B is not None:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if DROPOUT_AFTER:
+        y *= _dropout_scale_tile(SEED, rows, 0, N, dropout_p, BLOCK_N)
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -155,6 +173,7 @@ def _norm_bwd_kernel(
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
     N_ALIGN: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -181,6 +200,8 @@ def _norm_bwd_kernel(
         offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
 
         dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+        if DROPOUT_AFTER:
+            dy *= tl.where(dropout_keep_tile(seed, rows, 0, N, threshold, BLOCK_N), scale, 0.0)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)[:, None]
         saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
         if REBUILD_FROM_OUTPUT:
@@ -207,7 +228,7 @@ def _norm_bwd_kernel(
             dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
         if DRESIDUAL is not None:
             tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
-        if SEED is not None:
+        if SEED is not None and not DROPOUT_AFTER:
             dh *= tl.where(dropout_keep_tile(seed, rows, 0, N, threshold, BLOCK_N), scale, 0.0)
         tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
 
@@ -234,6 +255,7 @@ def _norm_fwd_wide_stats_kernel(
     H_DTYPE: tl.constexpr,
     STORE_H: tl.constexpr,
     N_ALIGN: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """First pass of ``_norm_fwd_kernel`` for rows too wide for registers: program (r, s) takes
@@ -251,7 +273,8 @@ def _norm_fwd_wide_stats_kernel(
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (cols < N)[None, :]  # segments end on a block boundary or at N
         offsets = row.to(tl.int64) * N + cols[None, :]
-        h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, BLOCK_N)
+        h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
+                         DROPOUT_AFTER, BLOCK_N)  # fmt: skip
         if STORE_H:
             tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
         if IS_RMS:
@@ -272,7 +295,7 @@ def _norm_fwd_wide_stats_kernel(
 
 @triton.jit
 def _norm_fwd_wide_apply_kernel(
-    X, RESIDUAL, W, B, Y, H, MEAN, RSTD, SEED,  # as in _norm_fwd_kernel; X, RESIDUAL, SEED None when H is read
+    X, RESIDUAL, W, B, Y, H, MEAN, RSTD, SEED,  # as in _norm_fwd_kernel; X, RESIDUAL None when H is read
     STATS,  # (M, S, 2) fp32 from _norm_fwd_wide_stats_kernel
     N,
     eps,
@@ -282,6 +305,7 @@ def _norm_fwd_wide_apply_kernel(
     ROUND_H: tl.constexpr,
     H_DTYPE: tl.constexpr,
     N_ALIGN: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     SEGMENTS: tl.constexpr,  # a power of two >= S
     BLOCK_N: tl.constexpr,
 ):
@@ -319,20 +343,26 @@ def _norm_fwd_wide_apply_kernel(
             h = tl.load(H + offsets, mask=mask, other=0.0).to(tl.float32)
         else:
             h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
-                             BLOCK_N)  # fmt: skip
+                             DROPOUT_AFTER, BLOCK_N)  # fmt: skip
         y = h * rstd if IS_RMS else (h - mean) * rstd
         if W is not None:
             y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         if B is not None:
             y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        if DROPOUT_AFTER:
+            y *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
         tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, rows, cols, offsets, mask, rstd, IS_RMS: tl.constexpr,
-                 REBUILD_FROM_OUTPUT: tl.constexpr):  # fmt: skip
-    """(dy, x̂, g = dy · w) in fp32 for one tile of rows x cols; x̂ is 0 outside ``mask``."""
+def _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, cols, offsets, mask, rstd, N, dropout_p,
+                 IS_RMS: tl.constexpr, REBUILD_FROM_OUTPUT: tl.constexpr, DROPOUT_AFTER: tl.constexpr,
+                 BLOCK_N: tl.constexpr):  # fmt: skip
+    """(dy, x̂, g = dy · w) in fp32 for one tile of rows x cols, dy masked by a dropout that
+    follows the norm; x̂ is 0 outside ``mask``."""
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+    if DROPOUT_AFTER:
+        dy *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
     saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
     g = dy
     if W is not None:
@@ -368,6 +398,7 @@ def _norm_bwd_wide_kernel(
     IS_RMS: tl.constexpr,
     REBUILD_FROM_OUTPUT: tl.constexpr,
     N_ALIGN: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """``_norm_bwd_kernel`` for rows too wide for registers: each program walks its rows one at
@@ -387,8 +418,9 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, rows, cols, offsets, mask, rstd,
-                                        IS_RMS, REBUILD_FROM_OUTPUT)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, cols, offsets,
+                                        mask, rstd, N, dropout_p, IS_RMS, REBUILD_FROM_OUTPUT, DROPOUT_AFTER,
+                                        BLOCK_N)  # fmt: skip
             sum_g_xhat += tl.sum(g * x_hat, axis=1)
             sum_g += tl.sum(g, axis=1)
         mean_g_xhat = (sum_g_xhat / N)[:, None]
@@ -397,16 +429,16 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, rows, cols, offsets, mask, rstd,
-                                        IS_RMS, REBUILD_FROM_OUTPUT)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, cols, offsets,
+                                        mask, rstd, N, dropout_p, IS_RMS, REBUILD_FROM_OUTPUT, DROPOUT_AFTER,
+                                        BLOCK_N)  # fmt: skip
             dh = _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS)
             if DH_OUT is not None:
                 dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
             if DRESIDUAL is not None:
                 tl.store(DRESIDUAL + offsets, dh.to(DRESIDUAL.dtype.element_ty), mask=mask)
-            if SEED is not None:
-                threshold, scale = dropout_threshold_and_scale(dropout_p)
-                dh *= tl.where(dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N), scale, 0.0)
+            if SEED is not None and not DROPOUT_AFTER:
+                dh *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
             tl.store(DX + offsets, dh.to(DX.dtype.element_ty), mask=mask)
             accumulated = (cols < N) & (row > row_start)
             if DW_PARTIAL is not None:
@@ -430,6 +462,7 @@ class _NormSpec:
     rebuild_from_output: bool
     return_residual: bool
     out_dtype: torch.dtype
+    dropout_after: bool = False
 
     @property
     def dropout_scale(self) -> float:
@@ -456,6 +489,11 @@ def _row_alignment(n_cols: int) -> int:
     return math.gcd(n_cols, 8)
 
 
+def _input_is_fused(seed, residual, spec: _NormSpec) -> bool:
+    """Whether the norm's input h is something other than x itself."""
+    return (seed is not None and not spec.dropout_after) or residual is not None
+
+
 def _h_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
     return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
 
@@ -464,7 +502,7 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     """Launch the forward kernel on (M, N) rows. Returns (y, h or None, mean or None, rstd), with
     y and h allocated in the caller's ``shape`` (the kernel only sees their flat storage)."""
     M, N = x.shape
-    fused = seed is not None or residual is not None
+    fused = _input_is_fused(seed, residual, spec)
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
     y = torch.empty(shape, dtype=spec.out_dtype, device=x.device)
     h = torch.empty(shape, dtype=_h_dtype(x, residual), device=x.device) if store_h else None
@@ -475,7 +513,7 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
         return y, h, mean, rstd
     block_m, block_n, num_warps, wide = _block_config(N, forward=True)
     flags = dict(IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
-                 N_ALIGN=_row_alignment(N))  # fmt: skip
+                 N_ALIGN=_row_alignment(N), DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
     args = (x, residual, weight, bias, y, h, mean, rstd, seed, M, N, spec.eps, spec.dropout_p)
     if wide:
         _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flags, block_n, num_warps)
@@ -499,7 +537,7 @@ def _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flag
     recompute = h is None  # memory-efficient mode: h is recomputed, not reloaded
     _norm_fwd_wide_apply_kernel[(M, segments)](
         x if recompute else None, residual if recompute else None, weight, bias, y, h, mean, rstd,
-        seed if recompute else None, stats, N, spec.eps, spec.dropout_p, segment_cols,
+        seed if recompute or flags["DROPOUT_AFTER"] else None, stats, N, spec.eps, spec.dropout_p, segment_cols,
         **{k: v for k, v in flags.items() if k != "STORE_H"}, SEGMENTS=triton.next_power_of_2(segments),
         BLOCK_N=block_n, num_warps=num_warps,
     )  # fmt: skip
@@ -526,7 +564,8 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
         w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
         args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial,
                 seed, M, N, spec.dropout_p, rows_per_program)  # fmt: skip
-        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N))
+        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N),
+                     DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
         if wide:
             _norm_bwd_wide_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:
@@ -548,7 +587,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
     """PyTorch statement of ``_norm_fwd``: same outputs, same dtypes, same mask, in blocks of
     rows (torch's fused CPU LayerNorm for the normalisation)."""
     M, N = x.shape
-    fused = seed is not None or residual is not None
+    fused = _input_is_fused(seed, residual, spec)
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
     keep_mean = not spec.is_rms and not spec.rebuild_from_output
     h_dtype = _h_dtype(x, residual)
@@ -561,7 +600,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
     b = None if bias is None else bias.float()
     for start, stop in reference_row_blocks(M, N):
         h = x[start:stop].float()
-        if seed is not None:
+        if seed is not None and not spec.dropout_after:
             h = h * _dropout_scale_rows(seed, start, stop, N, spec, x.device)
         if residual is not None:
             h = h + residual[start:stop].float()
@@ -577,6 +616,8 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
         else:
             y_rows, block_mean, block_rstd = torch.native_layer_norm(h, [N], w, b, spec.eps)
             mean[start:stop], rstd[start:stop] = block_mean.view(-1), block_rstd.view(-1)
+        if spec.dropout_after and seed is not None:
+            y_rows = y_rows.mul_(_dropout_scale_rows(seed, start, stop, N, spec, x.device))
         y.view(M, N)[start:stop] = y_rows
     if M and not N:  # no blocks: the statistics of empty rows, as the row formulas give them
         mean.fill_(math.nan)
@@ -597,6 +638,8 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
     db = None if bias is None else torch.zeros(N, dtype=torch.float32, device=dy.device)
     for start, stop in reference_row_blocks(M, N):
         dy_rows, saved_rows = dy[start:stop].float(), saved[start:stop].float()
+        if spec.dropout_after and seed is not None:
+            dy_rows = dy_rows * _dropout_scale_rows(seed, start, stop, N, spec, dy.device)
         block_rstd = rstd[start:stop, None]
         if spec.rebuild_from_output:
             x_hat = saved_rows if b is None else saved_rows - b
@@ -628,7 +671,7 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
             dh += dh_out[start:stop].float()
         if dresidual is not None:
             dresidual[start:stop] = dh
-        if seed is not None:
+        if seed is not None and not spec.dropout_after:
             dh.mul_(_dropout_scale_rows(seed, start, stop, N, spec, dy.device))
         dx[start:stop] = dh
     if residual_dtype is not None and dresidual is None:
@@ -856,7 +899,10 @@ def _output_dtype(x: torch.Tensor, residual: torch.Tensor | None, autocast: bool
     return torch.float32 if autocast and x.device.type == "cuda" else _h_dtype(x, residual)
 
 
-def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms):
+def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms,
+                dropout_after=False):  # fmt: skip
+    """The checked call of ``_NormFunction``; ``dropout_after`` applies the dropout to the
+    norm's output instead of its input (then the input is saved whenever dropout_p > 0)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -879,9 +925,10 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
         normalized_ndim=len(shape),
         eps=float(eps),
         dropout_p=float(dropout_p),
-        rebuild_from_output=bool(memory_efficient),
+        rebuild_from_output=bool(memory_efficient) and not (dropout_after and dropout_p > 0),
         return_residual=bool(return_residual),
         out_dtype=_output_dtype(x, residual, autocast),
+        dropout_after=bool(dropout_after),
     )
     seed = new_dropout_seed(x.device) if dropout_p > 0 else None
     weight = None if weight is None else weight.contiguous().view(n_cols)

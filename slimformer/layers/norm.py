@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, check_eps, check_normalized_shape
-from slimformer.layers.sharing import NotScriptable, share_parameters
+from slimformer.layers.sharing import NotScriptable, has_call_hooks, share_parameters
 
 
 class _MemoryModeMixin(NotScriptable):
@@ -119,3 +119,60 @@ class RMSNorm(_MemoryModeMixin, nn.RMSNorm):
             input, self.normalized_shape, self.weight, None, eps, residual, dropout_p,
             self._rebuilds_input(), return_residual, True,
         )  # fmt: skip
+
+
+class LayerNormDropout(LayerNorm):
+    """``dropout(LayerNorm(x))`` in one kernel, for a LayerNorm whose output goes straight
+    into a dropout (the last two steps of BERT-family embeddings).
+
+    Made by ``fuse_with_dropout(norm, dropout)`` together with the ``DropoutInNorm`` that
+    takes the dropout's place: this module applies that dropout's ``p`` (when it is in
+    training mode) to its output, with the mask regenerated from a seed in backward,
+    and the dropout module passes its input through. With p > 0 backward keeps the
+    input x (the output has zeros, so x̂ cannot be rebuilt from it) and no mask; with
+    p = 0 it keeps the output as ``LayerNorm``'s memory-efficient mode does. When
+    either module has forward or backward hooks, or p >= 1, the two run unfused (this
+    one as ``LayerNorm``, the dropout as ``nn.Dropout``), so hooks see what they would
+    see in the original model.
+    """
+
+    def forward(self, input):
+        if not self.fuses_dropout():
+            return super().forward(input)
+        dropout = self._dropout
+        dropout_p = float(dropout.p) if dropout.training else 0.0
+        return _fused_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps, None, dropout_p,
+            self._rebuilds_input(), False, False, dropout_after=True,
+        )  # fmt: skip
+
+    def fuses_dropout(self) -> bool:
+        """Whether this call applies the dropout (no hooks on either module, p < 1)."""
+        return self._dropout.p < 1 and not (has_call_hooks(self) or has_call_hooks(self._dropout))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dropout_p={self._dropout.p}"
+
+
+class DropoutInNorm(nn.Dropout):
+    """The place of a dropout that the ``LayerNormDropout`` before it applies: returns its
+    input unchanged, or runs ``nn.Dropout`` when that LayerNorm does not fuse it. Keeps
+    ``p`` and the train/eval mode, which the LayerNorm reads."""
+
+    def forward(self, input):
+        return input if self._norm.fuses_dropout() else super().forward(input)
+
+
+def fuse_with_dropout(norm: nn.LayerNorm, dropout: nn.Dropout) -> tuple[LayerNormDropout, DropoutInNorm]:
+    """The ``LayerNormDropout`` and ``DropoutInNorm`` to put in the places of ``norm`` and
+    ``dropout``, sharing their Parameters, attributes and hooks (no copies)."""
+    if type(norm) is not nn.LayerNorm:
+        raise TypeError(f"norm must be a torch.nn.LayerNorm, got {type(norm).__name__}")
+    if type(dropout) is not nn.Dropout:
+        raise TypeError(f"dropout must be a torch.nn.Dropout, got {type(dropout).__name__}")
+    fused_norm = LayerNormDropout.from_torch(norm)
+    fused_dropout = share_parameters(DropoutInNorm, dropout, nn.Dropout, ("p", "inplace"))
+    # plain attributes, not submodules: the module tree and state_dict stay the original's
+    object.__setattr__(fused_norm, "_dropout", fused_dropout)
+    object.__setattr__(fused_dropout, "_norm", fused_norm)
+    return fused_norm, fused_dropout

@@ -37,6 +37,11 @@ def share_parameters(cls: type, module: nn.Module, torch_class: type, attributes
     return layer
 
 
+def has_call_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward(-pre) or backward hooks of its own."""
+    return any(getattr(module, name) for name in _CALL_HOOKS)
+
+
 class NotScriptable:
     """Mixin: ``torch.jit.script`` of the module (or of a model holding it) says why it
     cannot work, instead of failing somewhere inside TorchScript's compiler."""

@@ -15,7 +15,11 @@ inputs), and returns a ``MemoryReport`` that prints as a rich table:
   input, output and parameters are left out, and the row "rest" is the whole forward
   minus its layers: embeddings, the hidden states between layers, heads. Splitting one
   forward by layer instead would need a second pair of saved-tensor hooks inside the
-  measurement's, and only the innermost pair runs;
+  measurement's, and only the innermost pair runs. A HF model with a head around its
+  base model (``BertForMaskedLM`` around ``bert``) gets a **head** row too: the whole
+  forward minus the base model's forward measured alone the same way, i.e. the head
+  and its loss (the masked-LM logits and softmax of eager HF, slimformer's fused
+  loss), with the base model's output when the head keeps it;
 * the step's **peak**: the most memory allocated at any moment of a forward+backward,
   above what was allocated before it (activations, gradients and temporaries), measured
   by ``slimformer.memory.peak_memory``: ``torch.cuda.max_memory_allocated`` on CUDA, the
@@ -94,6 +98,7 @@ class ModelMemory:
     layers: tuple[tuple[str, ActivationMemory], ...]  # (qualified name, the layer measured alone)
     peak_bytes: int | None = None  # forward+backward peak above what was allocated before
     step_seconds: float | None = None  # CUDA: median forward+backward time
+    base: tuple[str, ActivationMemory] | None = None  # (name, the base model measured alone) when it has a head
 
     @property
     def activation_bytes(self) -> int:
@@ -101,9 +106,14 @@ class ModelMemory:
         return _kept(self.activations)
 
     @property
+    def head_bytes(self) -> int | None:
+        """Activations of the whole forward outside the base model (head and loss), or None without one."""
+        return None if self.base is None else self.activation_bytes - _kept(self.base[1])
+
+    @property
     def rest_bytes(self) -> int:
-        """Activations of the whole forward not in any layer's row (embeddings, hidden states, heads)."""
-        return self.activation_bytes - sum(_kept(memory) for _, memory in self.layers)
+        """Activations of the whole forward in no layer's row nor the head's (embeddings, hidden states)."""
+        return self.activation_bytes - sum(_kept(memory) for _, memory in self.layers) - (self.head_bytes or 0)
 
     @property
     def training_bytes(self) -> int:
@@ -135,10 +145,14 @@ class MemoryReport:
         add("gradients", [m.gradient_bytes for m in self.models])
         add("AdamW state", [m.optimizer_bytes for m in self.models])
         table.add_section()
+        heads = [m.base[0] for m in self.models if m.base is not None]
         if any(m.layers for m in self.models):
             for label, values in self._layer_rows():
                 add(label, values)
-            add("rest (embeddings, layer I/O, heads)", [m.rest_bytes for m in self.models])
+        if heads:
+            add(f"head + loss (all but {', '.join(sorted(set(heads)))})", [m.head_bytes for m in self.models])
+        if any(m.layers for m in self.models):
+            add(f"rest (embeddings, layer I/O{'' if heads else ', heads'})", [m.rest_bytes for m in self.models])
         add("activations (saved tensors)", [m.activations.saved_bytes for m in self.models])
         add("activations (alive)", [m.activations.alive_bytes for m in self.models])
         first = self.models[0]
@@ -185,6 +199,11 @@ class MemoryReport:
                 "gets in the model, its input, output and parameters excluded."
             ),
         ]
+        if any(m.base is not None for m in self.models):
+            lines.append(
+                "Head + loss: the whole forward minus the base model's forward measured alone (its output counts "
+                "here when the head keeps it)."
+            )
         methods = {_PEAK_METHODS[m.device.split(":")[0]] for m in self.models if m.peak_bytes is not None}
         if methods:
             lines.append(
@@ -250,6 +269,14 @@ def _named_layers(model: nn.Module, layers: Sequence[str] | None) -> list[tuple[
         return []
     prefix, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
     return [(f"{prefix}.{i}" if prefix else str(i), block) for i, block in enumerate(blocks)]
+
+
+def _base_model(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(qualified name, module) of a HF model's base model when a head surrounds it, else None."""
+    base = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        return None
+    return next(((name, module) for name, module in model.named_modules() if module is base), None)
 
 
 def _discard(_: Any) -> None:
@@ -326,7 +353,7 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> 
 
 def measurement_steps(model: nn.Module, layers: Sequence[str] | None = None) -> int:
     """How many times ``measure_model`` calls its ``progress`` for ``model``."""
-    return len(_named_layers(model, layers)) + 3
+    return len(_named_layers(model, layers)) + 3 + (_base_model(model) is not None)
 
 
 def measure_model(
@@ -355,12 +382,18 @@ def measure_model(
         if progress is not None:
             progress(f"{name}: {step}")
 
-    layer_inputs = _layer_inputs(model, named, args, kwargs)
+    base = _base_model(model)
+    layer_inputs = _layer_inputs(model, named + ([base] if base else []), args, kwargs)
     done("layer inputs caught")
     per_layer = []
     for (layer_name, layer), (layer_args, layer_kwargs) in zip(named, layer_inputs):
         per_layer.append((layer_name, measure_activation_memory(layer, *layer_args, **layer_kwargs)))
         done(f"{layer_name} measured")
+    base_memory = None
+    if base is not None:
+        base_args, base_kwargs = layer_inputs[-1]
+        base_memory = (base[0], measure_activation_memory(base[1], *base_args, **base_kwargs))
+        done(f"{base[0]} measured alone")
     peak, seconds = _step(model, args, kwargs, device)
     done("forward+backward steps measured")
     activations = measure_activation_memory(model, *args, **kwargs)
@@ -375,6 +408,7 @@ def measure_model(
         layers=tuple(per_layer),
         peak_bytes=peak,
         step_seconds=seconds,
+        base=base_memory,
     )
 
 

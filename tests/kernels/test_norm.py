@@ -52,8 +52,9 @@ def _run_and_grads(fn, leaves, dy, dh):
 
 
 def _check_norm(
-    is_rms, dtype, n_cols, with_residual, with_dropout, memory_efficient, return_residual=False, device="cpu"
-):
+    is_rms, dtype, n_cols, with_residual, with_dropout, memory_efficient, return_residual=False, device="cpu",
+    dropout_after=False,
+):  # fmt: skip
     torch.manual_seed(0)
     shape = (2, 3, n_cols)
     x = torch.randn(shape).to(device, dtype)
@@ -71,6 +72,12 @@ def _check_norm(
 
     def ours(x, residual, weight, bias):
         torch.manual_seed(SEED)
+        if dropout_after:
+            rebuilds = norm_kernels._checked_memory_mode(memory_efficient, weight, bias)
+            out = norm_kernels._fused_norm(
+                x, (n_cols,), weight, bias, eps, residual, p, rebuilds, return_residual, is_rms, dropout_after=True
+            )
+            return out if return_residual else (out, None)
         kwargs = dict(residual=residual, dropout_p=p, memory_efficient=memory_efficient)
         if is_rms:
             out = rms_norm(x, (n_cols,), weight, eps, return_residual=return_residual, **kwargs)
@@ -79,7 +86,10 @@ def _check_norm(
         return out if return_residual else (out, None)
 
     def eager(x, residual, weight, bias):
-        return _eager(x, residual, weight, bias, keep, is_rms, eps, n_cols)
+        if not dropout_after:
+            return _eager(x, residual, weight, bias, keep, is_rms, eps, n_cols)
+        y, h = _eager(x, residual, weight, bias, None, is_rms, eps, n_cols)
+        return y if keep is None else torch.where(keep, y * dropout_threshold(p)[1], torch.zeros_like(y)), h
 
     leaves = [x, residual, weight, None if is_rms else bias]
     y, h, grads = _run_and_grads(ours, leaves, dy, dh)
@@ -92,7 +102,7 @@ def _check_norm(
     if return_residual:
         assert_within_reference_error("h", h, h_torch, h_exact)
     dx_scale, dw_scale = 1.0, 1.0
-    if memory_efficient:
+    if memory_efficient and not (dropout_after and with_dropout):  # dropout after the norm: x is saved
         dx_scale, dw_scale = norm_rebuild_error_scales(h_exact.detach(), dy, weight, bias, is_rms, eps)
     scales = {"dx": dx_scale, "dresidual": dx_scale, "dweight": dw_scale, "dbias": 1.0}
     names = [n for n, t in zip(["dx", "dresidual", "dweight", "dbias"], leaves) if t is not None]
@@ -125,6 +135,37 @@ def test_reference_in_small_row_blocks(monkeypatch, is_rms, memory_efficient):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(dispatch, "REFERENCE_BLOCK_ELEMENTS", 2 * 97)
     _check_norm(is_rms, torch.float32, 97, True, True, memory_efficient, return_residual=True)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("with_dropout", [False, True], ids=["p0", "p0.1"])
+@pytest.mark.parametrize("n_cols", [1, 97, 768, 4096])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_dropout_after_the_norm(backend, is_rms, dtype, n_cols, with_dropout, memory_efficient):
+    # out = dropout(norm(x)), as BERT's embeddings end: dy is masked before the norm's backward.
+    _check_norm(is_rms, dtype, n_cols, False, with_dropout, memory_efficient, dropout_after=True)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+def test_dropout_after_the_norm_in_column_blocks_and_row_blocks(backend, monkeypatch, memory_efficient):
+    monkeypatch.setattr(norm_kernels, "_MAX_WHOLE_ROW", 64)
+    monkeypatch.setattr(norm_kernels, "_WIDE_BLOCK_N", 32)
+    monkeypatch.setattr(dispatch, "REFERENCE_BLOCK_ELEMENTS", 2 * 100)
+    _check_norm(False, torch.float32, 100, False, True, memory_efficient, dropout_after=True)
+
+
+@pytest.mark.parametrize("with_dropout", [False, True], ids=["p0", "p0.1"])
+def test_dropout_after_the_norm_saves_the_input_unless_the_output_rebuilds_it(backend, with_dropout):
+    # With p > 0 the output has zeros where y has not, so x is saved; with p = 0 the
+    # memory-efficient mode saves the output, which the next layer keeps anyway.
+    x = torch.randn(4, 97, requires_grad=True)
+    weight, bias = _params(97, torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = norm_kernels._fused_norm(x, 97, weight, bias, 1e-5, None, 0.1 * with_dropout, True, False, False, True)
+    big = [t for t in saved if t.numel() == x.numel()]
+    assert len(big) == 1 and big[0].data_ptr() == (x if with_dropout else y).data_ptr()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
