@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from slimformer.kernels import int8_cpu
 from slimformer.kernels.dispatch import use_triton
 
 ACTIVATIONS = (None, "gelu", "relu")
@@ -370,19 +371,43 @@ def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
         out = F.linear(x.float(), weight.float())
     if w_scale is not None:
         out = out.mul_(w_scale) if bias is None else torch.addcmul(bias.float(), out, w_scale, out=out)
+    return _activate(out, activation).to(out_dtype)
+
+
+def _activate(out, activation):
+    """The epilogue's activation on the fp32 ``out`` (in place where torch has one)."""
     if activation == "gelu":
-        out = F.gelu(out)
-    elif activation == "relu":
-        out.relu_()
-    return out.to(out_dtype)
+        return F.gelu(out)
+    return out.relu_() if activation == "relu" else out
 
 
-def _run_gemm(*args):
-    return (_gemm if use_triton(args[0]) else _gemm_reference)(*args)
+def _fused_cpu_int8(t: torch.Tensor):
+    """The compiled CPU W8A8 loops (``int8_cpu``) for a CPU tensor ``t``, or None: on other
+    devices, while torch.compile traces (it cannot trace into them), or without a compiler."""
+    if t.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    return int8_cpu.extension()
+
+
+def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
+    if use_triton(x):
+        return _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype)
+    fused = None if x_scale is None else _fused_cpu_int8(x)
+    if fused is None:
+        return _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype)
+    bias = None if bias is None else bias.float().contiguous()
+    out = fused.int8_gemm(x, weight.t(), x_scale.contiguous(), w_scale.contiguous(), bias)
+    return _activate(out, activation).to(out_dtype)
 
 
 def _run_quantize_rows(x, smooth):
-    return (_quantize_rows if use_triton(x) else _quantize_rows_reference)(x, smooth)
+    if use_triton(x):
+        return _quantize_rows(x, smooth)
+    fused = _fused_cpu_int8(x)
+    if fused is None:
+        return _quantize_rows_reference(x, smooth)
+    q, scale = fused.quantize_rows(x.float().contiguous(), smooth, MIN_ROW_ABSMAX)
+    return q, scale
 
 
 def _inference(op_name, compute, *tensors):
