@@ -15,9 +15,10 @@ in one pass each:
   memory: the reference's ``mul_`` then ``addcmul`` (which fuses its multiply-add);
   ``-ffp-contract=off`` keeps the compiler from fusing anything else.
 
-The extension is compiled by ``torch.utils.cpp_extension.load_inline`` on first use
-(about a minute, then cached in torch's extensions directory) for the machine it runs
-on. Without a working C++ compiler ``extension()`` returns None and the callers run
+The extension is compiled by ``torch.utils.cpp_extension.load_inline`` once (about a
+minute; then cached in torch's extensions directory) for the vector ISA torch uses on
+this CPU; ``Linear8bit.from_float`` builds it when it makes a CPU layer of mode "int8",
+so the time is spent at quantize / load time, not in the first forward. Without a working C++ compiler ``extension()`` returns None and the callers run
 the PyTorch statement, which gives the same bits, only slower.
 """
 
@@ -129,7 +130,14 @@ torch::Tensor int8_gemm(torch::Tensor q, torch::Tensor weight_t, torch::Tensor x
 }
 """
 
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math"]
+# -ffp-contract=off: no multiply-add is fused but the one written as std::fma.
+_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
+# Vector ISA flags per torch's CPU capability (not -march=native: the cached library
+# must run on every machine of that capability that shares the cache directory).
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
 
 
 @functools.cache
@@ -138,13 +146,14 @@ def extension():
     built (no C++ compiler or ninja): the callers then run the PyTorch statement."""
     from torch.utils import cpp_extension
 
-    name = "slimformer_int8_cpu_" + hashlib.sha256((_SOURCE + " ".join(_CFLAGS)).encode()).hexdigest()[:12]
+    flags = _CFLAGS + _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    name = "slimformer_int8_cpu_" + hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:12]
     try:
         return cpp_extension.load_inline(
             name,
             cpp_sources=_SOURCE,
             functions=["quantize_rows", "int8_gemm"],
-            extra_cflags=_CFLAGS,
+            extra_cflags=flags,
             verbose=False,
         )
     except Exception as error:  # noqa: BLE001 - any build failure means: use the PyTorch path

@@ -19,6 +19,10 @@ would let the compiler fuse an fma and round differently from the reference). Be
 quantization, x may be multiplied per channel by ``smooth`` (SmoothQuant: the
 activation's outliers moved into the weights, which were multiplied by 1 / smooth).
 
+On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
+loops around ``torch._int_mm`` (``int8_cpu``: the quantization in one pass, the int32
+epilogue in one pass), bit for bit; the references run where it cannot be built.
+
 These are inference ops: nothing is saved for backward, and backward raises.
 """
 

@@ -24,6 +24,7 @@ another mode is an error. These are inference layers: backward raises RuntimeErr
 import torch
 from torch import nn
 
+from slimformer.kernels import int8_cpu
 from slimformer.kernels.matmul import (
     FLOAT_DTYPES,
     MAX_INT8_IN_FEATURES,
@@ -162,6 +163,8 @@ class Linear8bit(_InferenceLinear):
             mode=mode,
         )
         q, scale = quantize_per_channel(weight)
+        if mode == "int8" and weight.device.type == "cpu":
+            int8_cpu.extension()  # built (or found in the cache) now rather than in the first forward
         with torch.no_grad():
             layer.weight.copy_(q)
             layer.weight_scale.copy_(scale)
