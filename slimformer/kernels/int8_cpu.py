@@ -80,8 +80,19 @@ void quantize_row(const float* x, const float* smooth, float scale, int8_t* q, i
 
 }  // namespace
 
+void check_fp32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
 std::vector<torch::Tensor> quantize_rows(torch::Tensor x, c10::optional<torch::Tensor> smooth, double min_absmax) {
+  check_fp32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
   const int64_t m = x.size(0), k = x.size(1);
+  if (smooth.has_value()) {
+    check_fp32(*smooth, "smooth");
+    TORCH_CHECK(smooth->numel() == k, "smooth must have K elements");
+  }
   auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
   auto scale = torch::empty({m}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -108,6 +119,13 @@ torch::Tensor int8_gemm(torch::Tensor q, torch::Tensor weight_t, torch::Tensor x
                         c10::optional<torch::Tensor> bias) {
   auto acc = at::_int_mm(q, weight_t);
   const int64_t m = acc.size(0), n = acc.size(1);
+  check_fp32(x_scale, "x_scale");
+  check_fp32(w_scale, "w_scale");
+  TORCH_CHECK(x_scale.numel() == m && w_scale.numel() == n, "x_scale must have M elements, w_scale N");
+  if (bias.has_value()) {
+    check_fp32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "bias must have N elements");
+  }
   auto out = acc.view(torch::kFloat32);  // fp32 written over the int32 it was read from
   const int32_t* ap = acc.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();

@@ -386,32 +386,31 @@ def _activate(out, activation):
 
 
 def _fused_cpu_int8(t: torch.Tensor):
-    """The compiled CPU W8A8 loops (``int8_cpu``) for a CPU tensor ``t``, or None: on other
-    devices, while torch.compile traces (it cannot trace into them), or without a compiler."""
-    if t.device.type != "cpu" or torch.compiler.is_compiling():
+    """The compiled CPU W8A8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
+    (a CPU tensor outside the interpreter), or None: on other devices, while torch.compile
+    traces (it cannot trace into them), or without a compiler. Checked first, cheaply:
+    each Linear calls this twice, and a microsecond here is 1% of a small Linear."""
+    if not t.is_cpu or os.environ.get("TRITON_INTERPRET") == "1" or torch.compiler.is_compiling():
         return None
     return int8_cpu.extension()
 
 
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
+    fused = None if x_scale is None else _fused_cpu_int8(x)
+    if fused is not None:
+        out = fused.int8_gemm(x, weight.t(), x_scale, w_scale, None if bias is None else bias.float())
+        return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
     if use_triton(x):
         return _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype)
-    fused = None if x_scale is None else _fused_cpu_int8(x)
-    if fused is None:
-        return _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype)
-    bias = None if bias is None else bias.float().contiguous()
-    out = fused.int8_gemm(x, weight.t(), x_scale.contiguous(), w_scale.contiguous(), bias)
-    return _activate(out, activation).to(out_dtype)
+    return _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype)
 
 
 def _run_quantize_rows(x, smooth):
-    if use_triton(x):
-        return _quantize_rows(x, smooth)
     fused = _fused_cpu_int8(x)
-    if fused is None:
-        return _quantize_rows_reference(x, smooth)
-    q, scale = fused.quantize_rows(x.float().contiguous(), smooth, MIN_ROW_ABSMAX)
-    return q, scale
+    if fused is not None:
+        q, scale = fused.quantize_rows(x if x.dtype == torch.float32 else x.float(), smooth, MIN_ROW_ABSMAX)
+        return q, scale
+    return (_quantize_rows if use_triton(x) else _quantize_rows_reference)(x, smooth)
 
 
 def _inference(op_name, compute, *tensors):
