@@ -24,9 +24,14 @@ the PyTorch statement, which gives the same bits, only slower.
 
 import functools
 import hashlib
+import logging
+import os
 import warnings
+from pathlib import Path
 
 import torch
+
+_log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -165,7 +170,11 @@ def extension():
     from torch.utils import cpp_extension
 
     flags = _CFLAGS + _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    name = "slimformer_int8_cpu_" + hashlib.sha256((_SOURCE + " ".join(flags)).encode()).hexdigest()[:12]
+    key = "\n".join([_SOURCE, *flags, torch.__version__])  # a new torch needs a new build
+    name = "slimformer_int8_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    if not any(root.glob(f"*/{name}/{name}*.so")):
+        _log.warning("slimformer: compiling the CPU int8 kernels (once per machine and torch version, about a minute)")
     try:
         return cpp_extension.load_inline(
             name,
