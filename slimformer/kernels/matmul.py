@@ -387,10 +387,11 @@ def _activate(out, activation):
 
 def _fused_cpu_int8(t: torch.Tensor):
     """The compiled CPU W8A8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
-    (a CPU tensor outside the interpreter), or None: on other devices, while torch.compile
+    (where ``use_triton(t)`` is False on a CPU tensor), or None: on other devices (or a
+    CPU tensor emulating CUDA for the compile report), while torch.compile
     traces (it cannot trace into them), or without a compiler. Checked first, cheaply:
     each Linear calls this twice, and a microsecond here is 1% of a small Linear."""
-    if not t.is_cpu or os.environ.get("TRITON_INTERPRET") == "1" or torch.compiler.is_compiling():
+    if t.is_cuda or not t.is_cpu or os.environ.get("TRITON_INTERPRET") == "1" or torch.compiler.is_compiling():
         return None
     return int8_cpu.extension()
 
