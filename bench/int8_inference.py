@@ -145,9 +145,10 @@ def _target_lines(variants: list[Variant]) -> list[str]:
     int8 = by_name["int8"]
     vs_dynamic = [statistics.median(int8.seconds[b]) / statistics.median(dynamic.seconds[b]) for b in BATCHES]
     met = all(r <= 1.0 for r in vs_dynamic) and int8.mean_cosine >= TARGETS["int8"][1]
+    ratios = " / ".join(f"{r:.2f}x" for r in vs_dynamic)
     lines.append(
-        f"- `int8` vs `quantize_dynamic` in the same run: p50 {' / '.join(f'{r:.2f}x' for r in vs_dynamic)} at batch "
-        f"{' / '.join(map(str, BATCHES))} (target <= 1x, at cosine >= {TARGETS['int8'][1]}): **{'met' if met else 'NOT met'}**"
+        f"- `int8` vs `quantize_dynamic` in the same run: p50 {ratios} at batch {' / '.join(map(str, BATCHES))} "
+        f"(target <= 1x, at cosine >= {TARGETS['int8'][1]}): **{'met' if met else 'NOT met'}**"
     )
     return lines
 

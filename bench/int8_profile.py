@@ -63,7 +63,8 @@ def _self_times(variants: dict[str, torch.nn.Module], inputs: dict) -> dict[str,
 
 def _table(times: dict[str, tuple[float, int]]) -> list[str]:
     total = sum(ms for ms, _ in times.values())
-    lines = [f"{total:.1f} ms per profiled forward (ATen ops' self time plus the time outside them)", "", "| op | ms / forward | share | calls |", "|---|---|---|---|"]
+    lines = [f"{total:.1f} ms per profiled forward (ATen ops' self time plus the time outside them)", ""]
+    lines += ["| op | ms / forward | share | calls |", "|---|---|---|---|"]
     for op, (ms, calls) in sorted(times.items(), key=lambda item: -item[1][0])[:TOP_OPS]:
         lines.append(f"| `{op}` | {ms:.2f} | {ms / total:.0%} | {calls} |")
     return lines

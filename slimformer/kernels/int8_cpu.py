@@ -18,8 +18,9 @@ in one pass each:
 The extension is compiled by ``torch.utils.cpp_extension.load_inline`` once (about a
 minute; then cached in torch's extensions directory) for the vector ISA torch uses on
 this CPU; ``Linear8bit.from_float`` builds it when it makes a CPU layer of mode "int8",
-so the time is spent at quantize / load time, not in the first forward. Without a working C++ compiler ``extension()`` returns None and the callers run
-the PyTorch statement, which gives the same bits, only slower.
+so the time is spent at quantize / load time, not in the first forward. Without a
+working C++ compiler ``extension()`` returns None and the callers run the PyTorch
+statement, which gives the same bits, only slower.
 """
 
 import functools
@@ -186,7 +187,8 @@ def extension():
     except Exception as error:  # noqa: BLE001 - any build failure means: use the PyTorch path
         warnings.warn(
             f"slimformer: the fused CPU int8 path could not be built ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}); W8A8 runs on plain PyTorch ops (slower, same results)",
+            f"{str(error).splitlines()[0] if str(error) else ''}); "
+            "W8A8 runs on plain PyTorch ops (slower, same results)",
             RuntimeWarning,
             stacklevel=2,
         )

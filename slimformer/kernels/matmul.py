@@ -410,7 +410,7 @@ def _run_quantize_rows(x, smooth):
     fused = _fused_cpu_int8(x)
     if fused is not None:
         q, scale = fused.quantize_rows(x if x.dtype == torch.float32 else x.float(), smooth, MIN_ROW_ABSMAX)
-        return q, scale
+        return q, scale  # a tuple, as the other two paths return
     return (_quantize_rows if use_triton(x) else _quantize_rows_reference)(x, smooth)
 
 
