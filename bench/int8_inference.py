@@ -142,6 +142,14 @@ def _target_lines(variants: list[Variant]) -> list[str]:
         )
     dyn = {b: statistics.median(dynamic.seconds[b]) / statistics.median(fp32.seconds[b]) for b in (1, 8)}
     lines.append(f"- `quantize_dynamic` in the same run: {dyn[1]:.2f}x / {dyn[8]:.2f}x fp32 at batch 1 / 8")
+    int8 = by_name["int8"]
+    vs_dynamic = [statistics.median(int8.seconds[b]) / statistics.median(dynamic.seconds[b]) for b in BATCHES]
+    met = all(r <= 1.0 for r in vs_dynamic) and int8.mean_cosine >= TARGETS["int8"][1]
+    ratios = " / ".join(f"{r:.2f}x" for r in vs_dynamic)
+    lines.append(
+        f"- `int8` vs `quantize_dynamic` in the same run: p50 {ratios} at batch {' / '.join(map(str, BATCHES))} "
+        f"(target <= 1x, at cosine >= {TARGETS['int8'][1]}): **{'met' if met else 'NOT met'}**"
+    )
     return lines
 
 

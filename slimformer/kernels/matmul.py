@@ -19,6 +19,10 @@ would let the compiler fuse an fma and round differently from the reference). Be
 quantization, x may be multiplied per channel by ``smooth`` (SmoothQuant: the
 activation's outliers moved into the weights, which were multiplied by 1 / smooth).
 
+On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
+loops around ``torch._int_mm`` (``int8_cpu``: the quantization in one pass, the int32
+epilogue in one pass), bit for bit; the references run where it cannot be built.
+
 These are inference ops: nothing is saved for backward, and backward raises.
 """
 
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from slimformer.kernels import int8_cpu
 from slimformer.kernels.dispatch import use_triton
 
 ACTIVATIONS = (None, "gelu", "relu")
@@ -382,18 +387,42 @@ def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
         out = F.linear(x.float(), weight.float())
     if w_scale is not None:
         out = out.mul_(w_scale) if bias is None else torch.addcmul(bias.float(), out, w_scale, out=out)
+    return _activate(out, activation).to(out_dtype)
+
+
+def _activate(out, activation):
+    """The epilogue's activation on the fp32 ``out`` (in place where torch has one)."""
     if activation == "gelu":
-        out = F.gelu(out)
-    elif activation == "relu":
-        out.relu_()
-    return out.to(out_dtype)
+        return F.gelu(out)
+    return out.relu_() if activation == "relu" else out
 
 
-def _run_gemm(*args):
-    return (_gemm if use_triton(args[0]) else _gemm_reference)(*args)
+def _fused_cpu_int8(t: torch.Tensor):
+    """The compiled CPU W8A8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
+    (where ``use_triton(t)`` is False on a CPU tensor), or None: on other devices (or a
+    CPU tensor emulating CUDA for the compile report), while torch.compile
+    traces (it cannot trace into them), or without a compiler. Checked first, cheaply:
+    each Linear calls this twice, and a microsecond here is 1% of a small Linear."""
+    if t.is_cuda or not t.is_cpu or os.environ.get("TRITON_INTERPRET") == "1" or torch.compiler.is_compiling():
+        return None
+    return int8_cpu.extension()
+
+
+def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
+    fused = None if x_scale is None else _fused_cpu_int8(x)
+    if fused is not None:
+        out = fused.int8_gemm(x, weight.t(), x_scale, w_scale, None if bias is None else bias.float())
+        return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
+    if use_triton(x):
+        return _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype)
+    return _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype)
 
 
 def _run_quantize_rows(x, smooth):
+    fused = _fused_cpu_int8(x)
+    if fused is not None:
+        q, scale = fused.quantize_rows(x if x.dtype == torch.float32 else x.float(), smooth, MIN_ROW_ABSMAX)
+        return q, scale  # a tuple, as the other two paths return
     return (_quantize_rows if use_triton(x) else _quantize_rows_reference)(x, smooth)
 
 

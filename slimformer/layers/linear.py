@@ -24,6 +24,7 @@ another mode is an error. These are inference layers: backward raises RuntimeErr
 import torch
 from torch import nn
 
+from slimformer.kernels import int8_cpu
 from slimformer.kernels.matmul import (
     FLOAT_DTYPES,
     MAX_INT8_IN_FEATURES,
@@ -162,6 +163,8 @@ class Linear8bit(_InferenceLinear):
             mode=mode,
         )
         q, scale = quantize_per_channel(weight)
+        if mode == "int8" and weight.device.type == "cpu":
+            int8_cpu.extension()  # built (or found in the cache) now rather than in the first forward
         with torch.no_grad():
             layer.weight.copy_(q)
             layer.weight_scale.copy_(scale)
@@ -172,14 +175,18 @@ class Linear8bit(_InferenceLinear):
         return layer
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # Buffers read from _buffers: nn.Module.__getattr__ costs about a microsecond each,
+        # and a CPU int8 Linear of BERT takes about a hundred.
+        buffers = self._buffers
+        weight, weight_scale, bias = buffers["weight"], buffers["weight_scale"], buffers["bias"]
         if self.mode == "int8-weight-only":
-            return int8_weight_only_linear(input, self.weight, self.weight_scale, self.bias)
-        smooth = self._applied_smooth()
-        if not self._is_plain_inference_input(input):
-            return int8_linear(input, self.weight, self.weight_scale, self.bias, smooth=smooth)
-        return int8_linear_unchecked(input, self.weight, self.weight_scale, self.bias, smooth)
+            return int8_weight_only_linear(input, weight, weight_scale, bias)
+        smooth = self._applied_smooth(buffers["smooth"])
+        if not self._is_plain_inference_input(input, weight):
+            return int8_linear(input, weight, weight_scale, bias, smooth=smooth)
+        return int8_linear_unchecked(input, weight, weight_scale, bias, smooth)
 
-    def _is_plain_inference_input(self, input) -> bool:
+    def _is_plain_inference_input(self, input, weight) -> bool:
         """Whether ``input`` needs none of ``int8_linear``'s checks (its errors, its backward
         that raises): a float (..., in_features) tensor on the weight's device, no autograd."""
         return (
@@ -187,19 +194,19 @@ class Linear8bit(_InferenceLinear):
             and input.dtype in FLOAT_DTYPES
             and input.dim() >= 1
             and input.shape[-1] == self.in_features <= MAX_INT8_IN_FEATURES
-            and input.device == self.weight.device
+            and ((input.is_cpu and weight.is_cpu) or input.device == weight.device)
             and not (input.requires_grad and torch.is_grad_enabled())
         )
 
-    def _applied_smooth(self) -> torch.Tensor | None:
-        """``smooth``, or None while it is all ones (no calibration): multiplying by ones
-        is an extra pass over the input for nothing. The check reruns only when the buffer
-        is replaced or written in place (``load_state_dict``, ``.to``)."""
-        key = (self.smooth.data_ptr(), self.smooth.device, self.smooth._version)
+    def _applied_smooth(self, smooth: torch.Tensor) -> torch.Tensor | None:
+        """``smooth`` (the buffer), or None while it is all ones (no calibration): multiplying
+        by ones is an extra pass over the input for nothing. The check reruns only when the
+        buffer is replaced or written in place (``load_state_dict``, ``.to``)."""
+        key = (smooth.data_ptr(), smooth.is_cpu, smooth._version)
         if self._smooth_key != key:
-            self._smooth_is_one = bool((self.smooth == 1).all())
+            self._smooth_is_one = bool((smooth == 1).all())
             self._smooth_key = key
-        return None if self._smooth_is_one else self.smooth
+        return None if self._smooth_is_one else smooth
 
     def dequantized_weight(self) -> torch.Tensor:
         """The (out_features, in_features) fp32 weight this layer multiplies by, smoothing undone."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimformer.kernels import matmul
+from slimformer.kernels import int8_cpu, matmul
 from slimformer.kernels.matmul import (
     int8_linear,
     int8_matmul,
@@ -136,6 +136,53 @@ def test_quantize_per_token_rounds_each_quotient_once_half_to_even(monkeypatch):
     assert torch.equal(q_kernel, q_ref) and torch.equal(scale_kernel, scale_ref)
 
 
+def _fused_cpu_int8():
+    fused = int8_cpu.extension()
+    if fused is None:
+        pytest.skip("no C++ compiler here: the fused CPU int8 path is not built (the reference runs instead)")
+    return fused
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (1, 0, 3), *SHAPES, (130, 384, 97)], ids=str)
+def test_fused_cpu_int8_is_bit_exact_with_reference(shape):
+    # The compiled CPU loops are the reference's arithmetic in fewer passes: the same bits
+    # for zero, tiny (below MIN_ROW_ABSMAX), NaN and infinite rows, with and without smooth
+    # and bias, at the adversarial half-way quotients, and at sizes off every vector width.
+    fused = _fused_cpu_int8()
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=gen) * 3
+    if m > 5 and k > 3:
+        x[1] = 0
+        x[2] = 1e-35
+        x[3, 2] = float("nan")
+        x[4, 1] = float("-inf")
+    for x in (x, _adversarial_rows()) if k == 100 else (x,):
+        for smooth in (None, torch.rand(x.shape[1], generator=gen) + 0.5):
+            q, scale = fused.quantize_rows(x, smooth, matmul.MIN_ROW_ABSMAX)
+            q_ref, scale_ref = matmul._quantize_rows_reference(x, smooth)
+            assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
+    q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
+    wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    x_scale, w_scale = torch.rand(m, generator=gen), torch.rand(n, generator=gen)
+    for bias in (None, torch.randn(n, generator=gen)):
+        ours = fused.int8_gemm(q, wq.t(), x_scale, w_scale, bias)
+        assert torch.equal(ours, matmul._gemm_reference(q, wq, x_scale, w_scale, bias, None, torch.float32))
+
+
+def test_int8_layers_run_the_reference_without_the_fused_cpu_path(monkeypatch):
+    # Where the extension cannot be built (no compiler), int8_linear gives the same bits.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _fused_cpu_int8()
+    x, weight, bias = _inputs(33, 100, 70, torch.float32)
+    wq, w_scale = quantize_per_channel(weight)
+    smooth = torch.rand(100) + 0.5
+    fused = [int8_linear(x, wq, w_scale, bias, smooth=s, activation="gelu") for s in (None, smooth)]
+    monkeypatch.setattr(int8_cpu, "extension", lambda: None)
+    for s, y in zip((None, smooth), fused):
+        assert torch.equal(int8_linear(x, wq, w_scale, bias, smooth=s, activation="gelu"), y)
+
+
 def test_quantize_per_token_zero_rows_and_saturation(backend):
     x = torch.zeros(4, 10)
     x[1] = torch.linspace(-3, 3, 10)
@@ -222,6 +269,7 @@ def test_int8_matmul_reference_without_int_mm_agrees(monkeypatch):
     x_scale, w_scale = torch.rand(7), torch.rand(17)
     with_int_mm = int8_matmul(q, x_scale, wq, w_scale)
     monkeypatch.setattr(matmul, "_int_mm_supports", lambda *args: False)
+    monkeypatch.setattr(int8_cpu, "extension", lambda: None)  # the fused CPU path calls _int_mm itself
     assert torch.equal(int8_matmul(q, x_scale, wq, w_scale), with_int_mm)
 
 
