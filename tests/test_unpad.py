@@ -172,7 +172,7 @@ def test_every_recompute_policy(policy):
 
 def test_transformers_gradient_checkpointing():
     padded, unpadded = (m.train() for m in _pair("BertModel"))
-    unpadded.gradient_checkpointing_enable()  # wraps the fused layers; the packing is their argument
+    unpadded.activation_checkpointing_enable()  # wraps the fused layers; the packing is their argument
     ids, mask = _batch(padded.config)
     _assert_grads_close(_loss_and_grads(unpadded, ids, mask)[1], _loss_and_grads(padded, ids, mask)[1])
 
