@@ -298,6 +298,16 @@ def test_bad_input():
     assert any("nothing is unpadded" in str(w.message) for w in caught)
 
 
+def test_batch_without_tokens_runs_padded():
+    padded, unpadded = (m.train() for m in _pair("BertForSequenceClassification"))
+    ids, mask = _batch(padded.config)
+    mask = torch.zeros_like(mask)
+    labels = torch.tensor([0, 1, 1])
+    loss = unpadded(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, padded(ids, attention_mask=mask, labels=labels).loss)
+
+
 def test_packing():
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [0, 1, 1]])
     packing = pack_padding_mask(mask)
