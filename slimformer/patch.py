@@ -28,6 +28,9 @@ the patch keep working):
   CamemBERT, Data2VecText) and ``BertForPreTraining`` change class in place to ``Fused<Model>``, whose training
   loss skips the vocabulary logits (see ``slimformer.masked_lm``; ``logits`` is None
   when that loss is fused);
+* with ``unpad=True``, HuggingFace BERT-family base models (``BertModel``, ``RobertaModel``
+  ...) whose encoder layers are all fused change class in place to ``Unpadded<Model>``,
+  which runs padded batches on their real tokens only (see ``slimformer.unpad``);
 * ``torch.nn.TransformerEncoderLayer`` -> ``slimformer.TransformerEncoderLayer``
   (``from_torch``), also inside ``torch.nn.TransformerEncoder``;
 * every other ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` -> ``slimformer.LayerNorm``

@@ -18,7 +18,8 @@ call passes a 2-d ``attention_mask`` (1 = token, 0 = padding) its forward
 
 Every real position equals the padded model's, outputs and gradients, for any mask:
 right or left padding, holes in the middle (the sequence is the row's real tokens in
-order, at their padded positions), all-padding rows (no tokens; their rows are zero).
+order, at their padded positions), all-padding rows (no tokens; their rows are zero; a
+batch with no token at all runs padded).
 Dropout masks are drawn per packed token, so with dropout a step differs from the padded
 model's by its random draws only.
 
@@ -146,6 +147,8 @@ class UnpaddedEncoderModel:
             return_dict = getattr(self.config, "return_dict", True)
         mask = arguments["attention_mask"]
         packing = pack_padding_mask(mask)
+        if packing.total == 0:  # no token at all: nothing to pack (the model's pooler needs a row)
+            return super().forward(*args, **kwargs)
         if arguments.get("position_ids") is None:
             arguments["position_ids"] = self._padded_position_ids(arguments, packing)
         per_token = (packing.batch, packing.seq)

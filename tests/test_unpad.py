@@ -172,7 +172,7 @@ def test_every_recompute_policy(policy):
 
 def test_transformers_gradient_checkpointing():
     padded, unpadded = (m.train() for m in _pair("BertModel"))
-    unpadded.gradient_checkpointing_enable()  # wraps the fused layers; the packing is their argument
+    unpadded.activation_checkpointing_enable()  # wraps the fused layers; the packing is their argument
     ids, mask = _batch(padded.config)
     _assert_grads_close(_loss_and_grads(unpadded, ids, mask)[1], _loss_and_grads(padded, ids, mask)[1])
 
@@ -296,6 +296,16 @@ def test_bad_input():
         warnings.simplefilter("always")
         sf.patch(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), unpad=True)
     assert any("nothing is unpadded" in str(w.message) for w in caught)
+
+
+def test_batch_without_tokens_runs_padded():
+    padded, unpadded = (m.train() for m in _pair("BertForSequenceClassification"))
+    ids, mask = _batch(padded.config)
+    mask = torch.zeros_like(mask)
+    labels = torch.tensor([0, 1, 1])
+    loss = unpadded(ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, padded(ids, attention_mask=mask, labels=labels).loss)
 
 
 def test_packing():
