@@ -150,14 +150,16 @@ def varlen_attention_cases() -> list[Case]:
 
 def norm_case(
     n_cols, dtype="bf16", *, kind="layer", residual=False, dropout=0.0, memory_efficient=False,
-    return_residual=False, rows=None, ci=False,
+    return_residual=False, rows=None, ci=False, dropout_after=False,
 ) -> Case:  # fmt: skip
-    from slimformer.kernels.norm import layer_norm, rms_norm
+    """``dropout_after``: dropout(LayerNorm(x)), the embeddings' norm of a patched BERT."""
+    from slimformer.kernels.norm import _fused_norm, layer_norm, rms_norm
 
     rows = rows or max(64, min(4096, 2**22 // n_cols))
     flags = [
         f"{kind}-norm", f"N{n_cols}", dtype, "+residual" if residual else "",
-        f"+dropout{dropout:g}" if dropout else "", "memory-efficient" if memory_efficient else "",
+        f"+dropout{dropout:g}{' after' if dropout_after else ''}" if dropout else "",
+        "memory-efficient" if memory_efficient else "",
         "return-residual" if return_residual else "",
     ]  # fmt: skip
     name = " ".join(f for f in flags if f) + f" ({rows} rows)"
@@ -169,7 +171,11 @@ def norm_case(
         w = torch.ones(n_cols, dtype=torch_dtype, requires_grad=True)
         options = dict(residual=r, dropout_p=dropout, memory_efficient=memory_efficient,
                        return_residual=return_residual)  # fmt: skip
-        if kind == "layer":
+        if dropout_after:
+            b = torch.zeros(n_cols, dtype=torch_dtype, requires_grad=True)
+            out = _fused_norm(x, n_cols, w, b, 1e-5, r, dropout, memory_efficient, return_residual, kind == "rms",
+                              dropout_after=True)  # fmt: skip
+        elif kind == "layer":
             b = torch.zeros(n_cols, dtype=torch_dtype, requires_grad=True)
             out = layer_norm(x, n_cols, w, b, **options)
         else:
@@ -197,6 +203,7 @@ def norm_cases() -> list[Case]:
     cases.append(norm_case(1000, residual=True, dropout=0.1))
     cases.append(norm_case(4096, rows=2048))  # issue 9's LayerNorm-backward shape
     cases.append(norm_case(65536, rows=16384))  # one row per program: the widest rows at scale
+    cases += [norm_case(n_cols, dropout=0.1, dropout_after=True) for n_cols in (768, 16384)]  # embeddings
     return cases
 
 

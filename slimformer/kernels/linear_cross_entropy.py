@@ -131,6 +131,9 @@ def _chunk_buffer(x, width: int) -> torch.Tensor:
 def _chunk_logits(x, weight, bias, start, stop, buffer):
     """(rows, stop - start) logits of one vocabulary chunk, in x's dtype, in ``buffer``."""
     out = buffer[:, : stop - start]
+    if torch.compiler.is_compiling():  # Dynamo traces no out= into a strided view: copied in
+        w = weight[start:stop].T
+        return out.copy_(x @ w if bias is None else torch.addmm(bias[start:stop], x, w))
     if bias is None:
         return torch.mm(x, weight[start:stop].T, out=out)
     return torch.addmm(bias[start:stop], x, weight[start:stop].T, out=out)
