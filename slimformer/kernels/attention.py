@@ -49,9 +49,8 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from slimformer.kernels.dispatch import reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
-    dropout_keep_block,
-    dropout_keep_tile,
-    dropout_keep_tile_t,
+    dropout_keep_mma_block,
+    dropout_keep_mma_tile,
     dropout_threshold,
     dropout_threshold_and_scale,
     new_dropout_seed,
@@ -180,18 +179,14 @@ def _masked_scores(
 
 
 @triton.jit
-def _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr,
-                   KEYS_FIRST: tl.constexpr):
-    """``r · z`` for queries ``offs_m`` and keys start_n .. start_n + BLOCK_N: [BLOCK_M, BLOCK_N],
-    or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Dropout-matrix row (batch · heads + head) · seq_q + i,
-    column j (see ``philox.py``); ``off_bh`` = batch · heads + head, int64."""
-    threshold, scale = dropout_threshold_and_scale(dropout_p)
-    rows = off_bh * seq_q + offs_m
-    if KEYS_FIRST:
-        keep = dropout_keep_tile_t(seed, rows, start_n, seq_k, threshold, BLOCK_N)
-    else:
-        keep = dropout_keep_tile(seed, rows, start_n, seq_k, threshold, BLOCK_N)
-    return tl.where(keep, scale, 0.0)
+def _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KEYS_FIRST: tl.constexpr):  # fmt: skip
+    """z for queries start_m .. start_m + BLOCK_M and keys start_n .. start_n + BLOCK_N: bool
+    [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Stream ``off_bh`` = batch ·
+    heads + head of ``philox.py``'s attention scheme, drawn in the tile's register layout;
+    the kernels apply r = 1 / (1 − p) outside the loops where it is linear."""
+    threshold, _ = dropout_threshold_and_scale(dropout_p)
+    return dropout_keep_mma_tile(seed, off_bh, start_m, start_n, seq_k, threshold, BLOCK_M, BLOCK_N, KEYS_FIRST)
 
 
 @triton.jit
@@ -233,7 +228,8 @@ def _attention_fwd_tile(
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        p = p * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
+        p = tl.where(_dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, offs_m.shape[0], BLOCK_N, False),
+                     p, 0.0)  # fmt: skip
     v = _load_rows(
         V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
         HEAD_DIM, BLOCK_D, EDGE,
@@ -324,6 +320,8 @@ def _attention_fwd_kernel(
     # row with none has l_i = 0. NaN scores leave l_i NaN, so o and lse come out NaN.
     has_keys = l_i != 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if HAS_DROPOUT:
+        out = out * dropout_threshold_and_scale(dropout_p)[1]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * _LN2, float("inf"))
     _store_rows(O + tile_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, seq_q,
                 offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
@@ -395,9 +393,9 @@ def _attention_bwd_dkdv_tile(
         p_t = tl.exp2(qk_t * qk_scale - lse_log2[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, True)
-        dv = _dot((p_t * z_t).to(do.dtype), do, dv, PRECISION, UPCAST)
-        dp_t = dp_t * z_t
+        keep_t = _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, tile_m.shape[0], BLOCK_N, True)
+        dv = _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, PRECISION, UPCAST)  # r applied to dv at the end
+        dp_t = tl.where(keep_t, dp_t * dropout_threshold_and_scale(dropout_p)[1], 0.0)
     else:
         dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -495,6 +493,8 @@ def _attention_bwd_dkdv_kernel(
 
     _store_rows(DK + tile_n[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
                 offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    if HAS_DROPOUT:
+        dv = dv * dropout_threshold_and_scale(dropout_p)[1]
     _store_rows(DV + tile_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
                 offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
@@ -531,7 +531,8 @@ def _attention_bwd_dq_tile(
         p = tl.exp2(qk * qk_scale - lse_log2[:, None])
     dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
+        keep = _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, offs_m.shape[0], BLOCK_N, False)
+        dp = tl.where(keep, dp * dropout_threshold_and_scale(dropout_p)[1], 0.0)
     ds = p * (dp - delta[:, None])
     return _dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
 
@@ -904,11 +905,9 @@ def _dropout_keep_block(
     seed: torch.Tensor, batch_heads: int, seq_q: int, seq_k: int, start: int, stop: int, n_keys: int, p: float
 ) -> torch.Tensor:
     """The kernels' keep mask for query rows start:stop of every (batch, head) and keys
-    0:n_keys, as a bool (batch · heads · rows, n_keys) tensor. Row (b·heads + h)·seq_q + i of
-    the dropout matrix, which has seq_k columns, is query i of head h of batch entry b."""
-    device = seed.device
-    rows = torch.arange(batch_heads, device=device)[:, None] * seq_q + torch.arange(start, stop, device=device)
-    return dropout_keep_block(seed, rows.view(-1), 0, n_keys, seq_k, p)
+    0:n_keys, as a bool (batch · heads, rows, n_keys) tensor: stream b·heads + h of
+    ``philox.py``'s attention scheme, whose matrices are (seq_q, seq_k)."""
+    return dropout_keep_mma_block(seed, batch_heads, start, stop, n_keys, seq_k, p)
 
 
 def _attention_fwd_reference(
@@ -950,7 +949,7 @@ def _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_ca
         total = p.sum(-1, keepdim=True)
         row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
         if seed is not None:
-            p.mul_(_dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape))
+            p.mul_(_dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).reshape(p.shape))
             row_scale.mul_(dropout_threshold(dropout_p)[1])
         o = torch.bmm(p.mul_(row_scale), v_all[:, :n_keys])
         out[:, :, start:stop].copy_(o.view(batch, heads, stop - start, head_dim))
@@ -1009,7 +1008,7 @@ def _attention_bwd_blocks(
             dv_all[:, :n_keys].baddbmm_(p.mT, do_rows)
             dp = torch.bmm(do_rows, v_all[:, :n_keys].mT)
         else:
-            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape)
+            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).reshape(p.shape)
             dv_all[:, :n_keys].baddbmm_((p * keep).mT, do_rows, alpha=keep_scale)
             dp = torch.bmm(do_rows * keep_scale, v_all[:, :n_keys].mT).mul_(keep)
         # delta = Σ_j P_ij dP_ij, which equals the kernels' Σ_d dO_id O_id: a block holds

@@ -19,7 +19,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 from slimformer.kernels import attention as attention_module
 from slimformer.kernels import dispatch
 from slimformer.kernels.attention import attention, self_attention
-from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
+from slimformer.kernels.philox import dropout_keep_mma_block, dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error
 
@@ -264,11 +264,11 @@ def test_autocast_casts_inputs_like_sdpa(backend):
 
 
 def _keep(shape, p, device) -> torch.Tensor:
-    """The (batch, heads, seq_q, seq_k) mask drawn from torch's next seed: dropout-matrix
-    row (b · heads + h) · seq_q + i, column j."""
+    """The (batch, heads, seq_q, seq_k) mask drawn from torch's next seed: stream
+    b · heads + h of the attention scheme, element (i, j)."""
     seed = new_dropout_seed(torch.device(device))
-    rows = torch.arange(math.prod(shape[:-1]), device=device)
-    return dropout_keep_block(seed, rows, 0, shape[-1], shape[-1], p).view(shape)
+    batch_heads, seq_q, seq_k = math.prod(shape[:-2]), shape[-2], shape[-1]
+    return dropout_keep_mma_block(seed, batch_heads, 0, seq_q, seq_k, seq_k, p).view(shape)
 
 
 def _check_dropout(case: Case, dtype: torch.dtype, ulps: float, device: str, p: float = 0.25) -> None:

@@ -11,6 +11,8 @@ from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     _philox4x32,
     dropout_keep_block,
+    dropout_keep_mma_block,
+    dropout_keep_mma_tile,
     dropout_keep_tile,
     dropout_keep_tile_t,
     dropout_threshold,
@@ -68,6 +70,45 @@ def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols, keys_first):
         # columns past n_cols are decided too (callers mask them): compare the whole tile
         assert torch.equal(got != 0, expected), (first_row, col_start)
         assert torch.all((got == 0) | (got == torch.tensor(scale, dtype=torch.float32)))
+
+
+@triton.jit
+def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+    tile_r = tl.arange(0, BLOCK_R)
+    tile_c = tl.arange(0, BLOCK_C)
+    threshold, _ = dropout_threshold_and_scale(tl.load(P))
+    keep = dropout_keep_mma_tile(tl.load(SEED), stream, row_start, col_start, n_cols, threshold, BLOCK_R, BLOCK_C,
+                                 TRANSPOSED)  # fmt: skip
+    if TRANSPOSED:
+        ptrs = OUT + tile_c[:, None] + tile_r[None, :] * BLOCK_C
+    else:
+        ptrs = OUT + tile_r[:, None] * BLOCK_C + tile_c[None, :]
+    tl.store(ptrs, keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["queries-first", "keys-first"])
+@pytest.mark.parametrize("block_r, block_c", [(16, 32), (32, 16)])
+def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c):
+    seed = torch.tensor(0x5EED_1234_ABCD, dtype=torch.int64)
+    p = 0.3
+    n_rows, n_cols, streams = 70, 97, 3
+    whole = dropout_keep_mma_block(seed, streams, 0, 80, 112, n_cols, p)
+    for stream, row_start, col_start in [(0, 0, 0), (2, 16, 96), (1, 48, 80)]:
+        out = torch.empty(block_r, block_c, dtype=torch.int8, device=DEVICE)
+        p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
+        _keep_mma_tile_kernel[(1,)](seed.to(DEVICE), out, p32, stream, row_start, col_start, n_cols, BLOCK_R=block_r,
+                                    BLOCK_C=block_c, TRANSPOSED=transposed)  # fmt: skip
+        expected = whole[stream, row_start : row_start + block_r, col_start : col_start + block_c]
+        got = out.cpu().bool()[: expected.shape[0], : expected.shape[1]]
+        assert torch.equal(got, expected), (stream, row_start, col_start)
+    # a block of rows is a slice of the whole matrix, and the bytes of each call decide 4 × 4 elements
+    assert torch.equal(dropout_keep_mma_block(seed, streams, 5, 37, 41, n_cols, p), whole[:, 5:37, :41])
+    # stream 2, block 7 (= rows 16..31, columns 0..15 at 7 column blocks), group 4 · 1 + 3:
+    # word w decides row rows[w], byte b column cols[b]
+    bytes_ = _philox4x32(seed, torch.tensor([(2 << 32) + 16 * 7 + 4 * 1 + 3])).view(torch.uint8).view(4, 4)
+    rows, cols = [18, 19, 26, 27], [6, 7, 14, 15]
+    assert torch.equal(whole[2][rows][:, cols], bytes_ >= dropout_threshold(p)[0])
 
 
 def test_reference_block_is_a_slice_of_the_whole_matrix():
