@@ -712,9 +712,10 @@ def _mask_args(
     return [mask, kpm], [*mask_strides, *kpm_strides], flags
 
 
-def _is_masked(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
-    """Whether a launch takes the "masked" block configs."""
-    return attn_mask is not None or key_padding_mask is not None or dropout_p > 0.0
+def _is_masked(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> bool:
+    """Whether a launch takes the "masked" block configs. Dropout does not: its keep bits are
+    made in the score tile's registers."""
+    return attn_mask is not None or key_padding_mask is not None
 
 
 def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
@@ -773,7 +774,7 @@ def _attention_fwd(
     out = _empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
-    config = _block_config(head_dim, q.dtype, "fwd", _is_masked(attn_mask, key_padding_mask, dropout_p))
+    config = _block_config(head_dim, q.dtype, "fwd", _is_masked(attn_mask, key_padding_mask))
     unit = _stride_unit(q, k, v, out)
     _attention_fwd_kernel[_grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
         q, k, v, out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
@@ -812,7 +813,7 @@ def _attention_bwd(
             grad.zero_()
         return
     delta = torch.empty_like(lse)
-    masked = _is_masked(attn_mask, key_padding_mask, dropout_p)
+    masked = _is_masked(attn_mask, key_padding_mask)
     dq_config = _block_config(head_dim, q.dtype, "dq", masked)
     q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
     unit = _stride_unit(q, k, v, out, grad_out, dq, dk, dv)
