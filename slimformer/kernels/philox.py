@@ -66,6 +66,16 @@ _PHILOX_KEY_B = 0xBB67AE85
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
 _PHILOX_ROUNDS = 10
+_ROUND_A: tl.constexpr = tl.constexpr(_PHILOX_ROUND_A)
+_ROUND_B: tl.constexpr = tl.constexpr(_PHILOX_ROUND_B)
+_KEY_A: tl.constexpr = tl.constexpr(_PHILOX_KEY_A)
+_KEY_B: tl.constexpr = tl.constexpr(_PHILOX_KEY_B)
+_ROUNDS: tl.constexpr = tl.constexpr(_PHILOX_ROUNDS)
+_ROUND_A: tl.constexpr = tl.constexpr(_PHILOX_ROUND_A)
+_ROUND_B: tl.constexpr = tl.constexpr(_PHILOX_ROUND_B)
+_KEY_A: tl.constexpr = tl.constexpr(_PHILOX_KEY_A)
+_KEY_B: tl.constexpr = tl.constexpr(_PHILOX_KEY_B)
+_ROUNDS: tl.constexpr = tl.constexpr(_PHILOX_ROUNDS)
 _LOW32 = 0xFFFFFFFF
 
 
@@ -119,6 +129,33 @@ def dropout_keep_tile_t(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.co
 
 
 @triton.jit
+def _philox_zero_high(seed, c0, c1):
+    """``tl.philox(seed, c0, c1, 0, 0)`` for uint32 c0 and a scalar uint32 c1 (Philox-4x32-10),
+    with round 1 specialised to c2 = c3 = 0 and c1 kept scalar until it mixes with c0.
+
+    (Writing each round's products as 64-bit multiplies would let ptxas use one
+    IMAD.WIDE.U32 instead of a high and a low multiply, but Triton then leaves the four
+    words in a blocked layout and moves them through shared memory into the
+    accumulator layout: more instructions and 8 KB more shared memory, measured.)"""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (seed >> 32).to(tl.uint32)
+    c2 = tl.umulhi(c0, _ROUND_A) ^ k1
+    c3 = c0 * _ROUND_A
+    c0 = c1 ^ k0
+    c1 = tl.zeros_like(c2)
+    for _ in tl.static_range(_ROUNDS - 1):
+        k0 += _KEY_A
+        k1 += _KEY_B
+        a, b = c0, c2
+        c0 = tl.umulhi(b, _ROUND_B) ^ c1 ^ k0
+        c2 = tl.umulhi(a, _ROUND_A) ^ c3 ^ k1
+        c1 = b * _ROUND_B
+        c3 = a * _ROUND_A
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _keep_bytes_of_word(word, t):
     """[..., 2, 2]: [..., c, e] = byte 2 · c + e of ``word`` >= t (t shifted into the top byte)."""
     return tl.join(tl.join(word << 24 >= t, word << 8 >= t), tl.join(word << 16 >= t, word >= t))
@@ -156,7 +193,7 @@ def dropout_keep_mma_tile(seed, stream, row_start, col_start, n_cols, threshold,
         block = (row_start // 16 + x_blocks) * col_blocks + col_start // 16 + y_blocks
         group = 4 * x_pairs + y_pairs
     counters = (block * 16 + group).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, counters, stream.to(tl.uint32), 0, 0)
+    w0, w1, w2, w3 = _philox_zero_high(seed, counters, stream.to(tl.uint32))
     w0, w1, w2, w3 = w0[:, :, None, :, :], w1[:, :, None, :, :], w2[:, :, None, :, :], w3[:, :, None, :, :]
     x_odd = tl.arange(0, 2)[None, None, :, None, None]  # x % 2
     t = threshold << 24
