@@ -613,32 +613,37 @@ def _attention_bwd_dq_kernel(
                 offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
-# (largest BLOCK_D, plain config, masked config) per kernel for 16-bit inputs, a config
-# being (BLOCK_M, BLOCK_N, num_warps, num_stages); "masked" launches (attn_mask,
-# key_padding_mask or dropout) hold more per-element state. Picked by compiling the runtime
-# specialisations for sm_90: wgmma for every dot, at least two pipeline
-# stages, shared memory within 227 KB, no register spills where some config avoids them.
+# (largest BLOCK_D, plain config, masked config, dropout config) per kernel for 16-bit
+# inputs, a config being (BLOCK_M, BLOCK_N, num_warps, num_stages); "masked" launches
+# (attn_mask or key_padding_mask, with or without dropout) hold more per-element state;
+# "dropout" launches (dropout alone) make their keep bits in the score tile's registers
+# and need only a little more than plain ones. Picked by compiling the runtime
+# specialisations for sm_90: wgmma for every dot, at least two pipeline stages, shared
+# memory within 227 KB, no register spills where some config avoids them (with dropout,
+# 128 x 128 forward tiles at d128 and the plain dK/dV configs at d64 (and at d128 with 2
+# stages) spill 4-16 B in some specialisation).
 # BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
     "fwd": (
-        (64, (128, 128, 8, 3), (128, 64, 8, 3)),
-        (128, (128, 128, 8, 3), (64, 16, 4, 2)),
-        (256, (128, 32, 8, 3), (128, 16, 8, 2)),
+        (64, (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)),
+        (128, (128, 128, 8, 3), (64, 16, 4, 2), (128, 64, 8, 3)),
+        (256, (128, 32, 8, 3), (128, 16, 8, 2), (128, 32, 8, 3)),
     ),
     # dK/dV dots have BLOCK_N rows: wgmma needs at least 64 per warpgroup. At head dim 256
     # that holds dk, dv (128 registers a thread) and k, v in registers and spills; 32 rows
-    # on mma.sync do not (16 query rows with masks and dropout, whose tiles need more).
+    # on mma.sync do not (16 query rows with masks, whose tiles need more).
     "dkdv": (
-        (64, (64, 128, 8, 2), (32, 64, 4, 2)),
-        (128, (32, 128, 8, 2), (16, 128, 8, 2)),
-        (256, (32, 32, 8, 2), (16, 32, 8, 2)),
+        (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3)),
+        (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
     "dq": (
-        (64, (128, 128, 8, 2), (128, 64, 8, 2)),
-        (128, (128, 64, 8, 2), (128, 32, 8, 2)),
-        (256, (128, 32, 8, 2), (128, 16, 8, 2)),
+        (64, (128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2)),
+        (128, (128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)),
+        (256, (128, 32, 8, 2), (128, 16, 8, 2), (128, 32, 8, 2)),
     ),
 }
+_CONFIG_KINDS = ("plain", "masked", "dropout")
 # fp32 dots run in exact ("ieee") precision on CUDA cores, whose operands live in
 # registers: small tiles at every head dim.
 _FP32_CONFIG = (32, 32, 8, 1)
@@ -646,9 +651,9 @@ _FP32_CONFIG = (32, 32, 8, 1)
 _MAX_PROGRAMS = 2**31 - 1
 
 
-def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, masked: bool) -> dict:
+def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
-    one of "fwd", "dkdv", "dq"; ``masked``: with attn_mask, key_padding_mask or dropout.
+    one of "fwd", "dkdv", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``).
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
@@ -657,11 +662,8 @@ def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, masked: bool) 
     if dtype == torch.float32:
         block_m, block_n, num_warps, num_stages = _FP32_CONFIG
     else:
-        block_m, block_n, num_warps, num_stages = next(
-            masked_config if masked else plain_config
-            for largest, plain_config, masked_config in _TENSOR_CORE_CONFIGS[kernel]
-            if block_d <= largest
-        )
+        _, *configs = next(row for row in _TENSOR_CORE_CONFIGS[kernel] if block_d <= row[0])
+        block_m, block_n, num_warps, num_stages = configs[_CONFIG_KINDS.index(kind)]
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages
     )
@@ -712,10 +714,12 @@ def _mask_args(
     return [mask, kpm], [*mask_strides, *kpm_strides], flags
 
 
-def _is_masked(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None) -> bool:
-    """Whether a launch takes the "masked" block configs. Dropout does not: its keep bits are
-    made in the score tile's registers."""
-    return attn_mask is not None or key_padding_mask is not None
+def _config_kind(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dropout_p: float) -> str:
+    """Which of ``_CONFIG_KINDS`` a launch takes: "masked" with any mask, else "dropout" with
+    dropout, else "plain"."""
+    if attn_mask is not None or key_padding_mask is not None:
+        return "masked"
+    return "dropout" if dropout_p > 0.0 else "plain"
 
 
 def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
@@ -774,7 +778,7 @@ def _attention_fwd(
     out = _empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
-    config = _block_config(head_dim, q.dtype, "fwd", _is_masked(attn_mask, key_padding_mask))
+    config = _block_config(head_dim, q.dtype, "fwd", _config_kind(attn_mask, key_padding_mask, dropout_p))
     unit = _stride_unit(q, k, v, out)
     _attention_fwd_kernel[_grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
         q, k, v, out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
@@ -813,8 +817,8 @@ def _attention_bwd(
             grad.zero_()
         return
     delta = torch.empty_like(lse)
-    masked = _is_masked(attn_mask, key_padding_mask)
-    dq_config = _block_config(head_dim, q.dtype, "dq", masked)
+    kind = _config_kind(attn_mask, key_padding_mask, dropout_p)
+    dq_config = _block_config(head_dim, q.dtype, "dq", kind)
     q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
     unit = _stride_unit(q, k, v, out, grad_out, dq, dk, dv)
     _attention_bwd_preprocess_kernel[_grid(q_blocks, heads, batch)](
@@ -825,7 +829,7 @@ def _attention_bwd(
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p)
     flags = dict(**mask_flags, **_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", masked)
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", kind)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
