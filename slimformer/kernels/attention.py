@@ -7,9 +7,9 @@ For query row i and key j, with ``z`` the dropout keep mask and ``r = 1 / (1 - d
 
 The forward walks over key blocks with an online softmax, so neither s nor p is ever
 written to memory. It saves q, k, v, o, the fp32 ``lse`` and the dropout seed: with
-``lse`` the backward rebuilds p block by block, and z comes back from the seed (the
-Philox offset of (b, h, i, j) is its flat index in the (batch, heads, seq_q, seq_k)
-matrix). The backward uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
+``lse`` the backward rebuilds p block by block, and z comes back from the seed (Philox
+stream b · heads + h, counter and byte from (i, j) in the MMA-layout scheme of
+``philox.py``, so each thread draws the keep bits of the scores it holds). The backward uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
 
     dP = r z ∘ dO Vᵀ,   dS = P ∘ (dP − delta),   dV = (r z ∘ P)ᵀ dO,
     dK = scale · dSᵀ Q,   dQ = scale · dS K
