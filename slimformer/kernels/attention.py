@@ -1151,11 +1151,16 @@ def _check_masks(
             )
 
 
-def _check_dropout_p(dropout_p: float) -> None:
+def _check_dropout_p(dropout_p: float, seq_q: int, seq_k: int) -> None:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    # a (batch, head)'s Philox counters are 32-bit: one per 16 scores, in 16 x 16 blocks
+    if dropout_p > 0.0 and -(-seq_q // 16) * -(-seq_k // 16) * 16 > 2**32:
+        raise ValueError(
+            f"dropout_p > 0 needs ceil(seq_q / 16) · ceil(seq_k / 16) · 16 <= 2**32, got seq_q={seq_q}, seq_k={seq_k}"
+        )
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -1294,7 +1299,7 @@ def attention(
         raise ValueError(
             f"key and value must have query's {heads} heads (pass enable_gqa=True for fewer), got {kv_heads}"
         )
-    _check_dropout_p(dropout_p)
+    _check_dropout_p(dropout_p, seq_q, seq_k)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
     if isinstance(attn_mask, CausalBias):
@@ -1368,7 +1373,7 @@ def self_attention(
     if num_heads < 1 or embed % num_heads != 0:
         raise ValueError(f"num_heads must divide embed {embed}, got {num_heads}")
     _check_head_dim(embed // num_heads)
-    _check_dropout_p(dropout_p)
+    _check_dropout_p(dropout_p, seq, seq)
     _check_masks(attn_mask, key_padding_mask, x.device, (batch,), num_heads, seq, seq)
     if not recompute_qkv:
         q, k, v = _split_heads(F.linear(x, qkv_weight, qkv_bias), num_heads)

@@ -577,6 +577,9 @@ BAD_INPUTS = [
      ValueError, "head_dim must be in"),
     (_small(), {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
     (_small(), {"dropout_p": -0.1}, ValueError, "dropout_p must be in [0, 1)"),
+    # the Philox counters of one (batch, head) are 32-bit (expanded views: no memory)
+    ({name: torch.zeros(1, 1, 1, 16).expand(1, 1, 2**18 + 1, 16) for name in "qkv"}, {"dropout_p": 0.1},
+     ValueError, "dropout_p > 0 needs ceil(seq_q / 16)"),
     (_small(), {"attn_mask": torch.ones(8, 9, dtype=torch.int64)}, TypeError, "attn_mask must be bool"),
     (_small(), {"attn_mask": torch.ones(2, 4, 8, 8, dtype=torch.bool)}, ValueError, "must broadcast"),
     (_small(), {"attn_mask": torch.ones(1, 2, 4, 8, 9, dtype=torch.bool)}, ValueError, "must broadcast"),
