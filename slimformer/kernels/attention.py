@@ -9,7 +9,8 @@ The forward walks over key blocks with an online softmax, so neither s nor p is 
 written to memory. It saves q, k, v, o, the fp32 ``lse`` and the dropout seed: with
 ``lse`` the backward rebuilds p block by block, and z comes back from the seed (Philox
 stream b · heads + h, counter and byte from (i, j) in the MMA-layout scheme of
-``philox.py``, so each thread draws the keep bits of the scores it holds). The backward uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
+``philox.py``, so each thread draws the keep bits of the scores it holds). The backward
+uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
 
     dP = r z ∘ dO Vᵀ,   dS = P ∘ (dP − delta),   dV = (r z ∘ P)ᵀ dO,
     dK = scale · dSᵀ Q,   dQ = scale · dS K
@@ -954,7 +955,8 @@ def _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_ca
         total = p.sum(-1, keepdim=True)
         row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
         if seed is not None:
-            p.mul_(_dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).reshape(p.shape))
+            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p)
+            p.mul_(keep.reshape(p.shape))
             row_scale.mul_(dropout_threshold(dropout_p)[1])
         o = torch.bmm(p.mul_(row_scale), v_all[:, :n_keys])
         out[:, :, start:stop].copy_(o.view(batch, heads, stop - start, head_dim))
@@ -1013,7 +1015,8 @@ def _attention_bwd_blocks(
             dv_all[:, :n_keys].baddbmm_(p.mT, do_rows)
             dp = torch.bmm(do_rows, v_all[:, :n_keys].mT)
         else:
-            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).reshape(p.shape)
+            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p)
+            keep = keep.reshape(p.shape)
             dv_all[:, :n_keys].baddbmm_((p * keep).mT, do_rows, alpha=keep_scale)
             dp = torch.bmm(do_rows * keep_scale, v_all[:, :n_keys].mT).mul_(keep)
         # delta = Σ_j P_ij dP_ij, which equals the kernels' Σ_d dO_id O_id: a block holds
