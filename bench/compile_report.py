@@ -242,25 +242,32 @@ def attention_section(collection: Collection) -> list[str]:
 
 
 def dropout_section(records) -> list[str]:
-    """Hot-loop SASS with dropout / without, kernel by kernel, for cases that differ only in dropout."""
+    """Warp-instructions per 128² tile with dropout / without, kernel by kernel, for cases that
+    differ only in dropout: per tile, not per loop iteration, since the two may run different blocks."""
+    from bench import compile_figures as fig
+
+    def key(r):
+        return tuple(sorted((k, str(v)) for k, v in r.case.params.items() if k != "dropout")), r.launch.kernel
+
     plain = {}
     for r in records:
         if r.stats and r.stats.hot_loop and not r.case.params.get("dropout"):
-            key = tuple(sorted((k, str(v)) for k, v in r.case.params.items() if k != "dropout"))
-            plain[key, r.launch.kernel] = r.stats.hot_loop.instructions
+            plain[key(r)] = r
     rows = []
     for r in records:
-        if not (r.stats and r.stats.hot_loop and r.case.params.get("dropout")):
+        base = plain.get(key(r))
+        if not (base and r.stats and r.stats.hot_loop and r.case.params.get("dropout")):
             continue
-        key = tuple(sorted((k, str(v)) for k, v in r.case.params.items() if k != "dropout"))
-        base = plain.get((key, r.launch.kernel))
-        if base:
-            ratio = r.stats.hot_loop.instructions / base
-            rows.append([r.case.name, r.launch.kernel, base, r.stats.hot_loop.instructions, f"{ratio:.2f}×"])
+        without, with_ = fig.tile_instructions(base.launch, base.stats), fig.tile_instructions(r.launch, r.stats)
+        if without and with_:
+            rows.append([r.case.name, r.launch.kernel, _blocks(base.launch), f"{without:.0f}", _blocks(r.launch),
+                         f"{with_:.0f}", f"{with_ / without:.2f}×"])  # fmt: skip
     if not rows:
         return []
-    header = ["case", "kernel", "hot-loop SASS without dropout", "with dropout", "ratio"]
-    return ["### Dropout's cost in the hot loop", ""] + _table(header, rows) + [""]
+    header = ["case", "kernel", "blocks without dropout", "warp-instr / 128² tile without", "blocks with dropout",
+              "with dropout", "ratio"]  # fmt: skip
+    return ["### Dropout's cost in the hot loop", "", "Warp-instructions per 128² tile (hot-loop SASS × warps × "
+            "tiles), so that launches with different blocks compare.", ""] + _table(header, rows) + [""]
 
 
 def elementwise_section(collection: Collection) -> list[str]:

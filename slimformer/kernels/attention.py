@@ -7,9 +7,10 @@ For query row i and key j, with ``z`` the dropout keep mask and ``r = 1 / (1 - d
 
 The forward walks over key blocks with an online softmax, so neither s nor p is ever
 written to memory. It saves q, k, v, o, the fp32 ``lse`` and the dropout seed: with
-``lse`` the backward rebuilds p block by block, and z comes back from the seed (the
-Philox offset of (b, h, i, j) is its flat index in the (batch, heads, seq_q, seq_k)
-matrix). The backward uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
+``lse`` the backward rebuilds p block by block, and z comes back from the seed (Philox
+stream b · heads + h, counter and byte from (i, j) in the MMA-layout scheme of
+``philox.py``, so each thread draws the keep bits of the scores it holds). The backward
+uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
 
     dP = r z ∘ dO Vᵀ,   dS = P ∘ (dP − delta),   dV = (r z ∘ P)ᵀ dO,
     dK = scale · dSᵀ Q,   dQ = scale · dS K
@@ -49,9 +50,8 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from slimformer.kernels.dispatch import reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
-    dropout_keep_block,
-    dropout_keep_tile,
-    dropout_keep_tile_t,
+    dropout_keep_mma_block,
+    dropout_keep_mma_tile,
     dropout_threshold,
     dropout_threshold_and_scale,
     new_dropout_seed,
@@ -180,18 +180,14 @@ def _masked_scores(
 
 
 @triton.jit
-def _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N: tl.constexpr,
-                   KEYS_FIRST: tl.constexpr):
-    """``r · z`` for queries ``offs_m`` and keys start_n .. start_n + BLOCK_N: [BLOCK_M, BLOCK_N],
-    or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Dropout-matrix row (batch · heads + head) · seq_q + i,
-    column j (see ``philox.py``); ``off_bh`` = batch · heads + head, int64."""
-    threshold, scale = dropout_threshold_and_scale(dropout_p)
-    rows = off_bh * seq_q + offs_m
-    if KEYS_FIRST:
-        keep = dropout_keep_tile_t(seed, rows, start_n, seq_k, threshold, BLOCK_N)
-    else:
-        keep = dropout_keep_tile(seed, rows, start_n, seq_k, threshold, BLOCK_N)
-    return tl.where(keep, scale, 0.0)
+def _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KEYS_FIRST: tl.constexpr):  # fmt: skip
+    """z for queries start_m .. start_m + BLOCK_M and keys start_n .. start_n + BLOCK_N: bool
+    [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Stream ``off_bh`` = batch ·
+    heads + head of ``philox.py``'s attention scheme, drawn in the tile's register layout;
+    the kernels apply r = 1 / (1 − p) outside the loops where it is linear."""
+    threshold, _ = dropout_threshold_and_scale(dropout_p)
+    return dropout_keep_mma_tile(seed, off_bh, start_m, start_n, seq_k, threshold, BLOCK_M, BLOCK_N, KEYS_FIRST)
 
 
 @triton.jit
@@ -233,7 +229,8 @@ def _attention_fwd_tile(
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     if HAS_DROPOUT:
-        p = p * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
+        p = tl.where(_dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, offs_m.shape[0], BLOCK_N, False),
+                     p, 0.0)  # fmt: skip
     v = _load_rows(
         V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
         HEAD_DIM, BLOCK_D, EDGE,
@@ -324,6 +321,8 @@ def _attention_fwd_kernel(
     # row with none has l_i = 0. NaN scores leave l_i NaN, so o and lse come out NaN.
     has_keys = l_i != 0.0
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    if HAS_DROPOUT:
+        out = out * dropout_threshold_and_scale(dropout_p)[1]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * _LN2, float("inf"))
     _store_rows(O + tile_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, seq_q,
                 offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
@@ -395,9 +394,9 @@ def _attention_bwd_dkdv_tile(
         p_t = tl.exp2(qk_t * qk_scale - lse_log2[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        z_t = _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, True)
-        dv = _dot((p_t * z_t).to(do.dtype), do, dv, PRECISION, UPCAST)
-        dp_t = dp_t * z_t
+        keep_t = _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, tile_m.shape[0], BLOCK_N, True)
+        dv = _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, PRECISION, UPCAST)  # r applied to dv at the end
+        dp_t = tl.where(keep_t, dp_t * dropout_threshold_and_scale(dropout_p)[1], 0.0)
     else:
         dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -495,6 +494,8 @@ def _attention_bwd_dkdv_kernel(
 
     _store_rows(DK + tile_n[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
                 offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    if HAS_DROPOUT:
+        dv = dv * dropout_threshold_and_scale(dropout_p)[1]
     _store_rows(DV + tile_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
                 offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
@@ -531,7 +532,8 @@ def _attention_bwd_dq_tile(
         p = tl.exp2(qk * qk_scale - lse_log2[:, None])
     dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        dp = dp * _dropout_scale(seed, off_bh, seq_q, seq_k, offs_m, start_n, dropout_p, BLOCK_N, False)
+        keep = _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, offs_m.shape[0], BLOCK_N, False)
+        dp = tl.where(keep, dp * dropout_threshold_and_scale(dropout_p)[1], 0.0)
     ds = p * (dp - delta[:, None])
     return _dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
 
@@ -612,32 +614,37 @@ def _attention_bwd_dq_kernel(
                 offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
 
 
-# (largest BLOCK_D, plain config, masked config) per kernel for 16-bit inputs, a config
-# being (BLOCK_M, BLOCK_N, num_warps, num_stages); "masked" launches (attn_mask,
-# key_padding_mask or dropout) hold more per-element state. Picked by compiling the runtime
-# specialisations for sm_90: wgmma for every dot, at least two pipeline
-# stages, shared memory within 227 KB, no register spills where some config avoids them.
+# (largest BLOCK_D, plain config, masked config, dropout config) per kernel for 16-bit
+# inputs, a config being (BLOCK_M, BLOCK_N, num_warps, num_stages); "masked" launches
+# (attn_mask or key_padding_mask, with or without dropout) hold more per-element state;
+# "dropout" launches (dropout alone) make their keep bits in the score tile's registers
+# and need only a little more than plain ones. Picked by compiling the runtime
+# specialisations for sm_90: wgmma for every dot, at least two pipeline stages, shared
+# memory within 227 KB, no register spills where some config avoids them (with dropout,
+# 128 x 128 forward tiles at d128 and the plain dK/dV configs at d64 (and at d128 with 2
+# stages) spill 4-16 B in some specialisation).
 # BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
     "fwd": (
-        (64, (128, 128, 8, 3), (128, 64, 8, 3)),
-        (128, (128, 128, 8, 3), (64, 16, 4, 2)),
-        (256, (128, 32, 8, 3), (128, 16, 8, 2)),
+        (64, (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)),
+        (128, (128, 128, 8, 3), (64, 16, 4, 2), (128, 64, 8, 3)),
+        (256, (128, 32, 8, 3), (128, 16, 8, 2), (128, 32, 8, 3)),
     ),
     # dK/dV dots have BLOCK_N rows: wgmma needs at least 64 per warpgroup. At head dim 256
     # that holds dk, dv (128 registers a thread) and k, v in registers and spills; 32 rows
-    # on mma.sync do not (16 query rows with masks and dropout, whose tiles need more).
+    # on mma.sync do not (16 query rows with masks, whose tiles need more).
     "dkdv": (
-        (64, (64, 128, 8, 2), (32, 64, 4, 2)),
-        (128, (32, 128, 8, 2), (16, 128, 8, 2)),
-        (256, (32, 32, 8, 2), (16, 32, 8, 2)),
+        (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3)),
+        (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
     "dq": (
-        (64, (128, 128, 8, 2), (128, 64, 8, 2)),
-        (128, (128, 64, 8, 2), (128, 32, 8, 2)),
-        (256, (128, 32, 8, 2), (128, 16, 8, 2)),
+        (64, (128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2)),
+        (128, (128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)),
+        (256, (128, 32, 8, 2), (128, 16, 8, 2), (128, 32, 8, 2)),
     ),
 }
+_CONFIG_KINDS = ("plain", "masked", "dropout")
 # fp32 dots run in exact ("ieee") precision on CUDA cores, whose operands live in
 # registers: small tiles at every head dim.
 _FP32_CONFIG = (32, 32, 8, 1)
@@ -645,9 +652,9 @@ _FP32_CONFIG = (32, 32, 8, 1)
 _MAX_PROGRAMS = 2**31 - 1
 
 
-def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, masked: bool) -> dict:
+def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
-    one of "fwd", "dkdv", "dq"; ``masked``: with attn_mask, key_padding_mask or dropout.
+    one of "fwd", "dkdv", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``).
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
@@ -656,11 +663,8 @@ def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, masked: bool) 
     if dtype == torch.float32:
         block_m, block_n, num_warps, num_stages = _FP32_CONFIG
     else:
-        block_m, block_n, num_warps, num_stages = next(
-            masked_config if masked else plain_config
-            for largest, plain_config, masked_config in _TENSOR_CORE_CONFIGS[kernel]
-            if block_d <= largest
-        )
+        _, *configs = next(row for row in _TENSOR_CORE_CONFIGS[kernel] if block_d <= row[0])
+        block_m, block_n, num_warps, num_stages = configs[_CONFIG_KINDS.index(kind)]
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages
     )
@@ -711,9 +715,12 @@ def _mask_args(
     return [mask, kpm], [*mask_strides, *kpm_strides], flags
 
 
-def _is_masked(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dropout_p: float) -> bool:
-    """Whether a launch takes the "masked" block configs."""
-    return attn_mask is not None or key_padding_mask is not None or dropout_p > 0.0
+def _config_kind(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dropout_p: float) -> str:
+    """Which of ``_CONFIG_KINDS`` a launch takes: "masked" with any mask, else "dropout" with
+    dropout, else "plain"."""
+    if attn_mask is not None or key_padding_mask is not None:
+        return "masked"
+    return "dropout" if dropout_p > 0.0 else "plain"
 
 
 def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
@@ -772,7 +779,7 @@ def _attention_fwd(
     out = _empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
-    config = _block_config(head_dim, q.dtype, "fwd", _is_masked(attn_mask, key_padding_mask, dropout_p))
+    config = _block_config(head_dim, q.dtype, "fwd", _config_kind(attn_mask, key_padding_mask, dropout_p))
     unit = _stride_unit(q, k, v, out)
     _attention_fwd_kernel[_grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
         q, k, v, out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
@@ -811,8 +818,8 @@ def _attention_bwd(
             grad.zero_()
         return
     delta = torch.empty_like(lse)
-    masked = _is_masked(attn_mask, key_padding_mask, dropout_p)
-    dq_config = _block_config(head_dim, q.dtype, "dq", masked)
+    kind = _config_kind(attn_mask, key_padding_mask, dropout_p)
+    dq_config = _block_config(head_dim, q.dtype, "dq", kind)
     q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
     unit = _stride_unit(q, k, v, out, grad_out, dq, dk, dv)
     _attention_bwd_preprocess_kernel[_grid(q_blocks, heads, batch)](
@@ -823,7 +830,7 @@ def _attention_bwd(
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p)
     flags = dict(**mask_flags, **_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", masked)
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", kind)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
@@ -904,11 +911,9 @@ def _dropout_keep_block(
     seed: torch.Tensor, batch_heads: int, seq_q: int, seq_k: int, start: int, stop: int, n_keys: int, p: float
 ) -> torch.Tensor:
     """The kernels' keep mask for query rows start:stop of every (batch, head) and keys
-    0:n_keys, as a bool (batch · heads · rows, n_keys) tensor. Row (b·heads + h)·seq_q + i of
-    the dropout matrix, which has seq_k columns, is query i of head h of batch entry b."""
-    device = seed.device
-    rows = torch.arange(batch_heads, device=device)[:, None] * seq_q + torch.arange(start, stop, device=device)
-    return dropout_keep_block(seed, rows.view(-1), 0, n_keys, seq_k, p)
+    0:n_keys, as a bool (batch · heads, rows, n_keys) tensor: stream b·heads + h of
+    ``philox.py``'s attention scheme, whose matrices are (seq_q, seq_k)."""
+    return dropout_keep_mma_block(seed, batch_heads, start, stop, n_keys, seq_k, p)
 
 
 def _attention_fwd_reference(
@@ -950,7 +955,8 @@ def _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_ca
         total = p.sum(-1, keepdim=True)
         row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
         if seed is not None:
-            p.mul_(_dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape))
+            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p)
+            p.mul_(keep.reshape(p.shape))
             row_scale.mul_(dropout_threshold(dropout_p)[1])
         o = torch.bmm(p.mul_(row_scale), v_all[:, :n_keys])
         out[:, :, start:stop].copy_(o.view(batch, heads, stop - start, head_dim))
@@ -1009,7 +1015,8 @@ def _attention_bwd_blocks(
             dv_all[:, :n_keys].baddbmm_(p.mT, do_rows)
             dp = torch.bmm(do_rows, v_all[:, :n_keys].mT)
         else:
-            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p).view(p.shape)
+            keep = _dropout_keep_block(seed, batch * heads, seq_q, seq_k, start, stop, n_keys, dropout_p)
+            keep = keep.reshape(p.shape)
             dv_all[:, :n_keys].baddbmm_((p * keep).mT, do_rows, alpha=keep_scale)
             dp = torch.bmm(do_rows * keep_scale, v_all[:, :n_keys].mT).mul_(keep)
         # delta = Σ_j P_ij dP_ij, which equals the kernels' Σ_d dO_id O_id: a block holds
@@ -1147,11 +1154,16 @@ def _check_masks(
             )
 
 
-def _check_dropout_p(dropout_p: float) -> None:
+def _check_dropout_p(dropout_p: float, seq_q: int, seq_k: int) -> None:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    # a (batch, head)'s Philox counters are 32-bit: one per 16 scores, in 16 x 16 blocks
+    if dropout_p > 0.0 and -(-seq_q // 16) * -(-seq_k // 16) * 16 > 2**32:
+        raise ValueError(
+            f"dropout_p > 0 needs ceil(seq_q / 16) · ceil(seq_k / 16) · 16 <= 2**32, got seq_q={seq_q}, seq_k={seq_k}"
+        )
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -1290,7 +1302,7 @@ def attention(
         raise ValueError(
             f"key and value must have query's {heads} heads (pass enable_gqa=True for fewer), got {kv_heads}"
         )
-    _check_dropout_p(dropout_p)
+    _check_dropout_p(dropout_p, seq_q, seq_k)
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
     if isinstance(attn_mask, CausalBias):
@@ -1364,7 +1376,7 @@ def self_attention(
     if num_heads < 1 or embed % num_heads != 0:
         raise ValueError(f"num_heads must divide embed {embed}, got {num_heads}")
     _check_head_dim(embed // num_heads)
-    _check_dropout_p(dropout_p)
+    _check_dropout_p(dropout_p, seq, seq)
     _check_masks(attn_mask, key_padding_mask, x.device, (batch,), num_heads, seq, seq)
     if not recompute_qkv:
         q, k, v = _split_heads(F.linear(x, qkv_weight, qkv_bias), num_heads)

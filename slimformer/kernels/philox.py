@@ -30,6 +30,25 @@ The Triton helpers below produce keep masks for a [rows, columns] tile (or its
 transpose) with one Philox call per 16 elements; ``dropout_keep_block`` computes the
 same bits in PyTorch (the CPU path and the tests), vectorised over rows and 16-column
 groups.
+
+Attention uses a second scheme, laid out for the tensor cores' accumulators. Its scores
+live in registers in the MMA layout (the same for wgmma and mma.sync): a thread holds,
+of every 16 × 16 block, rows ``r, r + 8`` and columns ``2c, 2c + 1, 2c + 8, 2c + 9``;
+the dK/dV kernel holds the transposed tile, keys by queries, in the same layout. A
+16-element group that sits in one thread's registers in both orientations has at most 4
+elements, so each 16 × 16 block of a (batch, head)'s (seq_q, seq_k) matrix is cut into 16
+groups of 4 × 4: rows ``{2a, 2a + 1, 2a + 8, 2a + 9}`` × columns ``{2b, 2b + 1, 2b + 8, 2b + 9}``,
+one Philox-4x32 call each (7 rounds, ``ATTENTION_PHILOX_ROUNDS``), and either
+orientation's thread uses 8 of its 16 bytes:
+
+    element (i, j) of stream s = b · heads + h:
+        counter = (c0, c1) = (((i // 16) · ceil(seq_k / 16) + j // 16) · 16 + 4 · ((i % 8) // 2) + (j % 8) // 2,  s)
+        word    = 2 · ((i % 16) // 8) + i % 2,   byte = 2 · ((j % 16) // 8) + j % 2,   keep = byte >= t.
+
+The keep bits are built in registers from the tile's own index bits (``tl.join`` and a
+reshape that Triton maps onto the accumulator layout), so no random byte crosses
+threads or shared memory. ``dropout_keep_mma_tile`` and ``dropout_keep_mma_block`` are
+the Triton and PyTorch halves.
 """
 
 import math
@@ -37,6 +56,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from einops import rearrange
 
 DECISIONS_PER_CALL = 16  # G: bytes of one Philox-4x32 output
 THRESHOLD_LEVELS = 256  # 8-bit thresholds
@@ -47,6 +67,16 @@ _PHILOX_KEY_B = 0xBB67AE85
 _PHILOX_ROUND_A = 0xD2511F53
 _PHILOX_ROUND_B = 0xCD9E8D57
 _PHILOX_ROUNDS = 10
+# Attention's Philox-4x32 runs 7 rounds, as FlashAttention-2's dropout does
+# (csrc/flash_attn/src/philox.cuh): 7 is the fewest rounds with which Philox-4x32 passes
+# TestU01's BigCrush (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11;
+# 10 is their default margin), and it saves 30% of the generator's instructions.
+ATTENTION_PHILOX_ROUNDS = 7
+_ROUND_A: tl.constexpr = tl.constexpr(_PHILOX_ROUND_A)
+_ROUND_B: tl.constexpr = tl.constexpr(_PHILOX_ROUND_B)
+_KEY_A: tl.constexpr = tl.constexpr(_PHILOX_KEY_A)
+_KEY_B: tl.constexpr = tl.constexpr(_PHILOX_KEY_B)
+_ATTENTION_ROUNDS: tl.constexpr = tl.constexpr(ATTENTION_PHILOX_ROUNDS)
 _LOW32 = 0xFFFFFFFF
 
 
@@ -99,6 +129,89 @@ def dropout_keep_tile_t(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.co
     return tl.reshape(keep, (BLOCK_N, rows.shape[0]))
 
 
+@triton.jit
+def _philox_zero_high(seed, c0, c1):
+    """``tl.philox(seed, c0, c1, 0, 0, ATTENTION_PHILOX_ROUNDS)`` for uint32 c0 and a scalar uint32 c1,
+    with round 1 specialised to c2 = c3 = 0 and c1 kept scalar until it mixes with c0.
+
+    (Writing each round's products as 64-bit multiplies would let ptxas use one
+    IMAD.WIDE.U32 instead of a high and a low multiply, but Triton then leaves the four
+    words in a blocked layout and moves them through shared memory into the
+    accumulator layout: more instructions and 8 KB more shared memory, measured.)"""
+    seed = seed.to(tl.uint64)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = (seed >> 32).to(tl.uint32)
+    c2 = tl.umulhi(c0, _ROUND_A) ^ k1
+    c3 = c0 * _ROUND_A
+    c0 = c1 ^ k0
+    c1 = tl.zeros_like(c2)
+    for _ in tl.static_range(_ATTENTION_ROUNDS - 1):
+        k0 += _KEY_A
+        k1 += _KEY_B
+        a, b = c0, c2
+        c0 = tl.umulhi(b, _ROUND_B) ^ c1 ^ k0
+        c2 = tl.umulhi(a, _ROUND_A) ^ c3 ^ k1
+        c1 = b * _ROUND_B
+        c3 = a * _ROUND_A
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _keep_bytes_of_word(word, t):
+    """[..., 2, 2]: [..., c, e] = byte 2 · c + e of ``word`` >= t (t shifted into the top byte)."""
+    return tl.join(tl.join(word << 24 >= t, word << 8 >= t), tl.join(word << 16 >= t, word >= t))
+
+
+@triton.jit
+def _keep_bytes_of_words(w0, w1, w2, w3, shift, t):
+    """[..., 2, 2]: [..., c, e] = the byte of word 2 · c + e that ``shift`` moves to the top >= t."""
+    return tl.join(tl.join(w0 << shift >= t, w2 << shift >= t), tl.join(w1 << shift >= t, w3 << shift >= t))
+
+
+@triton.jit
+def dropout_keep_mma_tile(seed, stream, row_start, col_start, n_cols, threshold,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+    """Keep mask [BLOCK_R, BLOCK_C] of rows ``row_start + arange(BLOCK_R)`` and columns
+    ``col_start + arange(BLOCK_C)`` of stream ``stream``'s dropout matrix (``n_cols``
+    columns), or with TRANSPOSED the [BLOCK_C, BLOCK_R] transpose; the attention scheme of
+    the module docstring. row_start, col_start, BLOCK_R, BLOCK_C: multiples of 16.
+
+    The tile is built as [x // 16, x % 16 // 8, x % 8 // 2, x % 2, y // 16, y % 16 // 8,
+    y % 8 // 2, y % 2] (x, y: the tile's first and second index) and reshaped, which is the
+    order of the accumulator layout's lanes and registers.
+    """
+    BLOCK_X: tl.constexpr = BLOCK_C if TRANSPOSED else BLOCK_R
+    BLOCK_Y: tl.constexpr = BLOCK_R if TRANSPOSED else BLOCK_C
+    x_blocks = tl.arange(0, BLOCK_X // 16)[:, None, None, None]
+    x_pairs = tl.arange(0, 4)[None, :, None, None]
+    y_blocks = tl.arange(0, BLOCK_Y // 16)[None, None, :, None]
+    y_pairs = tl.arange(0, 4)[None, None, None, :]
+    col_blocks = (n_cols + 15) // 16
+    if TRANSPOSED:
+        block = (row_start // 16 + y_blocks) * col_blocks + col_start // 16 + x_blocks
+        group = 4 * y_pairs + x_pairs
+    else:
+        block = (row_start // 16 + x_blocks) * col_blocks + col_start // 16 + y_blocks
+        group = 4 * x_pairs + y_pairs
+    counters = (block * 16 + group).to(tl.uint32)
+    w0, w1, w2, w3 = _philox_zero_high(seed, counters, stream.to(tl.uint32))
+    w0, w1, w2, w3 = w0[:, :, None, :, :], w1[:, :, None, :, :], w2[:, :, None, :, :], w3[:, :, None, :, :]
+    x_odd = tl.arange(0, 2)[None, None, :, None, None]  # x % 2
+    t = threshold << 24
+    if TRANSPOSED:
+        # x holds columns: x's bits pick the byte (byte 2 · h + x % 2 is shifted by 24 − 8 · byte)
+        k0 = _keep_bytes_of_words(w0, w1, w2, w3, (24 - 8 * x_odd).to(tl.uint32), t)
+        k1 = _keep_bytes_of_words(w0, w1, w2, w3, (8 - 8 * x_odd).to(tl.uint32), t)
+    else:
+        # x holds rows: x's bits pick the word (2 · h + x % 2), y's the byte
+        k0 = _keep_bytes_of_word(tl.where(x_odd == 0, w0, w1), t)
+        k1 = _keep_bytes_of_word(tl.where(x_odd == 0, w2, w3), t)
+    # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8]
+    keep = tl.join(k0, k1)
+    keep = tl.permute(keep, (0, 7, 1, 2, 3, 5, 4, 6))
+    return tl.reshape(keep, (BLOCK_X, BLOCK_Y))
+
+
 def new_dropout_seed(device: torch.device) -> torch.Tensor:
     """A fresh int64 seed (shape ()) from torch's generator on ``device``, no host sync."""
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
@@ -116,8 +229,8 @@ def dropout_threshold(p: float) -> tuple[int, float]:
     return threshold, THRESHOLD_LEVELS / (THRESHOLD_LEVELS - threshold)
 
 
-def _philox4x32(seed: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """``tl.randint4x(seed, counters)`` for int64 counters >= 0: int32 (*counters.shape, 4).
+def _philox4x32(seed: torch.Tensor, counters: torch.Tensor, rounds: int = _PHILOX_ROUNDS) -> torch.Tensor:
+    """``tl.randint4x(seed, counters, rounds)`` for int64 counters >= 0: int32 (*counters.shape, 4).
 
     Words are held in int64 with only their low 32 bits meaningful ("dirty" high bits),
     and cleaned only where a product needs them: a uint32 · uint32 product fits 64 bits,
@@ -137,7 +250,7 @@ def _philox4x32(seed: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     c0 = c1.bitwise_xor_(key0)
     c1 = torch.zeros_like(c0)
     spare = torch.empty_like(c0)
-    for _ in range(_PHILOX_ROUNDS - 1):
+    for _ in range(rounds - 1):
         key0 = (key0 + _PHILOX_KEY_A) & _LOW32
         key1 = (key1 + _PHILOX_KEY_B) & _LOW32
         # c0' = hi(B·c2) ^ c1 ^ k0, c1' = lo(B·c2), c2' = hi(A·c0) ^ c3 ^ k1, c3' = lo(A·c0)
@@ -174,3 +287,30 @@ def dropout_keep_block(
     decision_bytes = _philox4x32(seed, counters).view(torch.uint8).view(rows.numel(), -1)
     start = col_start - first_group * DECISIONS_PER_CALL
     return decision_bytes[:, start : start + n_block_cols] >= threshold
+
+
+def dropout_keep_mma_block(
+    seed: torch.Tensor, streams: int, row_start: int, row_stop: int, n_block_cols: int, n_cols: int, p: float
+) -> torch.Tensor:
+    """Keep mask (streams, row_stop − row_start, n_block_cols) of rows row_start:row_stop and
+    columns 0:n_block_cols of the dropout matrices (n_cols columns) of streams 0..streams − 1,
+    as ``dropout_keep_mma_tile`` draws it (the attention scheme of the module docstring)."""
+    device = seed.device
+    if streams == 0 or row_stop <= row_start or n_block_cols <= 0:
+        return torch.ones((streams, max(row_stop - row_start, 0), max(n_block_cols, 0)), dtype=torch.bool,
+                          device=device)  # fmt: skip
+    threshold, _ = dropout_threshold(p)
+    first_block, end_block = row_start // 16, -(-row_stop // 16)
+    col_blocks = -(-n_block_cols // 16)
+    row_blocks = torch.arange(first_block, end_block, device=device)[:, None, None, None]
+    pairs = torch.arange(4, device=device)
+    blocks = row_blocks * (-(-n_cols // 16)) + torch.arange(col_blocks, device=device)[None, None, :, None]
+    groups = blocks * 16 + 4 * pairs[None, :, None, None] + pairs[None, None, None, :]
+    counters = groups + (torch.arange(streams, device=device) << 32).view(-1, 1, 1, 1, 1)
+    # [stream, i // 16, i % 8 // 2, j // 16, j % 8 // 2, i % 16 // 8, i % 2, j % 16 // 8, j % 2]
+    decision_bytes = _philox4x32(seed, counters, ATTENTION_PHILOX_ROUNDS).view(torch.uint8)
+    decision_bytes = decision_bytes.view(*counters.shape, 2, 2, 2, 2)
+    # -> [stream, i // 16, i % 16 // 8, i % 8 // 2, i % 2, j // 16, j % 16 // 8, j % 8 // 2, j % 2]
+    rows = rearrange(decision_bytes, "s ib ip jb jp ih io jh jo -> s (ib ih ip io) (jb jh jp jo)")
+    start = row_start - first_block * 16
+    return rows[:, start : start + row_stop - row_start, :n_block_cols] >= threshold

@@ -19,7 +19,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 from slimformer.kernels import attention as attention_module
 from slimformer.kernels import dispatch
 from slimformer.kernels.attention import attention, self_attention
-from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
+from slimformer.kernels.philox import dropout_keep_mma_block, dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error
 
@@ -264,11 +264,11 @@ def test_autocast_casts_inputs_like_sdpa(backend):
 
 
 def _keep(shape, p, device) -> torch.Tensor:
-    """The (batch, heads, seq_q, seq_k) mask drawn from torch's next seed: dropout-matrix
-    row (b · heads + h) · seq_q + i, column j."""
+    """The (batch, heads, seq_q, seq_k) mask drawn from torch's next seed: stream
+    b · heads + h of the attention scheme, element (i, j)."""
     seed = new_dropout_seed(torch.device(device))
-    rows = torch.arange(math.prod(shape[:-1]), device=device)
-    return dropout_keep_block(seed, rows, 0, shape[-1], shape[-1], p).view(shape)
+    batch_heads, seq_q, seq_k = math.prod(shape[:-2]), shape[-2], shape[-1]
+    return dropout_keep_mma_block(seed, batch_heads, 0, seq_q, seq_k, seq_k, p).view(shape)
 
 
 def _check_dropout(case: Case, dtype: torch.dtype, ulps: float, device: str, p: float = 0.25) -> None:
@@ -577,6 +577,9 @@ BAD_INPUTS = [
      ValueError, "head_dim must be in"),
     (_small(), {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
     (_small(), {"dropout_p": -0.1}, ValueError, "dropout_p must be in [0, 1)"),
+    # the Philox counters of one (batch, head) are 32-bit (expanded views: no memory)
+    ({name: torch.zeros(1, 1, 1, 16).expand(1, 1, 2**18 + 1, 16) for name in "qkv"}, {"dropout_p": 0.1},
+     ValueError, "dropout_p > 0 needs ceil(seq_q / 16)"),
     (_small(), {"attn_mask": torch.ones(8, 9, dtype=torch.int64)}, TypeError, "attn_mask must be bool"),
     (_small(), {"attn_mask": torch.ones(2, 4, 8, 8, dtype=torch.bool)}, ValueError, "must broadcast"),
     (_small(), {"attn_mask": torch.ones(1, 2, 4, 8, 9, dtype=torch.bool)}, ValueError, "must broadcast"),

@@ -8,9 +8,12 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels.philox import (
+    ATTENTION_PHILOX_ROUNDS,
     DECISIONS_PER_CALL,
     _philox4x32,
     dropout_keep_block,
+    dropout_keep_mma_block,
+    dropout_keep_mma_tile,
     dropout_keep_tile,
     dropout_keep_tile_t,
     dropout_threshold,
@@ -39,9 +42,9 @@ def _keep_tile_kernel(SEED, OUT, P, first_row, n_rows, col_start, n_cols, BLOCK_
 
 
 @triton.jit
-def _randint4x_kernel(SEED, COUNTERS, OUT, BLOCK: tl.constexpr):
+def _randint4x_kernel(SEED, COUNTERS, OUT, BLOCK: tl.constexpr, ROUNDS: tl.constexpr):
     i = tl.arange(0, BLOCK)
-    words = tl.randint4x(tl.load(SEED), tl.load(COUNTERS + i))
+    words = tl.randint4x(tl.load(SEED), tl.load(COUNTERS + i), ROUNDS)
     for k in tl.static_range(4):
         tl.store(OUT + 4 * i + k, words[k].to(tl.int32, bitcast=True))
 
@@ -70,6 +73,46 @@ def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols, keys_first):
         assert torch.all((got == 0) | (got == torch.tensor(scale, dtype=torch.float32)))
 
 
+@triton.jit
+def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+    tile_r = tl.arange(0, BLOCK_R)
+    tile_c = tl.arange(0, BLOCK_C)
+    threshold, _ = dropout_threshold_and_scale(tl.load(P))
+    keep = dropout_keep_mma_tile(tl.load(SEED), stream, row_start, col_start, n_cols, threshold, BLOCK_R, BLOCK_C,
+                                 TRANSPOSED)  # fmt: skip
+    if TRANSPOSED:
+        ptrs = OUT + tile_c[:, None] + tile_r[None, :] * BLOCK_C
+    else:
+        ptrs = OUT + tile_r[:, None] * BLOCK_C + tile_c[None, :]
+    tl.store(ptrs, keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["queries-first", "keys-first"])
+@pytest.mark.parametrize("block_r, block_c", [(16, 32), (32, 16)])
+def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c):
+    seed = torch.tensor(0x5EED_1234_ABCD, dtype=torch.int64)
+    p = 0.3
+    n_rows, n_cols, streams = 70, 97, 3
+    whole = dropout_keep_mma_block(seed, streams, 0, 80, 112, n_cols, p)
+    for stream, row_start, col_start in [(0, 0, 0), (2, 16, 96), (1, 48, 80)]:
+        out = torch.empty(block_r, block_c, dtype=torch.int8, device=DEVICE)
+        p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
+        _keep_mma_tile_kernel[(1,)](seed.to(DEVICE), out, p32, stream, row_start, col_start, n_cols, BLOCK_R=block_r,
+                                    BLOCK_C=block_c, TRANSPOSED=transposed)  # fmt: skip
+        expected = whole[stream, row_start : row_start + block_r, col_start : col_start + block_c]
+        got = out.cpu().bool()[: expected.shape[0], : expected.shape[1]]
+        assert torch.equal(got, expected), (stream, row_start, col_start)
+    # a block of rows is a slice of the whole matrix, and the bytes of each call decide 4 × 4 elements
+    assert torch.equal(dropout_keep_mma_block(seed, streams, 5, 37, 41, n_cols, p), whole[:, 5:37, :41])
+    # stream 2, block 7 (= rows 16..31, columns 0..15 at 7 column blocks), group 4 · 1 + 3:
+    # word w decides row rows[w], byte b column cols[b]
+    counter = torch.tensor([(2 << 32) + 16 * 7 + 4 * 1 + 3])
+    bytes_ = _philox4x32(seed, counter, ATTENTION_PHILOX_ROUNDS).view(torch.uint8).view(4, 4)
+    rows, cols = [18, 19, 26, 27], [6, 7, 14, 15]
+    assert torch.equal(whole[2][rows][:, cols], bytes_ >= dropout_threshold(p)[0])
+
+
 def test_reference_block_is_a_slice_of_the_whole_matrix():
     seed = torch.tensor(77, dtype=torch.int64)
     whole = dropout_keep_block(seed, torch.arange(9), 0, 130, 130, 0.4)
@@ -79,7 +122,8 @@ def test_reference_block_is_a_slice_of_the_whole_matrix():
     assert dropout_keep_block(seed, torch.arange(0), 0, 5, 5, 0.4).shape == (0, 5)
 
 
-def test_reference_philox_is_triton_randint4x():
+@pytest.mark.parametrize("rounds", [10, ATTENTION_PHILOX_ROUNDS])
+def test_reference_philox_is_triton_randint4x(rounds):
     # Random123's known-answer vector for Philox-4x32-10 (key 0, counter 0), then
     # tl.randint4x itself on counters that use the high word, under a 64-bit seed.
     assert [w & 0xFFFFFFFF for w in _philox4x32(torch.tensor(0), torch.zeros(1, dtype=torch.int64))[0].tolist()] == [
@@ -88,8 +132,8 @@ def test_reference_philox_is_triton_randint4x():
     seed = torch.tensor(0x0123_4567_89AB_CDEF, dtype=torch.int64)
     counters = torch.tensor([0, 1, 2**31, 2**32 + 5, 2**40 + 123456789, 2**62 - 1, 7, 8], dtype=torch.int64)
     words = torch.empty(8, 4, dtype=torch.int32, device=DEVICE)
-    _randint4x_kernel[(1,)](seed.to(DEVICE), counters.to(DEVICE), words, BLOCK=8)
-    assert torch.equal(words.cpu(), _philox4x32(seed, counters.clone()))
+    _randint4x_kernel[(1,)](seed.to(DEVICE), counters.to(DEVICE), words, BLOCK=8, ROUNDS=rounds)
+    assert torch.equal(words.cpu(), _philox4x32(seed, counters.clone(), rounds))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.25, 0.5, 0.9])
@@ -104,6 +148,21 @@ def test_drop_rate_is_the_quantised_p_within_binomial_bounds(p):
     # every byte of a Philox call is used: each of the 16 positions drops at the same rate
     per_position = (~keep).view(512, -1, DECISIONS_PER_CALL).float().mean((0, 1))
     assert (per_position - p_eff).abs().max() < 5 * math.sqrt(p_eff * (1 - p_eff) / (n / 16))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_mma_scheme_drop_rate_is_the_quantised_p_at_every_byte(p):
+    threshold, _ = dropout_threshold(p)
+    p_eff = threshold / 256
+    keep = dropout_keep_mma_block(torch.tensor(99), 2, 0, 256, 512, 512, p)
+    n = keep.numel()
+    dropped = n - keep.sum().item()
+    assert abs(dropped - n * p_eff) < 5 * math.sqrt(n * p_eff * (1 - p_eff))
+    # each of the 16 (word, byte) positions: rows i % 16 in {0, 1, 8, 9} and columns j % 16 likewise
+    per_position = (~keep).view(2, 16, 16, 32, 16).float().mean((0, 1, 3))
+    positions = [0, 1, 8, 9]
+    rates = per_position[positions][:, positions]
+    assert (rates - p_eff).abs().max() < 5 * math.sqrt(p_eff * (1 - p_eff) / (n / 256))
 
 
 def test_threshold_edges():
