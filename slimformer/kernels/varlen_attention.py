@@ -469,6 +469,13 @@ def _stride_unit(*tensors: torch.Tensor) -> int:
     return next(unit for unit in (8, 4, 2, 1) if all(stride % unit == 0 for stride in strides))
 
 
+def _config_kind(dropout_p: float) -> str:
+    """The dense kernels' config kind a varlen launch takes: its dropout draws the per-row
+    Philox tiles (``dropout_keep_tile``), for which the "masked" configs were chosen; the
+    dense "dropout" configs fit the 4x4-block scheme only."""
+    return "masked" if dropout_p > 0.0 else "plain"
+
+
 def _strides(unit: int, *tensors: torch.Tensor) -> list[int]:
     """(token, head) strides of each tensor in units of ``unit`` elements, flattened."""
     return [stride // unit for tensor in tensors for stride in tensor.stride()[:2]]
@@ -484,7 +491,7 @@ def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, 
     # every row belongs to a sequence (checked), whose programs write all of its rows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
-    config = _block_config(head_dim, q.dtype, "fwd", dropout_p > 0.0)
+    config = _block_config(head_dim, q.dtype, "fwd", _config_kind(dropout_p))
     unit = _stride_unit(q, k, v, out)
     _varlen_fwd_kernel[_grid(max_q, config["BLOCK_M"], heads, batch)](
         q, k, v, out, lse, seed, cu_q, cu_k, *_strides(unit, q, k, v, out),
@@ -505,12 +512,12 @@ def _varlen_bwd(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dro
     delta = torch.linalg.vecdot(out.float(), grad_out.float()).T.contiguous()  # (heads, total_q)
     unit = _stride_unit(q, k, v, grad_out, dq, dk, dv)
     flags = dict(**_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", dropout_p > 0.0)
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", _config_kind(dropout_p))
     _varlen_bwd_dkdv_kernel[_grid(max_k, dkdv_config["BLOCK_N"], kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dk, dv),
         total_q, heads, heads // kv_heads, max_k, scale, dropout_p, **flags, **dkdv_config,
     )  # fmt: skip
-    dq_config = _block_config(head_dim, q.dtype, "dq", dropout_p > 0.0)
+    dq_config = _block_config(head_dim, q.dtype, "dq", _config_kind(dropout_p))
     _varlen_bwd_dq_kernel[_grid(max_q, dq_config["BLOCK_M"], heads, batch)](
         q, k, v, grad_out, lse, delta, dq, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dq),
         total_q, heads, heads // kv_heads, max_q, max_k, scale, dropout_p, **flags, **dq_config,
@@ -783,7 +790,7 @@ def varlen_attention(
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "query")
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k, "key")
-    _check_dropout_p(dropout_p)
+    _check_dropout_p(dropout_p, 0, 0)  # 64-bit Philox counters here (dropout_keep_tile): none wrap
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
