@@ -7,6 +7,11 @@ import torch
 # the impossible from a kernel that sums in a different order.
 ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 
+# Recompute policies that run every branch of the layers' code, for the expensive tests:
+# the layers branch on "qkv" in policy and "mlp" in policy independently, and "full"
+# checkpoints the "none" block, so "qkv" and "mlp" alone run nothing these do not.
+BRANCH_COVERING_POLICIES = ("none", "qkv+mlp", "full")
+
 
 def assert_within_reference_error(name, actual, torch_same_dtype, exact, ulps=4.0, scale=1.0):
     """Assert |actual - exact| <= 2 |torch_same_dtype - exact| + ulps * ULP(dtype) * scale.

@@ -30,6 +30,7 @@ forward then splits each row into segments over the SMs when there are fewer row
 
 import math
 import numbers
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -775,6 +776,12 @@ class MemoryModes:
     call ``refresh`` after those. Code traced by ``torch.compile`` cannot read version
     counters: it uses the decision last made in eager mode (kept on the norm as a bool
     attribute, which the compiled code guards on), or keeps the input if there was none.
+
+    Under FSDP2 (``fully_shard``) a norm runs on an unsharded parameter that the
+    all-gather refills every step without moving its version counter, while the optimizer
+    writes the sharded DTensor: such norms are also stale when their sharded parameters
+    moved, and are re-decided when they next run unsharded (one sync per FSDP group that
+    holds norms, per step; all ranks judge the same gathered weights).
     """
 
     _ATTRIBUTE = "_slimformer_rebuilds_input"
@@ -783,10 +790,12 @@ class MemoryModes:
         self._decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # norm -> state decided on
 
     @staticmethod
-    def _state(norm) -> tuple:
-        """(weak reference, version) of the weight and the bias, as decided on."""
+    def _state(norm, fsdp_params) -> tuple:
+        """(weak reference, version) of the weight and the bias as decided on, then those
+        of the sharded parameters FSDP2 gathers them from (``fsdp_params``: FSDP2's records)."""
         tensors = (norm.weight, getattr(norm, "bias", None))
-        return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+        own = tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+        return own + (tuple((weakref.ref(record), *_sharded_state(record)) for record in fsdp_params),)
 
     def track(self, norm) -> None:
         """Have ``norm`` decided with the next refresh (so a model's first step decides
@@ -801,7 +810,7 @@ class MemoryModes:
         return all(
             (t is None) if held is None else (t is not None and held[0]() is t and held[1] == t._version)
             for held, t in zip(state, tensors)
-        )
+        ) and all(_sharded_is_current(record(), sharded, versions) for record, sharded, versions in state[2])
 
     def rebuilds_input(self, norm) -> bool:
         """Whether ``norm``'s backward may rebuild its input from its output now."""
@@ -820,27 +829,67 @@ class MemoryModes:
             if not self._is_current(state, norm) and not _has_subclass_weights(norm)
         ]  # fmt: skip
         stale += [norm for norm in norms if not any(norm is other for other in stale)]
+        fsdp_params = _fsdp2_params_by_module()
         by_device: dict[torch.device, list] = {}
         for norm in stale:
             weight = norm.weight
-            if (weight is not None and weight.is_meta) or _has_subclass_weights(norm):
-                self._decide(norm, False)
+            records = [] if fsdp_params is None else fsdp_params.get(id(norm), [])
+            if (weight is not None and weight.is_meta) or _has_subclass_weights(norm) or fsdp_params is None:
+                self._decide(norm, False, records)
             else:
                 flag = _rebuilds_input_flag(weight, getattr(norm, "bias", None))
-                by_device.setdefault(flag.device, []).append((norm, flag))
-        for pairs in by_device.values():
-            flags = torch.stack([flag for _, flag in pairs]).tolist()  # the one host sync
-            for (norm, _), ok in zip(pairs, flags):
-                self._decide(norm, ok)
+                by_device.setdefault(flag.device, []).append((norm, flag, records))
+        for triples in by_device.values():
+            flags = torch.stack([flag for _, flag, _ in triples]).tolist()  # the one host sync
+            for (norm, _, records), ok in zip(triples, flags):
+                self._decide(norm, ok, records)
 
-    def _decide(self, norm, rebuilds: bool) -> None:
-        self._decisions[norm] = self._state(norm)
+    def _decide(self, norm, rebuilds: bool, fsdp_params) -> None:
+        self._decisions[norm] = self._state(norm, fsdp_params)
         setattr(norm, self._ATTRIBUTE, rebuilds)
 
 
 def _has_subclass_weights(norm) -> bool:
     tensors = (norm.weight, getattr(norm, "bias", None))
     return any(t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def _sharded_state(record) -> tuple:
+    """(weak reference, versions) of FSDP2's sharded parameter: the DTensor's version moves
+    with the optimizer's writes, its local tensor's with writes through ``to_local()``."""
+    sharded = record.sharded_param
+    return weakref.ref(sharded), (sharded._version, sharded._local_tensor._version)
+
+
+def _sharded_is_current(record, sharded, versions) -> bool:
+    if record is None or record.sharded_param is not sharded():
+        return False
+    return (record.sharded_param._version, record.sharded_param._local_tensor._version) == versions
+
+
+def _fsdp2_params_by_module() -> dict | None:
+    """FSDP2's per-parameter records (``FSDPParam``) by id of the module that uses them;
+    {} when FSDP2 is not in use, None when it is but its records cannot be read (a torch
+    whose internals moved): norms then keep their input rather than guess."""
+    fsdp_state = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_state")
+    if fsdp_state is None:
+        return {}
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+
+        states = {id(s): s for s in (ref() for ref in list(_module_state_mapping.values()))}
+        by_module: dict[int, list] = {}
+        for state in states.values():
+            if not isinstance(state, fsdp_state.FSDPState):
+                continue
+            for group in state._fsdp_param_groups:
+                for record in group.fsdp_params:
+                    info = record._module_info
+                    for module in (info.module, *info.shared_modules):
+                        by_module.setdefault(id(module), []).append(record)
+        return by_module
+    except (AttributeError, ImportError):
+        return None
 
 
 MEMORY_MODES = MemoryModes()

@@ -3,8 +3,10 @@ the CI's representative shapes, within shared memory and, for 16-bit inputs at h
 <= 8192 / head dim <= 256, without register spills (see tests/aot_compile.py)."""
 
 import functools
+import json
 
 import pytest
+from filelock import FileLock  # a dependency of torch
 
 from tests.aot_compile import ci_case_names, compile_ci_cases
 
@@ -14,10 +16,26 @@ KNOWN_FAILURES = {
 }
 
 
-@functools.cache
-def _problems(family: str) -> dict[str, list[str]]:
-    # One compile-report run per family (the xdist group keeps a family on one worker).
-    return compile_ci_cases(family)
+@pytest.fixture(scope="session")
+def problems(request, tmp_path_factory):
+    """{case: problems} of a family, from one compile-report run per family for the whole
+    test run: xdist's groups do not hold here (pytest 9.2, xdist 3.8), so the workers share
+    each run's result through a file in their common temporary directory, under a lock."""
+    worker = getattr(request.config, "workerinput", None)
+    shared = None if worker is None else tmp_path_factory.getbasetemp().parent / f"compile-{worker['testrunuid']}"
+
+    @functools.cache
+    def family_problems(family: str) -> dict[str, list[str]]:
+        if shared is None:
+            return compile_ci_cases(family)
+        shared.mkdir(exist_ok=True)
+        path = shared / f"{family}.json"
+        with FileLock(f"{path}.lock"):
+            if not path.exists():
+                path.write_text(json.dumps(compile_ci_cases(family)))
+        return json.loads(path.read_text())
+
+    return family_problems
 
 
 def _params():
@@ -30,5 +48,5 @@ def _params():
 
 
 @pytest.mark.parametrize(("family", "case"), list(_params()))
-def test_compiles_for_sm90_within_limits(family, case):
-    assert _problems(family)[case] == []
+def test_compiles_for_sm90_within_limits(problems, family, case):
+    assert problems(family)[case] == []

@@ -321,7 +321,8 @@ class TestDropout:
 
     @pytest.mark.parametrize("p", [0.1, 0.5])
     def test_keep_fraction(self, backend, p):
-        _, _, h = self._dropped((256, 4096), p, seed=0)
+        # 2^18 draws: the keep fraction's standard deviation is <= 0.001, a tenth of the tolerance
+        _, _, h = self._dropped((64, 4096), p, seed=0)
         keep_fraction = (h != 0).float().mean().item()
         threshold, scale = dropout_threshold(p)
         assert abs(keep_fraction - (1 - threshold / 256)) < 0.01

@@ -4,6 +4,8 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 import slimformer as sf
@@ -240,3 +242,63 @@ def test_in_place_op_on_the_output(backend, torch_class, sf_class):
 def test_bad_arguments_name_the_argument(build, error, message):
     with pytest.raises(error, match=message):
         build()
+
+
+def _fsdp2_training_worker(rank, world_size, init_file, failures):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        for torch_class, sf_class in LAYER_PAIRS:
+            _train_to_zero_weight_under_fsdp2(fully_shard, torch_class, sf_class)
+    except AssertionError as error:
+        with open(f"{failures}{rank}.txt", "w") as file:
+            file.write(str(error))
+    dist.destroy_process_group()
+
+
+def _train_to_zero_weight_under_fsdp2(fully_shard, torch_class, sf_class):
+    # The weight-to-zero loop above, with the norm sharded by FSDP2 over two ranks that
+    # see the same batch (so the averaged gradients are one process's). During forward the
+    # norm sees FSDP2's unsharded parameter: the same object every step, refilled by the
+    # all-gather without moving its version counter, while the optimizer steps the
+    # sharded DTensor. Reference: the torch module, unsharded.
+    torch.manual_seed(0)
+    ours, reference = sf_class(16), torch_class(16)
+    _randomize(ours)
+    reference.load_state_dict(ours.state_dict())
+    model = fully_shard(nn.Sequential(ours))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (model, reference)]
+    decisions = []
+    ours.register_forward_hook(lambda module, args, out: decisions.append(module._slimformer_rebuilds_input))
+    x, dy = torch.randn(4, 16).repeat(2, 1), torch.randn(4, 16)
+    dy = torch.cat([dy, -dy])
+    for step in range(3):
+        grads = []
+        for module, norm, optimizer in ((model, ours, optimizers[0]), (reference, reference, optimizers[1])):
+            optimizer.zero_grad()
+            leaf = x.clone().requires_grad_(True)
+            (module(leaf) * dy).sum().add(norm.weight.square().sum() / 2).backward()
+            grads.append([leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in norm.parameters()])
+            optimizer.step()
+        for got, expected in zip(*grads):
+            assert got.isfinite().all(), f"{sf_class.__name__} step {step}: {got.isnan().sum()} NaN in a gradient"
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{sf_class.__name__} step {step}: {m}")
+    assert decisions == [True, False, False], f"{sf_class.__name__}: saved the output at steps {decisions}"
+    model(x.clone().requires_grad_(True)).sum().backward()  # decides after the last step
+    syncs = []
+    real_tolist = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda self: syncs.append(1) or real_tolist(self)
+    try:
+        model(x.clone().requires_grad_(True)).sum().backward()  # no step since that decision
+    finally:
+        torch.Tensor.tolist = real_tolist
+    assert not syncs, f"{sf_class.__name__}: re-decided although no weight changed"
+
+
+@pytest.mark.timeout(300)  # two spawned processes; ~10 s on an idle machine
+def test_fsdp2_training_that_drives_the_weight_to_zero_keeps_exact_gradients(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the mode decision is the same on both paths
+    mp.spawn(_fsdp2_training_worker, args=(2, tmp_path / "store", str(tmp_path / "failure")), nprocs=2, join=True)
+    failures = [path.read_text() for path in sorted(tmp_path.glob("failure*.txt"))]
+    assert not failures, failures[0]
