@@ -351,12 +351,11 @@ def _mlp_backward_op(
     """(dx, dw1, db1, dw2, db2), h recomputed from x when None; db1 / db2 are empty
     placeholders without biases."""
     dout = dout.contiguous()
-    absent = absent_output(x.device)
-    db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else absent
+    db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else absent_output(x.device)
     if not use_triton(x):
         with torch.autocast(x.device.type, enabled=False):  # as in the forward
             dx, dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p)
-        return dx, dw1, absent if db1 is None else db1, dw2, db2
+        return dx, dw1, absent_output(x.device) if db1 is None else db1, dw2, db2
     if h is None:
         h = torch.nn.functional.linear(x, w1, b1)
     a = _activation(h, seed, activation, dropout_p)
@@ -365,15 +364,14 @@ def _mlp_backward_op(
     dh = _activation_grad(dout @ w2, h, seed, activation, dropout_p)
     dx = dh @ w1
     dw1 = dh.t() @ x
-    db1 = absent if b1 is None else dh.sum(0, dtype=torch.float32).to(b1.dtype)
+    db1 = absent_output(x.device) if b1 is None else dh.sum(0, dtype=torch.float32).to(b1.dtype)
     return dx, dw1, db1, dw2, db2
 
 
 @_mlp_backward_op.register_fake
 def _(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2):
-    absent = absent_output(x.device)
-    db1 = absent if b1 is None else torch.empty_like(b1)
-    db2 = dout.new_empty(dout.shape[1]) if has_b2 else absent
+    db1 = absent_output(x.device) if b1 is None else torch.empty_like(b1)
+    db2 = dout.new_empty(dout.shape[1]) if has_b2 else absent_output(x.device)
     return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
 
 

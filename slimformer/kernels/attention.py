@@ -1192,23 +1192,21 @@ def _self_attention_backward_op(
         _last_dim_contiguous(grad_out.to(dtype)), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
         dropout_p, is_causal, scale, dq, dk, dv,
     )  # fmt: skip
-    absent = absent_output(x.device)
     needs_x, needs_weight, needs_bias = needs_input_grad
-    dx = (dqkv @ weight_).to(x.dtype) if needs_x else absent
-    dweight = (dqkv.flatten(0, 1).mT @ x_.flatten(0, 1)).to(weight.dtype) if needs_weight else absent
-    dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None and needs_bias else absent
+    dx = (dqkv @ weight_).to(x.dtype) if needs_x else absent_output(x.device)
+    dweight = (dqkv.flatten(0, 1).mT @ x_.flatten(0, 1)).to(weight.dtype) if needs_weight else absent_output(x.device)
+    dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None and needs_bias else absent_output(x.device)
     return dx, dweight, dbias
 
 
 @_self_attention_backward_op.register_fake
 def _(grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask, num_heads, dropout_p, is_causal,
       scale, needs_input_grad):  # fmt: skip
-    absent = absent_output(x.device)
     needs_x, needs_weight, needs_bias = needs_input_grad
     return (
-        torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x else absent,
-        torch.empty_like(weight, memory_format=torch.contiguous_format) if needs_weight else absent,
-        torch.empty_like(bias) if bias is not None and needs_bias else absent,
+        torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x else absent_output(x.device),
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if needs_weight else absent_output(x.device),
+        torch.empty_like(bias) if bias is not None and needs_bias else absent_output(x.device),
     )
 
 

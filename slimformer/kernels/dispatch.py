@@ -62,5 +62,6 @@ def reference_row_blocks(rows: int, row_elements: int) -> list[tuple[int, int]]:
 
 def absent_output(device: torch.device) -> torch.Tensor:
     """What a ``torch.library`` op returns for an output it does not produce (its schema
-    cannot return None): an empty fp32 tensor; callers know from their flags to skip it."""
+    cannot return None): a new empty fp32 tensor each time (an op's outputs must not
+    alias each other); callers know from their flags to skip it."""
     return torch.empty(0, dtype=torch.float32, device=device)

@@ -118,7 +118,9 @@ def _(x, residual, seed, dropout_p):
 
 
 @torch.library.custom_op("slimformer::dropout_add_backward", mutates_args=())
-def _dropout_add_backward_op(dout: torch.Tensor, seed: torch.Tensor, dropout_p: float, x_dtype: torch.dtype) -> torch.Tensor:
+def _dropout_add_backward_op(
+    dout: torch.Tensor, seed: torch.Tensor, dropout_p: float, x_dtype: torch.dtype
+) -> torch.Tensor:
     """dx = dout · keep · scale in ``x_dtype``, the mask regenerated from the seed."""
     return _apply_dropout(dout.contiguous(), None, seed, dropout_p, x_dtype)
 

@@ -645,25 +645,23 @@ def _norm_backward_op(
         None if dh_out is None else _as_rows(dh_out.contiguous(), spec),
         _as_rows(saved, spec), weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec,
     )  # fmt: skip
-    absent = absent_output(dy.device)
     return (
         dx.view(shape),
-        absent if dresidual is None or dresidual is dx else dresidual.view(shape),
-        absent if dw is None else dw,
-        absent if db is None else db,
+        absent_output(dy.device) if dresidual is None or dresidual is dx else dresidual.view(shape),
+        absent_output(dy.device) if dw is None else dw,
+        absent_output(dy.device) if db is None else db,
     )
 
 
 @_norm_backward_op.register_fake
 def _(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, is_rms, normalized_ndim,
       eps, dropout_p, rebuild_from_output):  # fmt: skip
-    absent = absent_output(dy.device)
     separate = _separate_dresidual(seed, x_dtype, residual_dtype)
     return (
         torch.empty(dy.shape, dtype=x_dtype, device=dy.device),
-        torch.empty(dy.shape, dtype=residual_dtype, device=dy.device) if separate else absent,
-        absent if weight is None else torch.empty_like(weight),
-        absent if bias is None else torch.empty_like(bias),
+        torch.empty(dy.shape, dtype=residual_dtype, device=dy.device) if separate else absent_output(dy.device),
+        absent_output(dy.device) if weight is None else torch.empty_like(weight),
+        absent_output(dy.device) if bias is None else torch.empty_like(bias),
     )
 
 
