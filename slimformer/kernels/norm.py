@@ -671,10 +671,10 @@ def _norm_setup_context(ctx, inputs, output):
     x, residual, weight, bias, seed, *fields = inputs
     spec = _spec(*fields)
     y, h, mean, rstd = output
-    fused = seed is not None or residual is not None
-    saved = y if spec.rebuild_from_output else (h if _stores_h(fused, spec) else x)
+    ctx.has_h = _stores_h(seed is not None or residual is not None, spec)
+    saved = y if spec.rebuild_from_output else (h if ctx.has_h else x)
     ctx.save_for_backward(saved, weight, bias, mean if _keeps_mean(spec) else None, rstd, seed)
-    ctx.mark_non_differentiable(mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd, *(() if ctx.has_h else (h,)))
     ctx.set_materialize_grads(False)  # an unused h gets no zero gradient
     ctx.spec = spec
     ctx.x_dtype = x.dtype
@@ -700,7 +700,7 @@ def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
     if dy is None:  # only h was used
         dy = torch.zeros(saved.shape, dtype=spec.out_dtype, device=saved.device)
     dx, dresidual, dw, db = _norm_backward_op(
-        dy, dh_out, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype,
+        dy, dh_out if ctx.has_h else None, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype,
         spec.is_rms, spec.normalized_ndim, spec.eps, spec.dropout_p, spec.rebuild_from_output,
     )  # fmt: skip
     if ctx.residual_dtype is None:
