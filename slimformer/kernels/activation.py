@@ -384,6 +384,8 @@ def _mlp_setup_context(ctx, inputs, output):
 
 
 def _mlp_backward(ctx, dout, _dh):
+    if dout is None:  # the output got no gradient
+        return (None,) * 9
     x, w1, b1, w2, seed, h = ctx.saved_tensors
     activation, dropout_p, has_b2 = ctx.config
     dx, dw1, db1, dw2, db2 = _mlp_backward_op(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2)

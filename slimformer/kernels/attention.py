@@ -1121,6 +1121,8 @@ def _attention_setup_context(ctx, inputs, output):
 
 
 def _attention_grad(ctx, grad_out, _grad_lse):
+    if grad_out is None:  # the output got no gradient
+        return (None,) * 9
     q, k, v, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(
         grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, ctx.dropout_p, ctx.is_causal, ctx.scale
@@ -1220,6 +1222,8 @@ def _self_attention_setup_context(ctx, inputs, output):
 
 
 def _self_attention_grad(ctx, grad_out, _grad_lse):
+    if grad_out is None:  # the output got no gradient
+        return (None,) * 11
     x, weight, bias, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
     dx, dweight, dbias = _self_attention_backward_op(

@@ -272,6 +272,8 @@ def _linear_cross_entropy_setup_context(ctx, inputs, output):
 
 
 def _linear_cross_entropy_grad(ctx, grad_loss, _grad_lse):
+    if grad_loss is None:  # the loss got no gradient
+        return (None,) * 7
     x, weight, bias, labels, lse = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
     grads = _linear_cross_entropy_backward_op(

@@ -697,6 +697,8 @@ def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
             ) from error
         raise
     spec = ctx.spec
+    if dy is None and (dh_out is None or not ctx.has_h):  # no output got a gradient
+        return (None,) * 12
     if dy is None:  # only h was used
         dy = torch.zeros(saved.shape, dtype=spec.out_dtype, device=saved.device)
     dx, dresidual, dw, db = _norm_backward_op(
