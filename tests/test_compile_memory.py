@@ -103,10 +103,11 @@ def test_compiled_step_matches_eager_with_dropout(compiled_pairs, inputs, policy
             torch.manual_seed(5)
             out = run(**inputs).last_hidden_state
             (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-            results.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+            # the compiled graph gives the pooler, which the loss does not use, zero gradients
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+            results.append((out.detach(), grads))
     (out, grads), (out_compiled, grads_compiled) = results
     # different dropout masks would differ by O(1); inductor's fused aten ops round differently
     torch.testing.assert_close(out_compiled, out, rtol=1e-5, atol=1e-5)
-    assert len(grads) == len(grads_compiled)
     for g_compiled, g in zip(grads_compiled, grads):
         torch.testing.assert_close(g_compiled, g, rtol=1e-4, atol=1e-5)
