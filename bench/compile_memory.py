@@ -19,7 +19,7 @@ model runs a warm-up step first (which compiles) and a plain one; *compile s* is
 difference of their wall times (inductor compiles in worker processes, so the process's
 CPU time would miss most of it; on a shared machine it is approximate).
 
-Targets (issue 11): compiled kept bytes within 10% of eager's at every policy, the
+Targets (issue 11): compiled kept bytes at most 10% above eager's at every policy, the
 compiled step peak <= eager slimformer's and <= compiled HF's with budget 0.5, and
 compiling a patched BERT at most 1.5x the CPU time of compiling HF's.
 
@@ -44,7 +44,7 @@ from slimformer.recompute import POLICIES
 
 SHAPE = (4, 4, 512)  # layers, batch, seq
 HF_BUDGETS = (0.5, 0.1)
-KEPT_TOLERANCE = 0.10  # compiled kept bytes within 10% of eager's
+KEPT_TOLERANCE = 0.10  # compiled kept bytes at most 10% above eager's
 COMPILE_TIME_TARGET = 1.5  # compiling a patched BERT vs compiling HF's
 MiB = 2**20
 _CPU = torch.autograd.DeviceType.CPU
@@ -178,11 +178,11 @@ def target_lines(results: dict[str, StepMemory]) -> list[str]:
         eager, compiled = results.get(f"slimformer ({policy}), eager"), results.get(f"slimformer ({policy}), compiled")
         if eager is None or compiled is None:
             continue
-        kept_ok = abs(compiled.kept - eager.kept) <= KEPT_TOLERANCE * eager.kept
+        kept_ok = compiled.kept <= (1 + KEPT_TOLERANCE) * eager.kept  # keeping less is no loss
         peak_bound = min(eager.peak, budget.peak) if budget else eager.peak
         out.append(
             f"- `{policy}`: compiled keeps {compiled.kept / eager.kept:.2f}x eager's bytes "
-            f"(within {KEPT_TOLERANCE:.0%}: {'met' if kept_ok else 'MISSED'}); compiled peak "
+            f"(<= {1 + KEPT_TOLERANCE:.2f}x: {'met' if kept_ok else 'MISSED'}); compiled peak "
             f"{compiled.peak / MiB:,.0f} MiB <= {peak_bound / MiB:,.0f} MiB (eager"
             f"{', HF budget 0.5' if budget else ''}): {'met' if compiled.peak <= peak_bound else 'MISSED'}"
         )
