@@ -14,7 +14,8 @@ and, on a CPU, the unpadded-BERT section (``bench.unpad``, selected as ``-k unpa
 A run that selects benchmarks (``-k EXPR``, ``-m EXPR`` or test paths) is partial: its
 files are named ``<device-slug>-partial-<selection>*`` and the full report is left as it
 is. ``-k`` also selects the memory sections, matched like a test name: the norm table
-as ``norm_memory``, each column of the BERT section as ``bert_memory <column>``
+as ``norm_memory``, the torch.compile section (CPU) as ``compile_memory``, each column
+of the BERT section as ``bert_memory <column>``
 (``-k "bert_memory and not sdpa"``, ``-k "bert_memory and (eager or none)"``), the
 masked-LM section (``bench/mlm_memory.py``) as ``mlm_memory``.
 
@@ -51,6 +52,9 @@ from rich.table import Table  # noqa: E402
 import torch  # noqa: E402
 from bench.bert_memory import BASELINES as BERT_BASELINES  # noqa: E402
 from bench.bert_memory import bert_memory_section  # noqa: E402
+from bench.compile_memory import SHAPE as COMPILE_SHAPE  # noqa: E402
+from bench.compile_memory import lines as compile_memory_lines  # noqa: E402
+from bench.compile_memory import measure as measure_compile_memory  # noqa: E402
 from bench.cpu_step import measure_times, time_lines  # noqa: E402
 from bench.harness import report_machine_info  # noqa: E402
 from bench.int8_inference import int8_inference_section  # noqa: E402
@@ -486,6 +490,12 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         unpad = ["## Unpadded BERT batches on CPU", "", *unpad_lines(log=console.log)]
         console.print(Markdown("\n".join(unpad)))
         md += ["", *unpad]
+    if device_type == "cpu" and chosen.selects("compile_memory"):
+        # torch.compile vs eager per policy and compiled HF with memory budgets (minutes: it compiles 13 models)
+        compiled = compile_memory_lines(measure_compile_memory(*COMPILE_SHAPE, log=console.log), COMPILE_SHAPE)
+        compiled = ["## torch.compile keeps the savings", "", *compiled]
+        console.print(Markdown("\n".join(compiled)))
+        md += ["", *compiled]
     if skipped:
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
     written[0].write_text("\n".join(md) + "\n")
@@ -505,7 +515,7 @@ def main(pytest_args: list[str]) -> None:
     console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)  # logs: don't cut columns at 80
     bert_columns = [*BERT_BASELINES, *(f"slimformer ({policy})" for policy in POLICIES)]
     memory_selected = chosen.selects("norm_memory") or any(chosen.selects(f"bert_memory {c}") for c in bert_columns)
-    memory_selected = memory_selected or chosen.selects("unpad") or chosen.selects("mlm_memory")
+    memory_selected = memory_selected or any(chosen.selects(name) for name in ("unpad", "mlm_memory", "compile_memory"))
     if data is None and not memory_selected:
         sys.exit("no benchmark and no memory section selected; no report written")
     for path in write_report(data, skipped, console, chosen):

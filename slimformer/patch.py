@@ -796,6 +796,9 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
         model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps)
     )
     setattr(root, _RECORD, summary)
+    # Decide the norms' memory modes now (one host sync): a model compiled before its first
+    # eager step would otherwise trace the safe mode, keeping each norm's input too.
+    MEMORY_MODES.refresh()
     return root
 
 

@@ -9,7 +9,9 @@
 | ``full``    | the whole layer (``torch.utils.checkpoint``, non-reentrant) |
 
 Dropout masks come from Philox seeds drawn from torch's generator, and checkpointing
-restores the generator, so every policy gives the same gradients.
+restores the generator, so every policy gives the same gradients. Under ``torch.compile``
+the ops are ``torch.library`` custom ops whose saved tensors the partitioner cannot
+re-plan, so each policy keeps what it keeps in eager mode (``bench/compile_memory.py``).
 """
 
 from torch import nn

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, reference_row_blocks, use_triton
 from slimformer.kernels.dropout import tile_origin
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
@@ -315,40 +315,96 @@ def _activation_grad(da, h, seed, activation, dropout_p):
     return bwd(da.contiguous(), h, seed, activation, dropout_p)
 
 
-class _FusedMLPFunction(torch.autograd.Function):
-    """fc2(dropout(act(fc1(x)))) on (M, D) rows, keeping h (or nothing) for backward."""
+# The differentiable op: forward and backward ``torch.library`` ops joined by
+# ``register_autograd``, so that torch.compile keeps x, the weights, the seed and h (or
+# not h, with recompute_fc1) and cannot re-plan what is saved.
 
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, seed, activation, dropout_p, recompute_fc1):
-        if use_triton(x):
-            h = torch.nn.functional.linear(x, w1, b1)
-            out = torch.nn.functional.linear(_activation(h, seed, activation, dropout_p), w2, b2)
-        else:
-            out, h = _mlp_fwd_reference(x, w1, b1, w2, b2, seed, activation, dropout_p, keep_h=not recompute_fc1)
-        ctx.save_for_backward(x, w1, b1, w2, seed, None if recompute_fc1 else h)
-        ctx.config = (activation, dropout_p, b2 is not None)
-        return out
 
-    @staticmethod
-    def backward(ctx, dout):
-        x, w1, b1, w2, seed, h = ctx.saved_tensors
-        activation, dropout_p, has_b2 = ctx.config
-        dout = dout.contiguous()
-        db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else None
-        if not use_triton(x):
-            with torch.autocast(x.device.type, enabled=False):  # as in the forward
-                dx, dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p)
-            return dx, dw1, db1, dw2, db2, None, None, None, None
-        if h is None:
-            h = torch.nn.functional.linear(x, w1, b1)
-        a = _activation(h, seed, activation, dropout_p)
-        dw2 = dout.t() @ a
-        del a
-        dh = _activation_grad(dout @ w2, h, seed, activation, dropout_p)
-        dx = dh @ w1
-        dw1 = dh.t() @ x
-        db1 = None if b1 is None else dh.sum(0, dtype=torch.float32).to(b1.dtype)
-        return dx, dw1, db1, dw2, db2, None, None, None, None
+@torch.library.custom_op("slimformer::fused_mlp", mutates_args=())
+def _mlp_op(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    activation: str,
+    dropout_p: float,
+    recompute_fc1: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, h) on (M, D) rows; h is an empty placeholder with ``recompute_fc1``."""
+    if use_triton(x):
+        h = torch.nn.functional.linear(x, w1, b1)
+        out = torch.nn.functional.linear(_activation(h, seed, activation, dropout_p), w2, b2)
+    else:
+        out, h = _mlp_fwd_reference(x, w1, b1, w2, b2, seed, activation, dropout_p, keep_h=not recompute_fc1)
+    return out, absent_output(x.device) if recompute_fc1 else h
+
+
+@_mlp_op.register_fake
+def _(x, w1, b1, w2, b2, seed, activation, dropout_p, recompute_fc1):
+    out = x.new_empty((x.shape[0], w2.shape[0]))
+    return out, absent_output(x.device) if recompute_fc1 else x.new_empty((x.shape[0], w1.shape[0]))
+
+
+@torch.library.custom_op("slimformer::fused_mlp_backward", mutates_args=())
+def _mlp_backward_op(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    h: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    activation: str,
+    dropout_p: float,
+    has_b2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw1, db1, dw2, db2), h recomputed from x when None; db1 / db2 are empty
+    placeholders without biases."""
+    dout = dout.contiguous()
+    db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else absent_output(x.device)
+    if not use_triton(x):
+        with torch.autocast(x.device.type, enabled=False):  # as in the forward
+            dx, dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p)
+        return dx, dw1, absent_output(x.device) if db1 is None else db1, dw2, db2
+    if h is None:
+        h = torch.nn.functional.linear(x, w1, b1)
+    a = _activation(h, seed, activation, dropout_p)
+    dw2 = dout.t() @ a
+    del a
+    dh = _activation_grad(dout @ w2, h, seed, activation, dropout_p)
+    dx = dh @ w1
+    dw1 = dh.t() @ x
+    db1 = absent_output(x.device) if b1 is None else dh.sum(0, dtype=torch.float32).to(b1.dtype)
+    return dx, dw1, db1, dw2, db2
+
+
+@_mlp_backward_op.register_fake
+def _(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2):
+    db1 = absent_output(x.device) if b1 is None else torch.empty_like(b1)
+    db2 = dout.new_empty(dout.shape[1]) if has_b2 else absent_output(x.device)
+    return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
+
+
+def _mlp_setup_context(ctx, inputs, output):
+    x, w1, b1, w2, b2, seed, activation, dropout_p, recompute_fc1 = inputs
+    ctx.save_for_backward(x, w1, b1, w2, seed, None if recompute_fc1 else output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.config = (activation, dropout_p, b2 is not None)
+
+
+def _mlp_backward(ctx, dout, _dh):
+    if dout is None:  # the output got no gradient
+        return (None,) * 9
+    x, w1, b1, w2, seed, h = ctx.saved_tensors
+    activation, dropout_p, has_b2 = ctx.config
+    dx, dw1, db1, dw2, db2 = _mlp_backward_op(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2)
+    return dx, dw1, db1 if b1 is not None else None, dw2, db2 if has_b2 else None, None, None, None, None
+
+
+_mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup_context)
 
 
 def _check_linear(name: str, weight: torch.Tensor, bias, in_features: int, x: torch.Tensor) -> None:
@@ -411,9 +467,9 @@ def fused_mlp(
         raise ValueError(f"fc1_weight for swiglu needs an even number of rows [gate | up], got {fc1_weight.shape[0]}")
     _check_linear("fc2", fc2_weight, fc2_bias, hidden, x)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    seed = new_dropout_seed(x.device) if dropout_p > 0 else None
+    seed = new_dropout_seed(x.device, rows.detach(), "fused_mlp") if dropout_p > 0 else None
     with torch.autocast(x.device.type, enabled=False):
-        out = _FusedMLPFunction.apply(
-            rows, fc1_weight, fc1_bias, fc2_weight, fc2_bias, seed, activation, float(dropout_p), recompute_fc1
+        out, _ = _mlp_op(
+            rows, fc1_weight, fc1_bias, fc2_weight, fc2_bias, seed, activation, float(dropout_p), bool(recompute_fc1)
         )
     return out.view(*x.shape[:-1], fc2_weight.shape[0])

@@ -48,7 +48,7 @@ import triton.language as tl
 from einops import rearrange
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from slimformer.kernels.dispatch import reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import absent_output, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     dropout_keep_mma_block,
     dropout_keep_mma_tile,
@@ -1047,69 +1047,201 @@ def _split_heads(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch
     return rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=num_heads).unbind(0)
 
 
-class _Attention(torch.autograd.Function):
-    """Fused attention; saves q, k, v, out, lse and the dropout seed (plus the caller's masks)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
-        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-        seed = new_dropout_seed(q.device) if dropout_p > 0.0 else None
-        fwd = _attention_fwd if _runs_kernels(q) else _attention_fwd_reference
-        out, lse = fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
-        ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask)
-        ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        bwd = _attention_bwd if _runs_kernels(q) else _attention_bwd_reference
-        bwd(
-            _last_dim_contiguous(grad_out), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
-            ctx.dropout_p, ctx.is_causal, ctx.scale, dq, dk, dv,
-        )
-        return dq, dk, dv, None, None, None, None, None
+# The differentiable ops: forward and backward ``torch.library`` ops joined by
+# ``register_autograd``, so that torch.compile keeps exactly what the docstrings list and
+# cannot re-plan what is saved. The dropout seed is an input (drawn by the caller).
 
 
-class _SelfAttentionRecomputeQKV(torch.autograd.Function):
-    """x -> attention of q, k, v = split(x Wᵀ + b), as (batch, seq, embed).
+def _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed):
+    fwd = _attention_fwd if _runs_kernels(q) else _attention_fwd_reference
+    return fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
 
-    Saves x, the weights, out, lse and the seed; backward recomputes the projection
-    and writes dq, dk, dv straight into one (batch, seq, 3 · embed) gradient.
-    """
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, num_heads, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
-        q, k, v = _split_heads(F.linear(x, weight, bias), num_heads)
-        seed = new_dropout_seed(q.device) if dropout_p > 0.0 else None
-        fwd = _attention_fwd if _runs_kernels(q) else _attention_fwd_reference
-        out, lse = fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
-        ctx.save_for_backward(x, weight, bias, out, lse, seed, attn_mask, key_padding_mask)
-        ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale = num_heads, dropout_p, is_causal, scale
-        return rearrange(out, "b h s d -> b s (h d)")
+def _attention_backward(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale,
+                        dq, dk, dv):  # fmt: skip
+    bwd = _attention_bwd if _runs_kernels(q) else _attention_bwd_reference
+    bwd(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, bias, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
-        # The forward's projection ran in out's dtype (autocast's, if it was on); redo it
-        # in that dtype, since autocast is off in backward.
-        dtype = out.dtype
-        x_, weight_ = x.to(dtype), weight.to(dtype)
-        qkv = F.linear(x_, weight_, None if bias is None else bias.to(dtype))
-        q, k, v = _split_heads(qkv, ctx.num_heads)
-        dqkv = torch.empty_like(qkv)
-        dq, dk, dv = _split_heads(dqkv, ctx.num_heads)
-        grad_out = rearrange(_last_dim_contiguous(grad_out.to(dtype)), "b s (h d) -> b h s d", h=ctx.num_heads)
-        bwd = _attention_bwd if _runs_kernels(q) else _attention_bwd_reference
-        bwd(
-            grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask,
-            ctx.dropout_p, ctx.is_causal, ctx.scale, dq, dk, dv,
-        )
-        dx = (dqkv @ weight_).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dweight = (dqkv.flatten(0, 1).mT @ x_.flatten(0, 1)).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        return dx, dweight, dbias, None, None, None, None, None, None
+
+def _fake_out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _empty_output(q), q.new_empty(q.shape[:3], dtype=_reference_dtype(q))
+
+
+@torch.library.custom_op("slimformer::attention", mutates_args=())
+def _attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of (batch, heads, seq, head_dim) q, k, v with a contiguous last dim."""
+    return _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
+
+
+@_attention_op.register_fake
+def _(q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale):
+    return _fake_out_and_lse(q)
+
+
+@torch.library.custom_op("slimformer::attention_backward", mutates_args=())
+def _attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), each shaped and strided like q, k, v (``empty_like``)."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _attention_backward(
+        _last_dim_contiguous(grad_out), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
+        dropout_p, is_causal, scale, dq, dk, dv,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    """Saves q, k, v, out, lse and the dropout seed (plus the caller's masks)."""
+    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+
+
+def _attention_grad(ctx, grad_out, _grad_lse):
+    if grad_out is None:  # the output got no gradient
+        return (None,) * 9
+    q, k, v, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
+    dq, dk, dv = _attention_backward_op(
+        grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, ctx.dropout_p, ctx.is_causal, ctx.scale
+    )
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_attention_setup_context)
+
+
+@torch.library.custom_op("slimformer::self_attention_recompute_qkv", mutates_args=())
+def _self_attention_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    num_heads: int,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse): attention of q, k, v = split(x Wᵀ + b) with the projection in ``dtype``
+    (autocast's, or x's); out is (batch, heads, seq, head_dim) stored as (batch, seq, heads,
+    head_dim). Saves x, the weights, out, lse and the seed; the backward op recomputes the
+    projection and writes dq, dk, dv straight into one (batch, seq, 3 · embed) gradient."""
+    qkv = F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    q, k, v = _split_heads(qkv, num_heads)
+    return _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
+
+
+@_self_attention_op.register_fake
+def _(x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, dtype):
+    batch, seq, embed = x.shape
+    q = x.new_empty((batch, num_heads, seq, embed // num_heads), dtype=dtype)
+    return _fake_out_and_lse(q)
+
+
+@torch.library.custom_op("slimformer::self_attention_recompute_qkv_backward", mutates_args=())
+def _self_attention_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    num_heads: int,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    needs_input_grad: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias) for grad_out (batch, heads, seq, head_dim); each an empty
+    placeholder where ``needs_input_grad`` says it is not needed."""
+    # The forward's projection ran in out's dtype (autocast's, if it was on); redo it
+    # in that dtype, since autocast is off in backward.
+    dtype = out.dtype
+    x_, weight_ = x.to(dtype), weight.to(dtype)
+    qkv = F.linear(x_, weight_, None if bias is None else bias.to(dtype))
+    q, k, v = _split_heads(qkv, num_heads)
+    dqkv = torch.empty_like(qkv)
+    dq, dk, dv = _split_heads(dqkv, num_heads)
+    _attention_backward(
+        _last_dim_contiguous(grad_out.to(dtype)), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
+        dropout_p, is_causal, scale, dq, dk, dv,
+    )  # fmt: skip
+    needs_x, needs_weight, needs_bias = needs_input_grad
+    dx = (dqkv @ weight_).to(x.dtype) if needs_x else absent_output(x.device)
+    dweight = (dqkv.flatten(0, 1).mT @ x_.flatten(0, 1)).to(weight.dtype) if needs_weight else absent_output(x.device)
+    dbias = dqkv.sum((0, 1)).to(bias.dtype) if bias is not None and needs_bias else absent_output(x.device)
+    return dx, dweight, dbias
+
+
+@_self_attention_backward_op.register_fake
+def _(grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask, num_heads, dropout_p, is_causal,
+      scale, needs_input_grad):  # fmt: skip
+    needs_x, needs_weight, needs_bias = needs_input_grad
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x else absent_output(x.device),
+        torch.empty_like(weight, memory_format=torch.contiguous_format) if needs_weight else absent_output(x.device),
+        torch.empty_like(bias) if bias is not None and needs_bias else absent_output(x.device),
+    )
+
+
+def _self_attention_setup_context(ctx, inputs, output):
+    x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(x, weight, bias, out, lse, seed, attn_mask, key_padding_mask)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale = num_heads, dropout_p, is_causal, scale
+
+
+def _self_attention_grad(ctx, grad_out, _grad_lse):
+    if grad_out is None:  # the output got no gradient
+        return (None,) * 11
+    x, weight, bias, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
+    dx, dweight, dbias = _self_attention_backward_op(
+        grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask,
+        ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale, needs,
+    )  # fmt: skip
+    grads = [grad if need else None for grad, need in zip((dx, dweight, dbias), needs)]
+    return *grads, *(None,) * 8
+
+
+_self_attention_op.register_autograd(_self_attention_grad, setup_context=_self_attention_setup_context)
 
 
 def _check_masks(
@@ -1314,7 +1446,11 @@ def attention(
         if key_padding_mask is not None:
             key_padding_mask = key_padding_mask.reshape(-1, seq_k)
         query, key, value = _as_batch_heads(query), _as_batch_heads(key), _as_batch_heads(value)
-    out = _Attention.apply(query, key, value, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal), scale)
+    query, key, value = _last_dim_contiguous(query), _last_dim_contiguous(key), _last_dim_contiguous(value)
+    seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
+    out, _ = _attention_op(
+        query, key, value, attn_mask, key_padding_mask, seed, float(dropout_p), bool(is_causal), scale
+    )
     return out.view(*batch_shape, heads, seq_q, head_dim)
 
 
@@ -1383,6 +1519,11 @@ def self_attention(
         out = attention(q, k, v, attn_mask, dropout_p, is_causal, key_padding_mask=key_padding_mask)
         return rearrange(out, "b h s d -> b s (h d)")
     scale = 1.0 / math.sqrt(embed // num_heads)
-    return _SelfAttentionRecomputeQKV.apply(
-        x, qkv_weight, qkv_bias, num_heads, attn_mask, key_padding_mask, float(dropout_p), bool(is_causal), scale
-    )
+    dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
+    seed = new_dropout_seed(x.device, x.detach(), "self_attention") if dropout_p > 0.0 else None
+    with torch.autocast(x.device.type, enabled=False):
+        out, _ = _self_attention_op(
+            x, qkv_weight, qkv_bias, num_heads, attn_mask, key_padding_mask, seed,
+            float(dropout_p), bool(is_causal), scale, dtype,
+        )  # fmt: skip
+    return rearrange(out, "b h s d -> b s (h d)")

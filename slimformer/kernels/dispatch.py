@@ -58,3 +58,10 @@ def reference_row_blocks(rows: int, row_elements: int) -> list[tuple[int, int]]:
     ``row_elements`` elements: about ``REFERENCE_BLOCK_ELEMENTS`` per block, at least one row."""
     step = max(1, REFERENCE_BLOCK_ELEMENTS // max(1, row_elements))
     return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def absent_output(device: torch.device) -> torch.Tensor:
+    """What a ``torch.library`` op returns for an output it does not produce (its schema
+    cannot return None): a new empty fp32 tensor each time (an op's outputs must not
+    alias each other); callers know from their flags to skip it."""
+    return torch.empty(0, dtype=torch.float32, device=device)

@@ -106,20 +106,44 @@ def _apply_dropout(x, residual, seed, dropout_p, out_dtype):
     return fn(x, residual, seed, dropout_p, out_dtype)
 
 
-class _DropoutAddFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, seed, dropout_p):
-        ctx.save_for_backward(seed)
-        ctx.dropout_p = dropout_p
-        ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
-        return _apply_dropout(x, residual, seed, dropout_p, torch.promote_types(x.dtype, residual.dtype))
+@torch.library.custom_op("slimformer::dropout_add", mutates_args=())
+def _dropout_add_op(x: torch.Tensor, residual: torch.Tensor, seed: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """residual + dropout(x), in their promoted dtype; saves only the seed."""
+    return _apply_dropout(x, residual, seed, dropout_p, torch.promote_types(x.dtype, residual.dtype))
 
-    @staticmethod
-    def backward(ctx, dout):
-        (seed,) = ctx.saved_tensors
-        dout = dout.contiguous()
-        dx = _apply_dropout(dout, None, seed, ctx.dropout_p, ctx.x_dtype)
-        return dx, dout.to(ctx.residual_dtype), None, None
+
+@_dropout_add_op.register_fake
+def _(x, residual, seed, dropout_p):
+    return torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+
+
+@torch.library.custom_op("slimformer::dropout_add_backward", mutates_args=())
+def _dropout_add_backward_op(
+    dout: torch.Tensor, seed: torch.Tensor, dropout_p: float, x_dtype: torch.dtype
+) -> torch.Tensor:
+    """dx = dout · keep · scale in ``x_dtype``, the mask regenerated from the seed."""
+    return _apply_dropout(dout.contiguous(), None, seed, dropout_p, x_dtype)
+
+
+@_dropout_add_backward_op.register_fake
+def _(dout, seed, dropout_p, x_dtype):
+    return torch.empty(dout.shape, dtype=x_dtype, device=dout.device)
+
+
+def _dropout_add_setup_context(ctx, inputs, output):
+    x, residual, seed, dropout_p = inputs
+    ctx.save_for_backward(seed)
+    ctx.dropout_p = dropout_p
+    ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
+
+
+def _dropout_add_backward(ctx, dout):
+    (seed,) = ctx.saved_tensors
+    dx = _dropout_add_backward_op(dout, seed, ctx.dropout_p, ctx.x_dtype)
+    return dx, dout.to(ctx.residual_dtype), None, None
+
+
+_dropout_add_op.register_autograd(_dropout_add_backward, setup_context=_dropout_add_setup_context)
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, training: bool = True) -> torch.Tensor:
@@ -143,5 +167,5 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, train
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if not training or dropout_p == 0.0:
         return residual + x
-    seed = new_dropout_seed(x.device)
-    return _DropoutAddFunction.apply(x.contiguous(), residual.contiguous(), seed, float(dropout_p))
+    seed = new_dropout_seed(x.device, x.detach(), "dropout_add")
+    return _dropout_add_op(x.contiguous(), residual.contiguous(), seed, float(dropout_p))

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, use_triton
 
 # One chunk of logits holds at most this many elements (16 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -233,32 +233,91 @@ def _linear_cross_entropy_bwd(row_grad, x, weight, bias, labels, lse, label_smoo
     return (dx.to(x.dtype) if dx is not None else None), dweight, dbias
 
 
-class _LinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, labels, ignore_index, label_smoothing, reduction):
-        row_loss, lse = _linear_cross_entropy_fwd(x, weight, bias, labels, ignore_index, label_smoothing)
-        ctx.save_for_backward(x, weight, bias, labels, lse)
-        ctx.ignore_index, ctx.label_smoothing, ctx.reduction = ignore_index, label_smoothing, reduction
-        ctx.mark_non_differentiable(lse)
-        if reduction == "none":
-            return row_loss.to(x.dtype), lse
-        total = row_loss.sum()
-        if reduction == "mean":
-            total = total / (labels != ignore_index).sum()
-        return total.to(x.dtype), lse
+# The differentiable op: forward and backward ``torch.library`` ops joined by
+# ``register_autograd``, so that torch.compile keeps x, the weights, the labels and the
+# fp32 lse and never the logits.
 
-    @staticmethod
-    def backward(ctx, grad_loss, grad_lse):
-        x, weight, bias, labels, lse = ctx.saved_tensors
-        valid = labels != ctx.ignore_index
-        row_grad = grad_loss.float().expand(labels.shape)
-        if ctx.reduction == "mean":
-            row_grad = row_grad / valid.sum()
-        row_grad = torch.where(valid, row_grad, 0.0).contiguous()
-        dx, dweight, dbias = _linear_cross_entropy_bwd(
-            row_grad, x, weight, bias, labels, lse, ctx.label_smoothing, ctx.needs_input_grad[:3]
-        )
-        return dx, dweight, dbias, None, None, None, None
+
+@torch.library.custom_op("slimformer::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss in x's dtype, reduced as asked; per-row fp32 lse)."""
+    row_loss, lse = _linear_cross_entropy_fwd(x, weight, bias, labels, ignore_index, label_smoothing)
+    if reduction == "none":
+        return row_loss.to(x.dtype), lse
+    total = row_loss.sum()
+    if reduction == "mean":
+        total = total / (labels != ignore_index).sum()
+    return total.to(x.dtype), lse
+
+
+@_linear_cross_entropy_op.register_fake
+def _(x, weight, bias, labels, ignore_index, label_smoothing, reduction):
+    loss = x.new_empty(labels.shape if reduction == "none" else ())
+    return loss, x.new_empty(labels.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("slimformer::linear_cross_entropy_backward", mutates_args=())
+def _linear_cross_entropy_backward_op(
+    grad_loss: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    reduction: str,
+    needs_input_grad: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW, db); each an empty placeholder where ``needs_input_grad`` says it is not needed."""
+    valid = labels != ignore_index
+    row_grad = grad_loss.float().expand(labels.shape)
+    if reduction == "mean":
+        row_grad = row_grad / valid.sum()
+    row_grad = torch.where(valid, row_grad, 0.0).contiguous()
+    grads = _linear_cross_entropy_bwd(row_grad, x, weight, bias, labels, lse, label_smoothing, needs_input_grad)
+    return tuple(absent_output(x.device) if grad is None else grad for grad in grads)
+
+
+@_linear_cross_entropy_backward_op.register_fake
+def _(grad_loss, x, weight, bias, labels, lse, ignore_index, label_smoothing, reduction, needs_input_grad):
+    shapes = (x, weight, bias)
+    return tuple(
+        torch.empty_like(like) if need and like is not None else absent_output(x.device)
+        for like, need in zip(shapes, needs_input_grad)
+    )
+
+
+def _linear_cross_entropy_setup_context(ctx, inputs, output):
+    x, weight, bias, labels, ignore_index, label_smoothing, reduction = inputs
+    ctx.save_for_backward(x, weight, bias, labels, output[1])
+    ctx.ignore_index, ctx.label_smoothing, ctx.reduction = ignore_index, label_smoothing, reduction
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+
+
+def _linear_cross_entropy_grad(ctx, grad_loss, _grad_lse):
+    if grad_loss is None:  # the loss got no gradient
+        return (None,) * 7
+    x, weight, bias, labels, lse = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
+    grads = _linear_cross_entropy_backward_op(
+        grad_loss, x, weight, bias, labels, lse, ctx.ignore_index, ctx.label_smoothing, ctx.reduction, needs
+    )
+    return *(grad if need else None for grad, need in zip(grads, needs)), None, None, None, None
+
+
+_linear_cross_entropy_op.register_autograd(
+    _linear_cross_entropy_grad, setup_context=_linear_cross_entropy_setup_context
+)
 
 
 def _check_inputs(x, weight, bias, labels, ignore_index, label_smoothing, reduction) -> None:
@@ -333,7 +392,7 @@ def linear_cross_entropy(
             f"{input.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
     with torch.autocast(input.device.type, enabled=False):
-        loss, lse = _LinearCrossEntropyFunction.apply(
+        loss, lse = _linear_cross_entropy_op(
             input.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
             labels.contiguous(), ignore_index, float(label_smoothing), reduction,
         )  # fmt: skip

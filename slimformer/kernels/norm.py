@@ -33,13 +33,13 @@ import numbers
 import sys
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import multiprocessor_count, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import absent_output, multiprocessor_count, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -686,58 +686,174 @@ def _as_rows(t: torch.Tensor, spec: _NormSpec) -> torch.Tensor:
     return t.view(math.prod(t.shape[:split]), math.prod(t.shape[split:]))
 
 
-class _NormFunction(torch.autograd.Function):
-    """Differentiable fused (dropout + residual +) LayerNorm/RMSNorm over the last N features.
+# The differentiable op: two ``torch.library`` ops (forward, backward) joined by
+# ``register_autograd``, so that torch.compile keeps exactly the tensors listed below
+# instead of re-planning what to save. The spec travels as its fields (schema types).
 
-    Takes and returns tensors of the caller's shape (contiguous) and views them as
-    (M, N) rows inside. When dx and dresidual are one tensor (no dropout, one dtype),
-    backward returns that very object twice, as torch's add does: two views of it
-    would let autograd steal both as two leaves' ``.grad`` sharing one storage, and
-    the next accumulation into one would change the other.
-    """
 
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, seed, spec: _NormSpec):
-        rows = _as_rows(x, spec)
-        residual_rows = None if residual is None else _as_rows(residual, spec)
-        fwd = _norm_fwd if use_triton(x) else _norm_fwd_reference
-        # y and h come back in x's shape and are not views: outputs may be changed in place.
-        y, h, mean, rstd = fwd(rows, residual_rows, weight, bias, seed, spec, x.shape)
-        saved = y if spec.rebuild_from_output else (x if h is None else h)
-        ctx.save_for_backward(saved, weight, bias, mean, rstd, seed)
-        ctx.spec = spec
-        ctx.shape = x.shape
-        ctx.x_dtype = x.dtype
-        ctx.residual_dtype = None if residual is None else residual.dtype
-        if spec.return_residual:
-            return y, h
-        return y
+def _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype) -> _NormSpec:
+    return _NormSpec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype)
 
-    @staticmethod
-    def backward(ctx, dy, dh_out=None):
-        try:
-            saved, weight, bias, mean, rstd, seed = ctx.saved_tensors
-        except RuntimeError as error:
-            if ctx.spec.rebuild_from_output and "inplace operation" in str(error):
-                raise RuntimeError(
-                    "the output of a memory-efficient slimformer LayerNorm/RMSNorm was modified in place, "
-                    "but its backward rebuilds the input from that output; use memory_efficient=False "
-                    "(it keeps the input, as torch.nn.LayerNorm does) or an out-of-place op"
-                ) from error
-            raise
-        saved = _as_rows(saved, ctx.spec)
-        dy = _as_rows(dy.contiguous(), ctx.spec)
-        dh_out = None if dh_out is None else _as_rows(dh_out.contiguous(), ctx.spec)
-        bwd = _norm_bwd if use_triton(dy) else _norm_bwd_reference
-        dx, dresidual, dw, db = bwd(
-            dy, dh_out, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype, ctx.spec
-        )
-        dx_full = dx.view(ctx.shape)
-        if dresidual is dx:
-            dresidual_full = dx_full
-        else:
-            dresidual_full = None if dresidual is None else dresidual.view(ctx.shape)
-        return dx_full, dresidual_full, dw, db, None, None
+
+def _stores_h(fused: bool, spec: _NormSpec) -> bool:
+    return fused and (spec.return_residual or not spec.rebuild_from_output)
+
+
+def _keeps_mean(spec: _NormSpec) -> bool:
+    return not spec.is_rms and not spec.rebuild_from_output
+
+
+@torch.library.custom_op("slimformer::fused_norm", mutates_args=())
+def _norm_op(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    is_rms: bool,
+    normalized_ndim: int,
+    eps: float,
+    dropout_p: float,
+    rebuild_from_output: bool,
+    return_residual: bool,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, mean, rstd) for contiguous x (and residual) of the caller's shape; h and mean
+    are empty placeholders where ``_stores_h`` / ``_keeps_mean`` say they are not produced."""
+    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype)
+    rows = _as_rows(x, spec)
+    residual_rows = None if residual is None else _as_rows(residual, spec)
+    fwd = _norm_fwd if use_triton(x) else _norm_fwd_reference
+    # y and h come back in x's shape and are not views: outputs may be changed in place.
+    y, h, mean, rstd = fwd(rows, residual_rows, weight, bias, seed, spec, x.shape)
+    return (
+        y,
+        absent_output(x.device) if h is None else h,
+        absent_output(x.device) if mean is None else mean,
+        rstd,
+    )
+
+
+@_norm_op.register_fake
+def _(x, residual, weight, bias, seed, is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output,
+      return_residual, out_dtype):  # fmt: skip
+    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype)
+    rows = math.prod(x.shape[: x.dim() - normalized_ndim])
+    fused = seed is not None or residual is not None
+    h = torch.empty(x.shape, dtype=_h_dtype(x, residual), device=x.device) if _stores_h(fused, spec) else None
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device) if _keeps_mean(spec) else None
+    return (
+        torch.empty(x.shape, dtype=out_dtype, device=x.device),
+        absent_output(x.device) if h is None else h,
+        absent_output(x.device) if mean is None else mean,
+        torch.empty(rows, dtype=torch.float32, device=x.device),
+    )
+
+
+def _separate_dresidual(seed, x_dtype, residual_dtype) -> bool:
+    """Whether dresidual differs from dx (else backward hands dx out for both)."""
+    return residual_dtype is not None and (seed is not None or residual_dtype != x_dtype)
+
+
+@torch.library.custom_op("slimformer::fused_norm_backward", mutates_args=())
+def _norm_backward_op(
+    dy: torch.Tensor,
+    dh_out: torch.Tensor | None,
+    saved: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    seed: torch.Tensor | None,
+    x_dtype: torch.dtype,
+    residual_dtype: torch.dtype | None,
+    is_rms: bool,
+    normalized_ndim: int,
+    eps: float,
+    dropout_p: float,
+    rebuild_from_output: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dresidual, dw, db) in the caller's shape; dresidual is a placeholder where it
+    is dx itself (no dropout, one dtype), dw and db where there is no weight / bias."""
+    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, False, x_dtype)
+    shape = dy.shape
+    bwd = _norm_bwd if use_triton(dy) else _norm_bwd_reference
+    dx, dresidual, dw, db = bwd(
+        _as_rows(dy.contiguous(), spec),
+        None if dh_out is None else _as_rows(dh_out.contiguous(), spec),
+        _as_rows(saved, spec), weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec,
+    )  # fmt: skip
+    return (
+        dx.view(shape),
+        absent_output(dy.device) if dresidual is None or dresidual is dx else dresidual.view(shape),
+        absent_output(dy.device) if dw is None else dw,
+        absent_output(dy.device) if db is None else db,
+    )
+
+
+@_norm_backward_op.register_fake
+def _(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, is_rms, normalized_ndim,
+      eps, dropout_p, rebuild_from_output):  # fmt: skip
+    separate = _separate_dresidual(seed, x_dtype, residual_dtype)
+    return (
+        torch.empty(dy.shape, dtype=x_dtype, device=dy.device),
+        torch.empty(dy.shape, dtype=residual_dtype, device=dy.device) if separate else absent_output(dy.device),
+        absent_output(dy.device) if weight is None else torch.empty_like(weight),
+        absent_output(dy.device) if bias is None else torch.empty_like(bias),
+    )
+
+
+def _norm_setup_context(ctx, inputs, output):
+    """Saves h (x itself when nothing is fused, y in memory-efficient mode), the weights,
+    the fp32 statistics and the seed."""
+    x, residual, weight, bias, seed, *fields = inputs
+    spec = _spec(*fields)
+    y, h, mean, rstd = output
+    ctx.has_h = _stores_h(seed is not None or residual is not None, spec)
+    saved = y if spec.rebuild_from_output else (h if ctx.has_h else x)
+    ctx.save_for_backward(saved, weight, bias, mean if _keeps_mean(spec) else None, rstd, seed)
+    ctx.mark_non_differentiable(mean, rstd, *(() if ctx.has_h else (h,)))
+    ctx.set_materialize_grads(False)  # an unused h gets no zero gradient
+    ctx.spec = spec
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = None if residual is None else residual.dtype
+
+
+def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
+    """When dx and dresidual are one tensor (no dropout, one dtype), returns that very
+    object twice, as torch's add does: two views of it would let autograd steal both as
+    two leaves' ``.grad`` sharing one storage, and the next accumulation into one would
+    change the other."""
+    try:
+        saved, weight, bias, mean, rstd, seed = ctx.saved_tensors
+    except RuntimeError as error:
+        if ctx.spec.rebuild_from_output and "inplace operation" in str(error):
+            raise RuntimeError(
+                "the output of a memory-efficient slimformer LayerNorm/RMSNorm was modified in place, "
+                "but its backward rebuilds the input from that output; use memory_efficient=False "
+                "(it keeps the input, as torch.nn.LayerNorm does) or an out-of-place op"
+            ) from error
+        raise
+    spec = ctx.spec
+    if dy is None and (dh_out is None or not ctx.has_h):  # no output got a gradient
+        return (None,) * 12
+    if dy is None:  # only h was used
+        dy = torch.zeros(saved.shape, dtype=spec.out_dtype, device=saved.device)
+    dx, dresidual, dw, db = _norm_backward_op(
+        dy, dh_out if ctx.has_h else None, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype,
+        spec.is_rms, spec.normalized_ndim, spec.eps, spec.dropout_p, spec.rebuild_from_output,
+    )  # fmt: skip
+    if ctx.residual_dtype is None:
+        dresidual = None
+    elif not _separate_dresidual(seed, ctx.x_dtype, ctx.residual_dtype):
+        dresidual = dx
+    return (
+        dx, dresidual, None if weight is None else dw, None if bias is None else db, None,
+        *(None,) * 7,
+    )  # fmt: skip
+
+
+_norm_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 
 
 def _rebuilds_input_flag(weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -979,11 +1095,12 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
         out_dtype=_output_dtype(x, residual, autocast),
         dropout_after=bool(dropout_after),
     )
-    seed = new_dropout_seed(x.device) if dropout_p > 0 else None
+    seed = new_dropout_seed(x.device, x.detach(), "fused_norm") if dropout_p > 0 else None
     weight = None if weight is None else weight.contiguous().view(n_cols)
     bias = None if bias is None else bias.contiguous().view(n_cols)
     residual = None if residual is None else residual.contiguous()
-    return _NormFunction.apply(x.contiguous(), residual, weight, bias, seed, spec)
+    y, h, _, _ = _norm_op(x.contiguous(), residual, weight, bias, seed, *astuple(spec))
+    return (y, h) if spec.return_residual else y
 
 
 def _checked_memory_mode(memory_efficient: bool, weight, bias) -> bool:

@@ -212,9 +212,27 @@ def dropout_keep_mma_tile(seed, stream, row_start, col_start, n_cols, threshold,
     return tl.reshape(keep, (BLOCK_X, BLOCK_Y))
 
 
-def new_dropout_seed(device: torch.device) -> torch.Tensor:
-    """A fresh int64 seed (shape ()) from torch's generator on ``device``, no host sync."""
+# An opaque op, so that torch.compile draws the seed from torch's generator exactly as
+# eager mode does (inductor would lower a traced randint to its own RNG, giving other
+# masks). AOTAutograd's CSE merges calls with equal arguments (it spares only aten's own
+# random ops), so each call names the tensor it is drawn for and the kind of op.
+@torch.library.custom_op("slimformer::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _dropout_seed(device: torch.device, drawn_for: torch.Tensor | None, site: str) -> torch.Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
+
+
+@_dropout_seed.register_fake
+def _(device, drawn_for, site):
+    return torch.empty((), dtype=torch.int64, device=device)
+
+
+def new_dropout_seed(device: torch.device, drawn_for: torch.Tensor | None = None, site: str = "") -> torch.Tensor:
+    """A fresh int64 seed (shape ()) from torch's generator on ``device``, no host sync.
+
+    ``drawn_for`` (the tensor dropped out) and ``site`` (the op's name) keep the draws of
+    different dropout sites apart in a compiled graph: pass them from every op.
+    """
+    return _dropout_seed(device, drawn_for, site)
 
 
 def dropout_threshold(p: float) -> tuple[int, float]:
