@@ -691,8 +691,10 @@ def _as_rows(t: torch.Tensor, spec: _NormSpec) -> torch.Tensor:
 # instead of re-planning what to save. The spec travels as its fields (schema types).
 
 
-def _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype) -> _NormSpec:
-    return _NormSpec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype)
+def _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
+          dropout_after) -> _NormSpec:  # fmt: skip
+    return _NormSpec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
+                     dropout_after)  # fmt: skip
 
 
 def _stores_h(fused: bool, spec: _NormSpec) -> bool:
@@ -717,10 +719,12 @@ def _norm_op(
     rebuild_from_output: bool,
     return_residual: bool,
     out_dtype: torch.dtype,
+    dropout_after: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, mean, rstd) for contiguous x (and residual) of the caller's shape; h and mean
     are empty placeholders where ``_stores_h`` / ``_keeps_mean`` say they are not produced."""
-    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype)
+    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
+                 dropout_after)  # fmt: skip
     rows = _as_rows(x, spec)
     residual_rows = None if residual is None else _as_rows(residual, spec)
     fwd = _norm_fwd if use_triton(x) else _norm_fwd_reference
@@ -736,10 +740,11 @@ def _norm_op(
 
 @_norm_op.register_fake
 def _(x, residual, weight, bias, seed, is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output,
-      return_residual, out_dtype):  # fmt: skip
-    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype)
+      return_residual, out_dtype, dropout_after):  # fmt: skip
+    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
+                 dropout_after)  # fmt: skip
     rows = math.prod(x.shape[: x.dim() - normalized_ndim])
-    fused = seed is not None or residual is not None
+    fused = _input_is_fused(seed, residual, spec)
     h = torch.empty(x.shape, dtype=_h_dtype(x, residual), device=x.device) if _stores_h(fused, spec) else None
     mean = torch.empty(rows, dtype=torch.float32, device=x.device) if _keeps_mean(spec) else None
     return (
@@ -772,10 +777,11 @@ def _norm_backward_op(
     eps: float,
     dropout_p: float,
     rebuild_from_output: bool,
+    dropout_after: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dresidual, dw, db) in the caller's shape; dresidual is a placeholder where it
     is dx itself (no dropout, one dtype), dw and db where there is no weight / bias."""
-    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, False, x_dtype)
+    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, False, x_dtype, dropout_after)
     shape = dy.shape
     bwd = _norm_bwd if use_triton(dy) else _norm_bwd_reference
     dx, dresidual, dw, db = bwd(
@@ -793,7 +799,7 @@ def _norm_backward_op(
 
 @_norm_backward_op.register_fake
 def _(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, is_rms, normalized_ndim,
-      eps, dropout_p, rebuild_from_output):  # fmt: skip
+      eps, dropout_p, rebuild_from_output, dropout_after):  # fmt: skip
     separate = _separate_dresidual(seed, x_dtype, residual_dtype)
     return (
         torch.empty(dy.shape, dtype=x_dtype, device=dy.device),
@@ -809,7 +815,7 @@ def _norm_setup_context(ctx, inputs, output):
     x, residual, weight, bias, seed, *fields = inputs
     spec = _spec(*fields)
     y, h, mean, rstd = output
-    ctx.has_h = _stores_h(seed is not None or residual is not None, spec)
+    ctx.has_h = _stores_h(_input_is_fused(seed, residual, spec), spec)
     saved = y if spec.rebuild_from_output else (h if ctx.has_h else x)
     ctx.save_for_backward(saved, weight, bias, mean if _keeps_mean(spec) else None, rstd, seed)
     ctx.mark_non_differentiable(mean, rstd, *(() if ctx.has_h else (h,)))
@@ -836,12 +842,12 @@ def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
         raise
     spec = ctx.spec
     if dy is None and (dh_out is None or not ctx.has_h):  # no output got a gradient
-        return (None,) * 12
+        return (None,) * 13
     if dy is None:  # only h was used
         dy = torch.zeros(saved.shape, dtype=spec.out_dtype, device=saved.device)
     dx, dresidual, dw, db = _norm_backward_op(
         dy, dh_out if ctx.has_h else None, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype,
-        spec.is_rms, spec.normalized_ndim, spec.eps, spec.dropout_p, spec.rebuild_from_output,
+        spec.is_rms, spec.normalized_ndim, spec.eps, spec.dropout_p, spec.rebuild_from_output, spec.dropout_after,
     )  # fmt: skip
     if ctx.residual_dtype is None:
         dresidual = None
@@ -849,7 +855,7 @@ def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
         dresidual = dx
     return (
         dx, dresidual, None if weight is None else dw, None if bias is None else db, None,
-        *(None,) * 7,
+        *(None,) * 8,
     )  # fmt: skip
 
 

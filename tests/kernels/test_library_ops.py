@@ -49,17 +49,23 @@ def test_dropout_add(dtype, dropout_p):
 
 @DTYPE_DROPOUT
 @pytest.mark.parametrize(
-    "is_rms, rebuild_from_output, with_residual, return_residual",
-    [(False, False, False, False), (False, True, True, False), (False, False, True, True), (True, True, True, True)],
-    ids=["layer-plain", "layer-rebuild-residual", "layer-return-residual", "rms-rebuild-return"],
+    "is_rms, rebuild_from_output, with_residual, return_residual, dropout_after",
+    [
+        (False, False, False, False, False),
+        (False, True, True, False, False),
+        (False, False, True, True, False),
+        (True, True, True, True, False),
+        (False, False, False, False, True),
+    ],
+    ids=["layer-plain", "layer-rebuild-residual", "layer-return-residual", "rms-rebuild-return", "layer-dropout-after"],
 )
-def test_fused_norm(dtype, dropout_p, is_rms, rebuild_from_output, with_residual, return_residual):
+def test_fused_norm(dtype, dropout_p, is_rms, rebuild_from_output, with_residual, return_residual, dropout_after):
     x = _randn(2, 7, 24, dtype=dtype)
     residual = _randn(2, 7, 24, dtype=dtype) if with_residual else None
     weight = (torch.rand(24, dtype=dtype) + 0.5).requires_grad_()
     bias = None if is_rms else _randn(24, dtype=dtype)
     args = (x, residual, weight, bias, _seed(dropout_p), is_rms, 1, 1e-5, dropout_p, rebuild_from_output,
-            return_residual, dtype)  # fmt: skip
+            return_residual, dtype, dropout_after)  # fmt: skip
     _opcheck(_norm_op, args)
 
 
