@@ -12,6 +12,12 @@ ULP = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7
 # checkpoints the "none" block, so "qkv" and "mlp" alone run nothing these do not.
 BRANCH_COVERING_POLICIES = ("none", "qkv+mlp", "full")
 
+# A BERT-family config small enough for the interpreter and CPU tests (two layers, two heads).
+TINY_BERT = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 100,
+    "max_position_embeddings": 64,
+}  # fmt: skip
+
 
 def assert_within_reference_error(name, actual, torch_same_dtype, exact, ulps=4.0, scale=1.0):
     """Assert |actual - exact| <= 2 |torch_same_dtype - exact| + ulps * ULP(dtype) * scale.

@@ -28,12 +28,8 @@ from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import FusedBertFamilyLayer, patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES
-from tests.helpers import BRANCH_COVERING_POLICIES
+from tests.helpers import BRANCH_COVERING_POLICIES, TINY_BERT as TINY
 
-TINY = {
-    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 100,
-    "max_position_embeddings": 64,
-}  # fmt: skip
 MODELS = {
     "BertModel": (BertConfig, BertModel),
     "BertForMaskedLM": (BertConfig, BertForMaskedLM),

@@ -31,11 +31,8 @@ import slimformer as sf
 from slimformer.memory import measure_activation_memory
 from slimformer.recompute import POLICIES
 from slimformer.unpad import PackedSequences, UnpaddedEncoderModel, pack_padding_mask
+from tests.helpers import TINY_BERT as TINY
 
-TINY = {
-    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 100,
-    "max_position_embeddings": 64,
-}  # fmt: skip
 MODELS = {
     "BertModel": (BertConfig, BertModel),
     "BertForMaskedLM": (BertConfig, BertForMaskedLM),

@@ -734,10 +734,11 @@ def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
 
 
 def _stride_unit(*tensors: torch.Tensor) -> int:
-    """The largest of 8, 4, 2, 1 elements dividing every (batch, heads, seq) stride: the
-    kernels take strides in these units, so Triton sees 16-byte aligned rows whenever
-    head_dim % 8 == 0 (it only knows on its own that an int is a multiple of 16)."""
-    strides = [stride for tensor in tensors for stride in tensor.stride()[:3]]
+    """The largest of 8, 4, 2, 1 elements dividing every stride but head_dim's ((batch,
+    heads, seq), or varlen's (token, head)): the kernels take strides in these units, so
+    Triton sees 16-byte aligned rows whenever head_dim % 8 == 0 (it only knows on its own
+    that an int is a multiple of 16)."""
+    strides = [stride for tensor in tensors for stride in tensor.stride()[:-1]]
     return next(unit for unit in (8, 4, 2, 1) if all(stride % unit == 0 for stride in strides))
 
 

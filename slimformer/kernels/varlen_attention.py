@@ -30,7 +30,19 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
-from slimformer.kernels.attention import _block_config, _check_dropout_p, _check_head_dim
+from slimformer.kernels.attention import (
+    _block_config,
+    _check_dropout_p,
+    _check_head_dim,
+    _dot,
+    _kernel_flags,
+    _last_dim_contiguous,
+    _load_rows,
+    _reference_dtype,
+    _runs_kernels,
+    _store_rows,
+    _stride_unit,
+)
 from slimformer.kernels.dispatch import reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     dropout_keep_block,
@@ -45,42 +57,6 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_PROGRAMS = 2**31 - 1
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b`` in fp32; UPCAST for bf16 in Triton 3.6's interpreter, which
-    multiplies bf16 blocks as raw bits (the fp32 product of bf16 values is exact)."""
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        out = tl.dot(a, b, acc, input_precision=PRECISION)
-    return out
-
-
-@triton.jit
-def _load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """A (rows, BLOCK_D) tile, zero past HEAD_DIM and (when CHECK_ROWS) past ``n_rows``."""
-    if CHECK_ROWS:
-        if HEAD_DIM == BLOCK_D:
-            x = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
-        else:
-            x = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    else:
-        if HEAD_DIM == BLOCK_D:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return x
-
-
-@triton.jit
-def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Store the first ``n_rows`` rows and HEAD_DIM columns of a (rows, BLOCK_D) tile."""
-    if HEAD_DIM == BLOCK_D:
-        tl.store(ptrs, x, mask=rows[:, None] < n_rows)
-    else:
-        tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -453,22 +429,6 @@ def _grid(max_seqlen: int, block: int, heads: int, batch: int) -> tuple[int]:
     return (programs,)
 
 
-def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
-    return dict(
-        IS_CAUSAL=is_causal,
-        HAS_DROPOUT=dropout_p > 0.0,
-        HEAD_DIM=q.shape[-1],
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
-    )
-
-
-def _stride_unit(*tensors: torch.Tensor) -> int:
-    """The largest of 8, 4, 2, 1 dividing every (token, head) stride (see the kernels)."""
-    strides = [stride for tensor in tensors for stride in tensor.stride()[:2]]
-    return next(unit for unit in (8, 4, 2, 1) if all(stride % unit == 0 for stride in strides))
-
-
 def _config_kind(dropout_p: float) -> str:
     """The dense kernels' config kind a varlen launch takes: its dropout draws the per-row
     Philox tiles (``dropout_keep_tile``), for which the "masked" configs were chosen; the
@@ -523,10 +483,6 @@ def _varlen_bwd(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dro
         total_q, heads, heads // kv_heads, max_q, max_k, scale, dropout_p, **flags, **dq_config,
     )  # fmt: skip
     return dq, dk, dv
-
-
-def _reference_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(q.dtype, torch.float32)
 
 
 def _sequence_bounds(cu_q: torch.Tensor, cu_k: torch.Tensor) -> list[tuple[int, int, int, int]]:
@@ -629,15 +585,6 @@ def _varlen_bwd_reference(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, 
             dk[k_start:k_stop] = rearrange(dk_all.mul_(scale), "k l d -> l k d")
             dv[k_start:k_stop] = rearrange(dv_all, "k l d -> l k d")
     return dq, dk, dv
-
-
-def _runs_kernels(q: torch.Tensor) -> bool:
-    # fp64 (gradcheck) always takes the PyTorch reference, in fp64.
-    return use_triton(q) and q.dtype != torch.float64
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class _VarlenAttention(torch.autograd.Function):
