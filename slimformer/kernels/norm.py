@@ -901,116 +901,232 @@ class MemoryModes:
 
     Under FSDP2 (``fully_shard``) a norm runs on an unsharded parameter that the
     all-gather refills every step without moving its version counter, while the optimizer
-    writes the sharded DTensor: such norms are also stale when their sharded parameters
-    moved, and are re-decided when they next run unsharded (one sync per FSDP group that
-    holds norms, per step; all ranks judge the same gathered weights).
+    writes the sharded DTensor, so a norm whose weights FSDP2 manages is also stale when
+    its sharded parameters moved. When one such norm runs stale, every norm on its device
+    mesh is re-decided at once: each rank judges the tensors it holds (the unsharded
+    weights of the groups gathered now, its local shards of the others, cast to the
+    mixed-precision dtype they will be gathered in), one ``all_reduce(MIN)`` over the
+    mesh combines the verdicts, and the same single host sync reads them. That is one
+    sync and one small collective per optimizer step for the whole model, made inside a
+    forward that FSDP2 already requires every rank to run. A norm holding tensor
+    subclasses (sharded DTensors between FSDP2 calls, tensor-parallel weights) keeps its
+    input when run that way, and is never judged for a query such as ``saves_output``,
+    so printing a model on one rank starts no collective. FSDP2's parameter records are
+    private: where they cannot be read, norms under FSDP2 keep their input.
     """
 
     _ATTRIBUTE = "_slimformer_rebuilds_input"
 
     def __init__(self) -> None:
-        self._decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # norm -> state decided on
-
-    @staticmethod
-    def _state(norm, fsdp_params) -> tuple:
-        """(weak reference, version) of the weight and the bias as decided on, then those
-        of the sharded parameters FSDP2 gathers them from (``fsdp_params``: FSDP2's records)."""
-        tensors = (norm.weight, getattr(norm, "bias", None))
-        own = tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
-        return own + (tuple((weakref.ref(record), *_sharded_state(record)) for record in fsdp_params),)
+        self._decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # norm -> held tensors, or None
 
     def track(self, norm) -> None:
         """Have ``norm`` decided with the next refresh (so a model's first step decides
         all its norms with one sync)."""
         self._decisions.setdefault(norm, None)
 
-    @staticmethod
-    def _is_current(state: tuple | None, norm) -> bool:
-        if state is None:
-            return False
-        tensors = (norm.weight, getattr(norm, "bias", None))
-        return all(
-            (t is None) if held is None else (t is not None and held[0]() is t and held[1] == t._version)
-            for held, t in zip(state, tensors)
-        ) and all(_sharded_is_current(record(), sharded, versions) for record, sharded, versions in state[2])
+    def _is_current(self, norm) -> bool:
+        held = self._decisions.get(norm)
+        return held is not None and all(
+            (tensor is None) if h is None else (tensor is not None and h.is_current(tensor))
+            for h, tensor in zip(held, _weights(norm))
+        )
 
     def rebuilds_input(self, norm) -> bool:
         """Whether ``norm``'s backward may rebuild its input from its output now."""
         if torch.compiler.is_compiling():
             return getattr(norm, self._ATTRIBUTE, False)
-        if not self._is_current(self._decisions.get(norm), norm):
+        if _has_subclass_weights(norm):
+            return False
+        if not self._is_current(norm):
             self.refresh(norm)
         return getattr(norm, self._ATTRIBUTE)
 
     def refresh(self, *norms) -> None:
-        """Re-decide ``norms`` and every other stale norm: one host sync per device."""
-        # Weights that are tensor subclasses (FSDP2's sharded DTensors between calls) are
-        # judged when their norm runs on plain tensors, or kept safe (input saved) if not.
-        stale = [
-            norm for norm, state in list(self._decisions.items())
-            if not self._is_current(state, norm) and not _has_subclass_weights(norm)
-        ]  # fmt: skip
-        stale += [norm for norm in norms if not any(norm is other for other in stale)]
+        """Re-decide ``norms`` and every other stale norm (FSDP2's: those on the meshes of
+        ``norms``, a collective every rank of them must join): one host sync per device."""
+        for norm in norms:
+            self.track(norm)
         fsdp_params = _fsdp2_params_by_module()
+        asked = {id(norm) for norm in norms}
+        meshes = {_mesh_key(norm, fsdp_params[id(norm)]) for norm in norms if fsdp_params and fsdp_params.get(id(norm))}
+        local, by_mesh = [], {}  # (norm, flag, held) judged here; mesh key -> the same, to combine over ranks
+        for norm in list(self._decisions):
+            records = None if fsdp_params is None else fsdp_params.get(id(norm), {})
+            if records:
+                mesh = _mesh_key(norm, records)
+                if mesh is None:
+                    if id(norm) in asked or not self._is_current(norm):
+                        self._decide(norm, False, _held(norm, records))
+                elif mesh in meshes:
+                    by_mesh.setdefault(mesh, []).append((norm, *_judge_fsdp_norm(norm, records)))
+            elif id(norm) in asked or not self._is_current(norm):
+                weight, bias = _weights(norm)
+                if (weight is not None and weight.is_meta) or _has_subclass_weights(norm) or fsdp_params is None:
+                    self._decide(norm, False, _held(norm, {}))
+                else:
+                    local.append((norm, _rebuilds_input_flag(weight, bias), _held(norm, {})))
         by_device: dict[torch.device, list] = {}
-        for norm in stale:
-            weight = norm.weight
-            records = [] if fsdp_params is None else fsdp_params.get(id(norm), [])
-            if (weight is not None and weight.is_meta) or _has_subclass_weights(norm) or fsdp_params is None:
-                self._decide(norm, False, records)
-            else:
-                flag = _rebuilds_input_flag(weight, getattr(norm, "bias", None))
-                by_device.setdefault(flag.device, []).append((norm, flag, records))
-        for triples in by_device.values():
-            flags = torch.stack([flag for _, flag, _ in triples]).tolist()  # the one host sync
-            for (norm, _, records), ok in zip(triples, flags):
-                self._decide(norm, ok, records)
+        for norm, flag, held in local:
+            by_device.setdefault(flag.device, []).append(([(norm, held)], flag.view(1)))
+        for (mesh, dims), judged in by_mesh.items():
+            device = _mesh_device(mesh)
+            flags = _all_ranks_agree(torch.stack([flag.to(device) for _, flag, _ in judged]), mesh, dims)
+            by_device.setdefault(flags.device, []).append(([(norm, held) for norm, _, held in judged], flags))
+        for parts in by_device.values():
+            flags = torch.cat([flags.bool() for _, flags in parts]).tolist()  # the one host sync
+            for (norm, held), ok in zip((pair for pairs, _ in parts for pair in pairs), flags):
+                self._decide(norm, ok, held)
 
-    def _decide(self, norm, rebuilds: bool, fsdp_params) -> None:
-        self._decisions[norm] = self._state(norm, fsdp_params)
+    def _decide(self, norm, rebuilds: bool, held: tuple) -> None:
+        self._decisions[norm] = held
         setattr(norm, self._ATTRIBUTE, rebuilds)
 
 
+def _weights(norm) -> tuple:
+    return norm.weight, getattr(norm, "bias", None)
+
+
+def _is_subclass(tensor) -> bool:
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+
+
 def _has_subclass_weights(norm) -> bool:
-    tensors = (norm.weight, getattr(norm, "bias", None))
-    return any(t is not None and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+    return any(t is not None and _is_subclass(t) for t in _weights(norm))
 
 
-def _sharded_state(record) -> tuple:
-    """(weak reference, versions) of FSDP2's sharded parameter: the DTensor's version moves
-    with the optimizer's writes, its local tensor's with writes through ``to_local()``."""
-    sharded = record.sharded_param
-    return weakref.ref(sharded), (sharded._version, sharded._local_tensor._version)
+class _Held:
+    """A plain weight or bias as decided on: stale once it is another tensor or was
+    written in place."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = weakref.ref(tensor), tensor._version
+
+    def is_current(self, tensor: torch.Tensor) -> bool:
+        return self.tensor() is tensor and tensor._version == self.version
 
 
-def _sharded_is_current(record, sharded, versions) -> bool:
-    if record is None or record.sharded_param is not sharded():
-        return False
-    return (record.sharded_param._version, record.sharded_param._local_tensor._version) == versions
+class _HeldByFsdp:
+    """A weight or bias that FSDP2 manages (``record``: its ``FSDPParam``), as decided on:
+    stale once its sharded parameter is another DTensor or was written in place (the
+    DTensor's version moves with the optimizer's writes, its local tensor's with writes
+    through ``to_local()``), or once the unsharded parameter the norm runs on was. The
+    unsharded parameter is the gathered copy of what was judged the first time the norm
+    runs on it after the decision; its version is taken then."""
+
+    __slots__ = ("record", "sharded", "versions", "unsharded")
+
+    def __init__(self, record, tensor) -> None:
+        self.record, self.sharded = weakref.ref(record), weakref.ref(record.sharded_param)
+        self.versions = _sharded_versions(record.sharded_param)
+        self.unsharded = None if tensor is None or _is_subclass(tensor) else _Held(tensor)
+
+    def is_current(self, tensor) -> bool:
+        record = self.record()
+        if record is None or record.sharded_param is not self.sharded():
+            return False
+        if _sharded_versions(record.sharded_param) != self.versions:
+            return False
+        if tensor is record.sharded_param:
+            return True
+        if self.unsharded is None and tensor is getattr(record, "_unsharded_param", None):
+            self.unsharded = _Held(tensor)
+        return self.unsharded is not None and self.unsharded.is_current(tensor)
+
+
+def _sharded_versions(sharded) -> tuple[int, int]:
+    return sharded._version, sharded._local_tensor._version
+
+
+def _held(norm, records: dict) -> tuple:
+    """What a decision on ``norm`` holds for its weight and bias (FSDP2's records by name)."""
+    return tuple(
+        None if tensor is None else _HeldByFsdp(records[name], tensor) if name in records else _Held(tensor)
+        for name, tensor in zip(("weight", "bias"), _weights(norm))
+    )
+
+
+def _mesh_key(norm, records: dict) -> tuple | None:
+    """(device mesh, the mesh dims to combine local verdicts over) that ``norm``'s
+    FSDP2-managed weight and bias share; None when they cannot be judged together (one
+    of them not managed, different meshes or placements, a partial placement)."""
+    if set(records) != {name for name, t in zip(("weight", "bias"), _weights(norm)) if t is not None}:
+        return None
+    sharded = [record.sharded_param for record in records.values()]
+    first = sharded[0]
+    if any(s.device_mesh != first.device_mesh or s.placements != first.placements for s in sharded):
+        return None
+    if any(p.is_partial() for p in first.placements):
+        return None
+    return first.device_mesh, tuple(d for d, p in enumerate(first.placements) if not p.is_replicate())
+
+
+def _judge_fsdp_norm(norm, records: dict) -> tuple[torch.Tensor, tuple]:
+    """(this rank's verdict as a 0-d bool tensor, the held tensors) for a norm under FSDP2:
+    its unsharded weights when it holds them, else its local shards in the dtype the
+    all-gather will give them (the verdict is elementwise, so shards can be judged apart)."""
+    tensors = _weights(norm)
+    if not any(t is not None and _is_subclass(t) for t in tensors):
+        return _rebuilds_input_flag(*tensors), _held(norm, records)
+    if not all(t is None or _is_subclass(t) for t in tensors):
+        return torch.tensor(False), _held(norm, records)
+    weight, bias = (
+        None if name not in records else _local_shard(records[name]) for name in ("weight", "bias")
+    )
+    return _rebuilds_input_flag(weight, bias), _held(norm, records)
+
+
+def _local_shard(record) -> torch.Tensor:
+    local = record.sharded_param.to_local()
+    dtype = getattr(record, "param_dtype", None)
+    return local if dtype is None else local.to(dtype)
+
+
+def _all_ranks_agree(flags: torch.Tensor, mesh, dims: tuple) -> torch.Tensor:
+    """``flags`` (bool, on the mesh's device) and-ed over the ranks of ``mesh`` along ``dims``."""
+    import torch.distributed as dist
+
+    flags = flags.to(torch.int32)
+    for dim in dims:
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
+    return flags
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 def _fsdp2_params_by_module() -> dict | None:
-    """FSDP2's per-parameter records (``FSDPParam``) by id of the module that uses them;
-    {} when FSDP2 is not in use, None when it is but its records cannot be read (a torch
-    whose internals moved): norms then keep their input rather than guess."""
+    """FSDP2's per-parameter records (``FSDPParam``) by id of the module that uses them,
+    then by the parameter's name there; {} when FSDP2 is not in use, None when it is but
+    its records cannot be read (a torch whose internals moved): norms then keep their
+    input rather than guess."""
     fsdp_state = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_state")
     if fsdp_state is None:
         return {}
     try:
         from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.tensor import DTensor
 
         states = {id(s): s for s in (ref() for ref in list(_module_state_mapping.values()))}
-        by_module: dict[int, list] = {}
+        by_module: dict[int, dict] = {}
         for state in states.values():
             if not isinstance(state, fsdp_state.FSDPState):
                 continue
             for group in state._fsdp_param_groups:
                 for record in group.fsdp_params:
+                    if not isinstance(record.sharded_param, DTensor):
+                        return None
                     info = record._module_info
-                    for module in (info.module, *info.shared_modules):
-                        by_module.setdefault(id(module), []).append(record)
+                    names = (info.param_name, *info.shared_param_names)
+                    for module, name in zip((info.module, *info.shared_modules), names, strict=True):
+                        by_module.setdefault(id(module), {})[name] = record
         return by_module
-    except (AttributeError, ImportError):
+    except (AttributeError, ImportError, TypeError, ValueError):
         return None
 
 

@@ -244,13 +244,13 @@ def test_bad_arguments_name_the_argument(build, error, message):
         build()
 
 
-def _fsdp2_training_worker(rank, world_size, init_file, failures):
+def _fsdp2_worker(rank, world_size, init_file, failures, body):
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         for torch_class, sf_class in LAYER_PAIRS:
-            _train_to_zero_weight_under_fsdp2(fully_shard, torch_class, sf_class)
+            body(fully_shard, torch_class, sf_class)
     except AssertionError as error:
         with open(f"{failures}{rank}.txt", "w") as file:
             file.write(str(error))
@@ -296,9 +296,98 @@ def _train_to_zero_weight_under_fsdp2(fully_shard, torch_class, sf_class):
     assert not syncs, f"{sf_class.__name__}: re-decided although no weight changed"
 
 
+def _count_host_syncs_and_all_reduces(counts):
+    """Patches (until the returned undo is called) the calls that read device values on
+    the host (``tolist``, ``item``) and ``all_reduce``, counting each in ``counts``."""
+    real = {"tolist": torch.Tensor.tolist, "item": torch.Tensor.item, "all_reduce": dist.all_reduce}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    torch.Tensor.tolist, torch.Tensor.item = counted("tolist", real["tolist"]), counted("item", real["item"])
+    dist.all_reduce = counted("all_reduce", real["all_reduce"])
+
+    def undo():
+        torch.Tensor.tolist, torch.Tensor.item, dist.all_reduce = real["tolist"], real["item"], real["all_reduce"]
+
+    return undo
+
+
+def _multi_layer_syncs_under_fsdp2(fully_shard, torch_class, sf_class):
+    # Four (Linear, norm) blocks, each its own FSDP2 group, against an unsharded torch copy.
+    # As in the weight-to-zero loop, paired rows with opposite gradients give no parameter
+    # a task gradient; |w|² / 2 on block 2's norm alone sends that weight to 0 in one step.
+    # Each step moves every sharded parameter (SGD writes them all), so every norm is
+    # stale at the next forward: all must be re-decided with one host sync and one
+    # all-reduce for the whole model, not one per block.
+    torch.manual_seed(0)
+    model, reference = (
+        nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), norm_class(16)) for _ in range(4)))
+        for norm_class in (sf_class, torch_class)
+    )
+    _randomize(model)
+    reference.load_state_dict(model.state_dict())
+    norms = [block[1] for block in model]
+    decisions = []
+    for index, norm in enumerate(norms):
+        norm.register_forward_hook(lambda m, args, out, i=index: decisions.append((i, m._slimformer_rebuilds_input)))
+    for index, block in enumerate(model):
+        fully_shard(block, reshard_after_forward=index != 2)  # block 2's weight is read after forward
+    fully_shard(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (model, reference)]
+    x, dy = torch.randn(4, 16).repeat(2, 1), torch.randn(4, 16)
+    dy = torch.cat([dy, -dy])
+    name = sf_class.__name__
+    for step in range(4):
+        grads, counts, decisions[:] = [], dict(tolist=0, item=0, all_reduce=0), []
+        for module, optimizer in zip((model, reference), optimizers):
+            optimizer.zero_grad()
+            leaf = x.clone().requires_grad_(True)
+            undo = _count_host_syncs_and_all_reduces(counts) if module is model else lambda: None
+            try:
+                (module(leaf) * dy).sum().add(module[2][1].weight.square().sum() / 2).backward()
+            finally:
+                undo()
+            grads.append([leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in module.parameters()])
+            undo = _count_host_syncs_and_all_reduces(counts) if module is model else lambda: None
+            try:
+                optimizer.step()
+            finally:
+                undo()
+        for got, expected in zip(*grads):
+            assert got.isfinite().all(), f"{name} step {step}: {got.isnan().sum()} NaN in a gradient"
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} step {step}: {m}")
+        expected_decisions = [(i, step == 0 or i != 2) for i in range(4)]
+        assert decisions == expected_decisions, f"{name} step {step}: decisions {decisions}"
+        assert counts == dict(tolist=1, item=0, all_reduce=1), f"{name} step {step}: {counts} for the whole model"
+    model(x.clone().requires_grad_(True)).sum().backward()  # decides after the last step
+    counts = dict(tolist=0, item=0, all_reduce=0)
+    undo = _count_host_syncs_and_all_reduces(counts)
+    try:
+        model(x.clone().requires_grad_(True)).sum().backward()  # no step since that decision
+    finally:
+        undo()
+    assert counts == dict(tolist=0, item=0, all_reduce=0), f"{name}: {counts} although no weight changed"
+
+
 @pytest.mark.timeout(300)  # two spawned processes; ~10 s on an idle machine
 def test_fsdp2_training_that_drives_the_weight_to_zero_keeps_exact_gradients(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the mode decision is the same on both paths
-    mp.spawn(_fsdp2_training_worker, args=(2, tmp_path / "store", str(tmp_path / "failure")), nprocs=2, join=True)
+    _spawn_fsdp2(tmp_path, _train_to_zero_weight_under_fsdp2)
+
+
+def _spawn_fsdp2(tmp_path, body):
+    args = (2, tmp_path / "store", str(tmp_path / "failure"), body)
+    mp.spawn(_fsdp2_worker, args=args, nprocs=2, join=True)
     failures = [path.read_text() for path in sorted(tmp_path.glob("failure*.txt"))]
     assert not failures, failures[0]
+
+
+@pytest.mark.timeout(300)  # two spawned processes
+def test_fsdp2_re_decides_every_norm_with_one_host_sync_per_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _spawn_fsdp2(tmp_path, _multi_layer_syncs_under_fsdp2)
