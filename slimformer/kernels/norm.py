@@ -949,7 +949,7 @@ class MemoryModes:
             self.track(norm)
         fsdp_params = _fsdp2_params_by_module()
         asked = {id(norm) for norm in norms}
-        meshes = {_mesh_key(norm, fsdp_params[id(norm)]) for norm in norms if fsdp_params and fsdp_params.get(id(norm))}
+        meshes = {_mesh_key(norm, fsdp_params[id(norm)]) for norm in norms if fsdp_params and id(norm) in fsdp_params}
         local, by_mesh = [], {}  # (norm, flag, held) judged here; mesh key -> the same, to combine over ranks
         for norm in list(self._decisions):
             records = None if fsdp_params is None else fsdp_params.get(id(norm), {})
@@ -1072,9 +1072,7 @@ def _judge_fsdp_norm(norm, records: dict) -> tuple[torch.Tensor, tuple]:
         return _rebuilds_input_flag(*tensors), _held(norm, records)
     if not all(t is None or _is_subclass(t) for t in tensors):
         return torch.tensor(False), _held(norm, records)
-    weight, bias = (
-        None if name not in records else _local_shard(records[name]) for name in ("weight", "bias")
-    )
+    weight, bias = (_local_shard(records[name]) if name in records else None for name in ("weight", "bias"))
     return _rebuilds_input_flag(weight, bias), _held(norm, records)
 
 
