@@ -911,8 +911,11 @@ class MemoryModes:
     forward that FSDP2 already requires every rank to run. A norm holding tensor
     subclasses (sharded DTensors between FSDP2 calls, tensor-parallel weights) keeps its
     input when run that way, and is never judged for a query such as ``saves_output``,
-    so printing a model on one rank starts no collective. FSDP2's parameter records are
-    private: where they cannot be read, norms under FSDP2 keep their input.
+    so printing a model on one rank starts no collective. Every rank must see the same
+    staleness (SPMD writes: the optimizer, DTensor ops, DCP loading on all ranks): after
+    writing one rank's local shard alone (``to_local()``), call ``refresh`` for those
+    norms on every rank. FSDP2's parameter records are private: where they cannot be
+    read, norms under FSDP2 keep their input.
     """
 
     _ATTRIBUTE = "_slimformer_rebuilds_input"

@@ -403,7 +403,33 @@ def _spawn_fsdp2(tmp_path, body):
     assert not failures, failures[0]
 
 
+def _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class):
+    # Under bf16 mixed precision, block 1's norm runs on bf16 weights: 0.0010001 passes
+    # the |w| >= 1e-3 test in fp32 but is 0.000999 in bf16. Block 0's norm decides all
+    # three, block 1's from the fp32 local shards, which must be judged as gathered.
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), sf_class(16)) for _ in range(3)))
+    with torch.no_grad():
+        model[1][1].weight[3] = 0.0010001
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for block in model:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    decisions = []
+    for block in model:
+        block[1].register_forward_hook(lambda m, args, out: decisions.append((m.weight.dtype, m._slimformer_rebuilds_input)))
+    model(torch.randn(4, 16)).float().sum().backward()
+    expected = [(torch.bfloat16, True), (torch.bfloat16, False), (torch.bfloat16, True)]
+    assert decisions == expected, f"{sf_class.__name__}: decided {decisions}"
+
+
+def _fsdp2_multi_layer_checks(fully_shard, torch_class, sf_class):
+    _multi_layer_syncs_under_fsdp2(fully_shard, torch_class, sf_class)
+    _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class)
+
+
 @pytest.mark.timeout(300)  # two spawned processes
 def test_fsdp2_re_decides_every_norm_with_one_host_sync_per_step(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    _spawn_fsdp2(tmp_path, _multi_layer_syncs_under_fsdp2)
+    _spawn_fsdp2(tmp_path, _fsdp2_multi_layer_checks)
