@@ -43,7 +43,8 @@ class _MemoryModeMixin(NotScriptable):
 
     def refresh_memory_mode(self) -> bool:
         """Re-decide now (one host sync) whether backward may rebuild the input from the
-        output; needed only after writing the weights through ``.data``."""
+        output; needed only after writing the weights through ``.data``. Under FSDP2 it
+        is a collective over the norm's mesh: call it on every rank."""
         MEMORY_MODES.refresh(self)
         return self.saves_output
 
