@@ -245,16 +245,17 @@ def test_bad_arguments_name_the_argument(build, error, message):
         build()
 
 
-def _fsdp2_worker(rank, world_size, init_file, failures, body):
+def _fsdp2_worker(rank, world_size, init_file, failures, checks):
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        for torch_class, sf_class in LAYER_PAIRS:
-            body(fully_shard, torch_class, sf_class)
-    except AssertionError as error:
-        with open(f"{failures}{rank}.txt", "w") as file:
-            file.write(str(error))
+    for check in checks:
+        try:
+            for torch_class, sf_class in LAYER_PAIRS:
+                check(fully_shard, torch_class, sf_class)
+        except AssertionError as error:
+            with open(f"{failures}{rank}-{check.__name__}.txt", "w") as file:
+                file.write(f"{check.__name__}: {error}")
     dist.destroy_process_group()
 
 
@@ -390,17 +391,6 @@ def _multi_layer_syncs_under_fsdp2(fully_shard, torch_class, sf_class):
     assert decisions == [(i, False) for i in range(4)], f"{name}: records unreadable, yet decided {decisions}"
 
 
-@pytest.mark.timeout(300)  # two spawned processes; ~10 s on an idle machine
-def test_fsdp2_training_that_drives_the_weight_to_zero_keeps_exact_gradients(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the mode decision is the same on both paths
-    _spawn_fsdp2(tmp_path, _train_to_zero_weight_under_fsdp2)
-
-
-def _spawn_fsdp2(tmp_path, body):
-    args = (2, tmp_path / "store", str(tmp_path / "failure"), body)
-    mp.spawn(_fsdp2_worker, args=args, nprocs=2, join=True)
-    failures = [path.read_text() for path in sorted(tmp_path.glob("failure*.txt"))]
-    assert not failures, failures[0]
 
 
 def _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class):
@@ -424,12 +414,11 @@ def _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class):
     assert decisions == expected, f"{sf_class.__name__}: decided {decisions}"
 
 
-def _fsdp2_multi_layer_checks(fully_shard, torch_class, sf_class):
-    _multi_layer_syncs_under_fsdp2(fully_shard, torch_class, sf_class)
-    _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class)
-
-
-@pytest.mark.timeout(300)  # two spawned processes
-def test_fsdp2_re_decides_every_norm_with_one_host_sync_per_step(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    _spawn_fsdp2(tmp_path, _fsdp2_multi_layer_checks)
+@pytest.mark.timeout(300)  # two spawned processes; ~20 s on an idle machine
+def test_fsdp2_norms_keep_exact_gradients_with_one_host_sync_per_step(tmp_path, monkeypatch):
+    # One spawn of two gloo ranks runs every FSDP2 check (a spawn costs more than the checks).
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the mode decision is the same on both paths
+    checks = (_train_to_zero_weight_under_fsdp2, _multi_layer_syncs_under_fsdp2, _shards_judged_in_the_gathered_dtype)
+    mp.spawn(_fsdp2_worker, args=(2, tmp_path / "store", str(tmp_path / "failure"), checks), nprocs=2, join=True)
+    failures = [path.read_text() for path in sorted(tmp_path.glob("failure*.txt"))]
+    assert not failures, "\n".join(failures)
