@@ -2,7 +2,7 @@
 
 ``quantize(model, mode)`` swaps every ``nn.Linear`` for a ``Linear8bit`` (modes "int8",
 "int8-weight-only") or ``Linear16bit`` ("fp16", "bf16") in place. Embeddings,
-LayerNorm and softmax are not Linears and stay as they are; the pooler/classifier
+LayerNorm and softmax are not Linears and stay as they are; the classifier and LM
 heads stay float by default (``DEFAULT_SKIP``). Every replacement is built before
 the first one is swapped in, so an error leaves the model untouched.
 
@@ -35,8 +35,9 @@ from slimformer.layers.linear import FLOAT16_MODES, INT8_MODES, Linear8bit, Line
 
 MODES = (*INT8_MODES, *FLOAT16_MODES)
 # Dotted name parts of the heads that stay float unless ``skip`` says otherwise (HF
-# BERT: pooler, classifier, cls (the MLM head), qa_outputs; decoders: lm_head, score).
-DEFAULT_SKIP = ("pooler", "classifier", "cls", "qa_outputs", "lm_head", "score")
+# BERT: classifier, cls (the MLM head), qa_outputs; decoders: lm_head, score). BERT's
+# pooler is quantized, as torch's quantize_dynamic quantizes it.
+DEFAULT_SKIP = ("classifier", "cls", "qa_outputs", "lm_head", "score")
 DEFAULT_SMOOTH_ALPHA = 0.5
 CONFIG_FILE = "slimformer_quantization.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -199,7 +200,7 @@ def quantize(
         "fp16" or "bf16" (16-bit weights, fp32 accumulation).
     skip: Linears to leave float: names (a Linear is skipped if its name equals one,
         starts with one plus ".", or has one as a dotted part) or a callable
-        (name, module) -> bool. Default: the pooler/classifier/LM heads (``DEFAULT_SKIP``).
+        (name, module) -> bool. Default: the classifier/LM heads (``DEFAULT_SKIP``).
     calibration: mode "int8" only: an iterable of model inputs (a dict: keyword
         arguments; a tuple/list: positional ones; else the single argument) for SmoothQuant.
     smooth_alpha: SmoothQuant's migration strength in [0, 1] (default 0.5 with
@@ -345,11 +346,12 @@ def _load_module_state(module: nn.Module, name: str, state: Mapping[str, torch.T
     layer's (which load_state_dict would convert) is refused."""
     prefix = f"{name}."
     own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    expected = module.state_dict()
+    expected = {key: (tensor.dtype,) for key, tensor in module.state_dict().items()}
+    expected.update(getattr(module, "loadable_dtypes", {}))
     wrong = [
-        f"{key} is {tensor.dtype}, the layer's is {expected[key].dtype}"
+        f"{key} is {tensor.dtype}, the layer's is {' or '.join(map(str, expected[key]))}"
         for key, tensor in own.items()
-        if key in expected and tensor.dtype != expected[key].dtype
+        if key in expected and tensor.dtype not in expected[key]
     ]
     if wrong:
         raise RuntimeError(f"{path}: module {name!r}: {'; '.join(wrong)}")

@@ -1,5 +1,5 @@
 """A quantized model saved on one device loads on another bit-exactly (the file format is
-device-free: int8 weights, fp32 scales and smoothing factors, the bias in its dtype)."""
+device-free: int8 weights, bfloat16 scales, fp32 smoothing factors, the bias in its dtype)."""
 
 import copy
 import json
@@ -11,7 +11,7 @@ from torch import nn
 
 from slimformer.quantize import CONFIG_FILE, WEIGHTS_FILE, load_quantized, quantize, save_quantized
 
-INT8_DTYPES = {"weight": torch.int8, "weight_scale": torch.float32, "bias": torch.float32}
+INT8_DTYPES = {"weight": torch.int8, "weight_scale": torch.bfloat16, "bias": torch.float32}
 
 
 def _model() -> nn.Module:

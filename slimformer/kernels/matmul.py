@@ -5,7 +5,7 @@ Every GEMM computes ``y = act(x @ Wᵀ + b)`` for x (M, K) and an nn.Linear weig
 ReLU) applied to the accumulator before the one rounding to the output dtype.
 
 INT8 is symmetric. A weight row n is stored as ``Wq[n] = round(W[n] / s_w[n])`` with
-``s_w[n] = max|W[n]| / 127``; an activation row m is quantized on the fly the same way
+``s_w[n] = max|W[n]| / 127`` rounded up to a bfloat16 value; an activation row m is quantized on the fly the same way
 (per token, ``s_x[m] = max|x[m]| / 127``; an all-zero row gets scale 1). Then
 
     W8A8:  y[m, n] = (Σ_k xq[m, k] wq[n, k]) · s_x[m] · s_w[n] + b[n]   (int32 sum)
@@ -341,15 +341,31 @@ def _quantize_rows_reference(x, smooth):
     x = x.float()
     if smooth is not None:
         x = x * smooth
+    scale = _row_scales_reference(x)
+    return _quantize_with_scales(x, scale), scale
+
+
+def _row_scales_reference(x: torch.Tensor) -> torch.Tensor:
+    """max|row| / 127 of fp32 x (M, K), 1 for rows below ``MIN_ROW_ABSMAX``: (M,) fp32."""
     if x.shape[1]:
         absmax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
     else:
         absmax = x.new_zeros(x.shape[0])
     # A tensor divisor: torch divides by a Python scalar as a multiplication by its
     # reciprocal (two roundings) in some kernels; the Triton kernel divides exactly.
-    scale = torch.where(absmax >= MIN_ROW_ABSMAX, absmax / _C127.to(absmax.device), 1.0)
+    return torch.where(absmax >= MIN_ROW_ABSMAX, absmax / _C127.to(absmax.device), 1.0)
+
+
+def _quantize_with_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """round(x / scale[:, None]) of fp32 x (M, K) as int8, for scales >= max|row| / 127."""
     shifted = torch.div(x, scale[:, None]).add_(_ROUNDING_SHIFT.value)
-    return shifted.view(torch.int32).to(torch.int8), scale
+    return shifted.view(torch.int32).to(torch.int8)
+
+
+def _round_up_to_bfloat16(t: torch.Tensor) -> torch.Tensor:
+    """The least bfloat16 value >= each positive finite fp32 element, as fp32: adding
+    2^16 - 1 to the bits carries into the 16 bits bfloat16 keeps unless the low ones are zero."""
+    return ((t.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32)
 
 
 def _int_mm_supports(m: int, k: int, n: int, device: torch.device) -> bool:
@@ -547,14 +563,18 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Symmetric int8 quantization of each output row of an nn.Linear weight.
 
     weight: (N, K) float16, bfloat16 or float32, all finite. Returns q (N, K) int8 in
-    [-127, 127] and scale (N,) float32 = max|row| / 127 (1 for an all-zero row).
+    [-127, 127] and scale (N,) float32 = max|row| / 127 rounded up to the next bfloat16
+    value (1 for an all-zero row): the step grows by less than 2^-7 of itself, and the
+    scales take two bytes each on disk without loss (``Linear8bit``'s state_dict).
     Raises ValueError when weight has a NaN or infinity.
     """
     _check_tensor("weight", weight, FLOAT_DTYPES, dim=2)
     with torch.no_grad():
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite to quantize, got NaN or infinity")
-        return _quantize_rows_reference(weight, None)
+        weight = weight.float()
+        scale = _round_up_to_bfloat16(_row_scales_reference(weight))
+        return _quantize_with_scales(weight, scale), scale
 
 
 def int8_matmul(
