@@ -21,7 +21,8 @@ activation's outliers moved into the weights, which were multiplied by 1 / smoot
 
 On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
 loops around ``torch._int_mm`` (``int8_cpu``: the quantization in one pass, the int32
-epilogue in one pass), bit for bit; the references run where it cannot be built.
+epilogue in one pass) and W8A16 in one compiled call, bit for bit; the references run
+where it cannot be built.
 
 These are inference ops: nothing is saved for backward, and backward raises.
 """
@@ -414,7 +415,7 @@ def _activate(out, activation):
 
 
 def _fused_cpu_int8(t: torch.Tensor):
-    """The compiled CPU W8A8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
+    """The compiled CPU int8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
     (where ``use_triton(t)`` is False on a CPU tensor), or None: on other devices (or a
     CPU tensor emulating CUDA for the compile report), while torch.compile
     traces (it cannot trace into them), or without a compiler. Checked first, cheaply:
@@ -425,9 +426,13 @@ def _fused_cpu_int8(t: torch.Tensor):
 
 
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
-    fused = None if x_scale is None else _fused_cpu_int8(x)
+    fused = None if w_scale is None else _fused_cpu_int8(x)
     if fused is not None:
-        out = fused.int8_gemm(x, weight.t(), x_scale, w_scale, None if bias is None else bias.float())
+        bias = None if bias is None else bias.float()
+        if x_scale is None:
+            out = fused.weight_only_gemm(x.float(), weight, w_scale, bias)
+        else:
+            out = fused.int8_gemm(x, weight.t(), x_scale, w_scale, bias)
         return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
     if use_triton(x):
         return _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype)
@@ -684,6 +689,15 @@ def _shared_quantization(input: torch.Tensor, rows: torch.Tensor) -> tuple[torch
     quantized = _run_quantize_rows(rows, None)
     _last_quantized = (weakref.ref(input), input._version, quantized)
     return quantized
+
+
+def int8_weight_only_linear_unchecked(
+    input: torch.Tensor, q_weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``int8_weight_only_linear`` without its argument checks and without autograd, for
+    ``Linear8bit`` (as ``int8_linear_unchecked``). Same arguments, no activation."""
+    y = _run_gemm(_rows(input.contiguous()), q_weight, None, weight_scale, bias, None, input.dtype)
+    return y.view(*input.shape[:-1], q_weight.shape[0])
 
 
 def int8_weight_only_linear(

@@ -35,6 +35,7 @@ from slimformer.kernels.matmul import (
     int8_linear,
     int8_linear_unchecked,
     int8_weight_only_linear,
+    int8_weight_only_linear_unchecked,
     linear,
     quantize_per_channel,
 )
@@ -170,7 +171,7 @@ class Linear8bit(_InferenceLinear):
             mode=mode,
         )
         q, scale = quantize_per_channel(weight)
-        if mode == "int8" and weight.device.type == "cpu":
+        if weight.device.type == "cpu":
             int8_cpu.extension()  # built (or found in the cache) now rather than in the first forward
         with torch.no_grad():
             layer.weight.copy_(q)
@@ -201,15 +202,18 @@ class Linear8bit(_InferenceLinear):
         # and a CPU int8 Linear of BERT takes about a hundred.
         buffers = self._buffers
         weight, weight_scale, bias = buffers["weight"], buffers["weight_scale"], buffers["bias"]
+        plain = self._is_plain_inference_input(input, weight)
         if self.mode == "int8-weight-only":
-            return int8_weight_only_linear(input, weight, weight_scale, bias)
+            if not plain:
+                return int8_weight_only_linear(input, weight, weight_scale, bias)
+            return int8_weight_only_linear_unchecked(input, weight, weight_scale, bias)
         smooth = self._applied_smooth(buffers["smooth"])
-        if not self._is_plain_inference_input(input, weight):
+        if not plain:
             return int8_linear(input, weight, weight_scale, bias, smooth=smooth)
         return int8_linear_unchecked(input, weight, weight_scale, bias, smooth)
 
     def _is_plain_inference_input(self, input, weight) -> bool:
-        """Whether ``input`` needs none of ``int8_linear``'s checks (its errors, its backward
+        """Whether ``input`` needs none of the checked ops' checks (their errors, their backward
         that raises): a float (..., in_features) tensor on the weight's device, no autograd."""
         return (
             isinstance(input, torch.Tensor)
