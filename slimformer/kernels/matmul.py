@@ -428,7 +428,7 @@ def _fused_cpu_int8(t: torch.Tensor):
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     fused = None if w_scale is None else _fused_cpu_int8(x)
     if fused is not None:
-        bias = None if bias is None else bias.float()
+        bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
         if x_scale is None:
             out = fused.weight_only_gemm(x.float(), weight, w_scale, bias)
         else:
