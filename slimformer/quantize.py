@@ -14,7 +14,8 @@ activation at the cost of the weight (α = ``smooth_alpha``, default 0.5). The d
 is fused into the per-token quantization kernel (``Linear8bit.smooth`` = 1 / s).
 
 ``save_quantized`` / ``load_quantized`` write and read ``model.safetensors`` (the plain
-state_dict) plus ``slimformer_quantization.json`` (the mode of each converted module).
+state_dict, less the empty ``smooth`` of unsmoothed "int8" layers) plus
+``slimformer_quantization.json`` (the mode of each converted module).
 ``fidelity_report`` measures each quantized layer's SQNR on the float model's own
 inputs to that layer, and the agreement of the two models' outputs.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_model
+from safetensors.torch import load_file, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -255,10 +256,21 @@ def save_quantized(model: nn.Module, directory: str | Path) -> Path:
         raise ValueError("model has no slimformer quantized layer: call slimformer.quantize(model, mode) first")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(directory / WEIGHTS_FILE))
+    # An empty smooth only marks an "int8" state_dict, which the config does in the file.
+    handles = [m.register_state_dict_post_hook(_drop_empty_smooth) for m in model.modules() if isinstance(m, Linear8bit)]
+    try:
+        save_model(model, str(directory / WEIGHTS_FILE))
+    finally:
+        for handle in handles:
+            handle.remove()
     config = {"format": _CONFIG_FORMAT, "modules": modules}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+def _drop_empty_smooth(module, state_dict, prefix, local_metadata) -> None:
+    if prefix + "smooth" in state_dict and state_dict[prefix + "smooth"].numel() == 0:
+        del state_dict[prefix + "smooth"]
 
 
 def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
@@ -297,6 +309,8 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
                 f"{config_path} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}"
             )
         mode = modes.pop()
+        if mode == "int8":
+            state.setdefault(f"{first}.smooth", torch.ones(0))  # dropped by save_quantized
         if mode is not None:
             replacements[first] = _convert(first, model.get_submodule(first), mode, None)
             _load_module_state(replacements[first], first, state, weights_path)
@@ -306,7 +320,9 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     except RuntimeError as error:
         raise RuntimeError(f"{weights_path}: {error}") from None
     _swap(model, swaps)
-    load_model(model, str(weights_path), strict=True)  # restores tied weights save_model dropped
+    # Every key was checked above (tensors tied together, of which save_model kept one
+    # name, load through that name).
+    model.load_state_dict(state, strict=False)
     return model
 
 

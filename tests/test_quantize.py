@@ -112,6 +112,8 @@ def test_save_and_load_helpers(tmp_path):
     quantize(model, "fp16", skip=lambda name, m: name != "pooler.dense")
     save_quantized(model, tmp_path)
     assert (tmp_path / "slimformer_quantization.json").exists()
+    smooth = load_file(tmp_path / "model.safetensors")["encoder.layer.0.attention.self.query.smooth"]
+    assert torch.equal(smooth, model.encoder.layer[0].attention.self.query.smooth)
     loaded = load_quantized(tiny_bert(seed=2), tmp_path)
     assert quantized_modules(loaded) == quantized_modules(model)
     batch = batches(1, seed=4)[0]

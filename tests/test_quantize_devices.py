@@ -34,7 +34,7 @@ def test_cpu_quantized_model_saves_the_int8_format_and_reloads_bit_exactly(tmp_p
     for layer in ("0", "2"):
         for name, dtype in INT8_DTYPES.items():
             assert state[f"{layer}.{name}"].dtype == dtype
-        assert (f"{layer}.smooth" in state) == (mode == "int8")
+        assert f"{layer}.smooth" not in state  # unsmoothed: the config gives the mode
         assert state[f"{layer}.weight"].abs().max() <= 127
     assert json.loads((tmp_path / CONFIG_FILE).read_text())["modules"] == {"0": mode, "2": mode}
     loaded = load_quantized(_model(), tmp_path)
