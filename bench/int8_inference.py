@@ -150,6 +150,13 @@ def _target_lines(variants: list[Variant]) -> list[str]:
         f"- `int8` vs `quantize_dynamic` in the same run: p50 {ratios} at batch {' / '.join(map(str, BATCHES))} "
         f"(target <= 1x, at cosine >= {TARGETS['int8'][1]}): **{'met' if met else 'NOT met'}**"
     )
+    for name in TARGETS:
+        size = by_name[name].size_bytes
+        met = size <= dynamic.size_bytes
+        lines.append(
+            f"- `{name}` size on disk: {size:,} bytes vs `quantize_dynamic`'s {dynamic.size_bytes:,} "
+            f"(target <=): **{'met' if met else 'NOT met'}**"
+        )
     return lines
 
 
@@ -200,11 +207,11 @@ def int8_inference_section(device: torch.device, plot_path: Path, log=print) -> 
         torch.set_num_threads(threads)
     _plot(variants, plot_path, f"all-MiniLM-L6-v2, seq {SEQ}, CPU, 1 thread")
     fp32 = variants[0]
-    columns = ["variant", "size MB", "mean cos", "min cos"]
+    columns = ["variant", "size MiB", "mean cos", "min cos"]
     columns += [f"b{b} p20/p50/p80 ms" for b in BATCHES] + [f"b{b} vs fp32" for b in BATCHES]
     rows = []
     for v in variants:
-        row = [v.name, f"{v.size_bytes / 2**20:.1f}", f"{v.mean_cosine:.5f}", f"{v.min_cosine:.5f}"]
+        row = [v.name, f"{v.size_bytes / 2**20:.3f}", f"{v.mean_cosine:.5f}", f"{v.min_cosine:.5f}"]
         row += ["/".join(f"{t * 1e3:.1f}" for t in _percentiles(v.seconds[b])) for b in BATCHES]
         row += [f"{statistics.median(v.seconds[b]) / statistics.median(fp32.seconds[b]):.2f}x" for b in BATCHES]
         rows.append(row)

@@ -10,10 +10,17 @@ quantization and the int32 -> float epilogue, each one fused C++ loop on CPU, co
 with Python in the row of time outside ATen ops; for quantize_dynamic: one
 ``quantized::linear_dynamic`` that does all three in FBGEMM).
 
+Then one Linear at a time, at the model's three Linear shapes (process CPU time,
+variants interleaved, medians with min-max): fp32, ``int8-weight-only``, the weight-only
+floor (the same arithmetic with an fp32 copy of the integers kept: the fp32 GEMM and the
+epilogue, no conversion), ``int8`` and quantize_dynamic. Weight-only multiplies float
+activations, so no kernel of it can beat the floor, which is the fp32 GEMM itself.
+
     python -m bench.int8_profile        # prints and writes results/<device>-int8-profile.md
 """
 
 import copy
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -27,6 +34,10 @@ BATCHES = (1, 8)
 # Profiled forwards per variant and batch size, after one warm-up forward each.
 FORWARDS = 4
 TOP_OPS = 12
+# (in_features, out_features) of MiniLM's Linears: Q/K/V/attention output, intermediate, output.
+LINEAR_SHAPES = ((384, 384), (384, 1536), (1536, 384))
+# Interleaved rounds per Linear table row (5 calls each, after a warm-up round).
+LINEAR_ROUNDS = 15
 # The rest of a forward's time: Python, and code that is not an ATen op (slimformer's
 # fused CPU int8 loops are plain C++ functions, which the profiler does not see).
 OUTSIDE_OPS = "(outside ATen ops: Python, fused C++ loops)"
@@ -36,7 +47,12 @@ def _variants(float_model) -> dict[str, torch.nn.Module]:
     from slimformer.quantize import quantize
 
     dynamic = torch.ao.quantization.quantize_dynamic(copy.deepcopy(float_model), {torch.nn.Linear}, dtype=torch.qint8)
-    return {"fp32": float_model, "int8": quantize(copy.deepcopy(float_model), "int8"), "quantize_dynamic": dynamic}
+    return {
+        "fp32": float_model,
+        "int8": quantize(copy.deepcopy(float_model), "int8"),
+        "int8-weight-only": quantize(copy.deepcopy(float_model), "int8-weight-only"),
+        "quantize_dynamic": dynamic,
+    }
 
 
 def _self_times(variants: dict[str, torch.nn.Module], inputs: dict) -> dict[str, dict[str, tuple[float, int]]]:
@@ -70,6 +86,55 @@ def _table(times: dict[str, tuple[float, int]]) -> list[str]:
     return lines
 
 
+def _linear_variants(in_features: int, out_features: int) -> dict:
+    """name -> function of x (1, M, in_features), for one Linear of the given shape."""
+    from slimformer.layers.linear import Linear8bit
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features)
+    weight_only = Linear8bit.from_float(linear, "int8-weight-only")
+    int8 = Linear8bit.from_float(linear, "int8")
+    dynamic = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(linear), {torch.nn.Linear}, dtype=torch.qint8)
+    integers = weight_only.weight.float()
+
+    def weight_only_floor(x):
+        out = torch.mm(x.view(-1, in_features), integers.t())
+        return torch.addcmul(weight_only.bias, out, weight_only.weight_scale, out=out)
+
+    # W8A8 layers reuse the quantization of an input they saw last: a fresh tensor each call
+    return {
+        "fp32": linear,
+        "int8-weight-only": weight_only,
+        "weight-only floor (fp32 copy of the integers)": weight_only_floor,
+        "int8": lambda x: int8(x.clone()),
+        "quantize_dynamic": lambda x: dynamic(x.clone()),
+    }
+
+
+def _linear_table(batches, log) -> list[str]:
+    lines = ["| M x K -> N | variant | us per call, median (min-max) | vs fp32 |", "|---|---|---|---|"]
+    for batch in batches:
+        for in_features, out_features in LINEAR_SHAPES:
+            log(f"INT8 profile: Linear {batch * SEQ}x{in_features}->{out_features}")
+            variants = _linear_variants(in_features, out_features)
+            x = torch.randn(1, batch * SEQ, in_features)
+            times = {name: [] for name in variants}
+            for round_ in range(LINEAR_ROUNDS + 1):
+                for name, run in variants.items():
+                    start = time.process_time()
+                    for _ in range(5):
+                        run(x)
+                    if round_:
+                        times[name].append((time.process_time() - start) / 5 * 1e6)
+            base = statistics.median(times["fp32"])
+            for name, us in times.items():
+                lines.append(
+                    f"| {batch * SEQ}x{in_features}->{out_features} | {name} | {statistics.median(us):.0f} "
+                    f"({min(us):.0f}-{max(us):.0f}) | {statistics.median(us) / base:.2f}x |"
+                )
+    return lines
+
+
 def int8_profile_section(log=print) -> list[str]:
     """Profile on CPU (one thread); return the markdown lines."""
     title = f"## INT8 inference profile: all-MiniLM-L6-v2, seq {SEQ} (cpu path, 1 thread)"
@@ -96,6 +161,12 @@ def int8_profile_section(log=print) -> list[str]:
                 times = _self_times(variants, _timing_batch(tokenizer, SENTENCES, batch))
                 for name, ops in times.items():
                     lines += ["", f"### batch {batch}: {name}", "", *_table(ops)]
+            lines += [
+                "",
+                f"### One Linear (process CPU time, {LINEAR_ROUNDS} interleaved rounds of 5 calls)",
+                "",
+                *_linear_table(BATCHES, log),
+            ]
     finally:
         torch.set_num_threads(threads)
     return lines

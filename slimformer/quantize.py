@@ -2,7 +2,7 @@
 
 ``quantize(model, mode)`` swaps every ``nn.Linear`` for a ``Linear8bit`` (modes "int8",
 "int8-weight-only") or ``Linear16bit`` ("fp16", "bf16") in place. Embeddings,
-LayerNorm and softmax are not Linears and stay as they are; the pooler/classifier
+LayerNorm and softmax are not Linears and stay as they are; the classifier and LM
 heads stay float by default (``DEFAULT_SKIP``). Every replacement is built before
 the first one is swapped in, so an error leaves the model untouched.
 
@@ -14,7 +14,8 @@ activation at the cost of the weight (α = ``smooth_alpha``, default 0.5). The d
 is fused into the per-token quantization kernel (``Linear8bit.smooth`` = 1 / s).
 
 ``save_quantized`` / ``load_quantized`` write and read ``model.safetensors`` (the plain
-state_dict) plus ``slimformer_quantization.json`` (the mode of each converted module).
+state_dict, less the empty ``smooth`` of unsmoothed "int8" layers) plus
+``slimformer_quantization.json`` (the mode of each converted module).
 ``fidelity_report`` measures each quantized layer's SQNR on the float model's own
 inputs to that layer, and the agreement of the two models' outputs.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_model
+from safetensors.torch import load_file, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -35,8 +36,9 @@ from slimformer.layers.linear import FLOAT16_MODES, INT8_MODES, Linear8bit, Line
 
 MODES = (*INT8_MODES, *FLOAT16_MODES)
 # Dotted name parts of the heads that stay float unless ``skip`` says otherwise (HF
-# BERT: pooler, classifier, cls (the MLM head), qa_outputs; decoders: lm_head, score).
-DEFAULT_SKIP = ("pooler", "classifier", "cls", "qa_outputs", "lm_head", "score")
+# BERT: classifier, cls (the MLM head), qa_outputs; decoders: lm_head, score). BERT's
+# pooler is quantized, as torch's quantize_dynamic quantizes it.
+DEFAULT_SKIP = ("classifier", "cls", "qa_outputs", "lm_head", "score")
 DEFAULT_SMOOTH_ALPHA = 0.5
 CONFIG_FILE = "slimformer_quantization.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -199,7 +201,7 @@ def quantize(
         "fp16" or "bf16" (16-bit weights, fp32 accumulation).
     skip: Linears to leave float: names (a Linear is skipped if its name equals one,
         starts with one plus ".", or has one as a dotted part) or a callable
-        (name, module) -> bool. Default: the pooler/classifier/LM heads (``DEFAULT_SKIP``).
+        (name, module) -> bool. Default: the classifier/LM heads (``DEFAULT_SKIP``).
     calibration: mode "int8" only: an iterable of model inputs (a dict: keyword
         arguments; a tuple/list: positional ones; else the single argument) for SmoothQuant.
     smooth_alpha: SmoothQuant's migration strength in [0, 1] (default 0.5 with
@@ -254,10 +256,21 @@ def save_quantized(model: nn.Module, directory: str | Path) -> Path:
         raise ValueError("model has no slimformer quantized layer: call slimformer.quantize(model, mode) first")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(directory / WEIGHTS_FILE))
+    # An empty smooth only marks an "int8" state_dict, which the config does in the file.
+    handles = [m.register_state_dict_post_hook(_drop_empty_smooth) for m in model.modules() if isinstance(m, Linear8bit)]
+    try:
+        save_model(model, str(directory / WEIGHTS_FILE))
+    finally:
+        for handle in handles:
+            handle.remove()
     config = {"format": _CONFIG_FORMAT, "modules": modules}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory
+
+
+def _drop_empty_smooth(module, state_dict, prefix, local_metadata) -> None:
+    if prefix + "smooth" in state_dict and state_dict[prefix + "smooth"].numel() == 0:
+        del state_dict[prefix + "smooth"]
 
 
 def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
@@ -296,6 +309,8 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
                 f"{config_path} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}"
             )
         mode = modes.pop()
+        if mode == "int8":
+            state.setdefault(f"{first}.smooth", torch.ones(0))  # dropped by save_quantized
         if mode is not None:
             replacements[first] = _convert(first, model.get_submodule(first), mode, None)
             _load_module_state(replacements[first], first, state, weights_path)
@@ -305,7 +320,9 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     except RuntimeError as error:
         raise RuntimeError(f"{weights_path}: {error}") from None
     _swap(model, swaps)
-    load_model(model, str(weights_path), strict=True)  # restores tied weights save_model dropped
+    # Every key was checked above (tensors tied together, of which save_model kept one
+    # name, load through that name).
+    model.load_state_dict(state, strict=False)
     return model
 
 
@@ -345,11 +362,12 @@ def _load_module_state(module: nn.Module, name: str, state: Mapping[str, torch.T
     layer's (which load_state_dict would convert) is refused."""
     prefix = f"{name}."
     own = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-    expected = module.state_dict()
+    expected = {key: (tensor.dtype,) for key, tensor in module.state_dict().items()}
+    expected.update(getattr(module, "loadable_dtypes", {}))
     wrong = [
-        f"{key} is {tensor.dtype}, the layer's is {expected[key].dtype}"
+        f"{key} is {tensor.dtype}, the layer's is {' or '.join(map(str, expected[key]))}"
         for key, tensor in own.items()
-        if key in expected and tensor.dtype != expected[key].dtype
+        if key in expected and tensor.dtype not in expected[key]
     ]
     if wrong:
         raise RuntimeError(f"{path}: module {name!r}: {'; '.join(wrong)}")

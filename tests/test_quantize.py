@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from slimformer.layers.linear import Linear16bit
+from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import (
     fidelity_report,
     load_quantized,
@@ -51,9 +51,9 @@ def test_quantize_replaces_encoder_linears_and_keeps_the_rest_float():
     model = tiny_bert()
     assert quantize(model, "int8") is model
     modules = quantized_modules(model)
-    assert len(modules) == 2 * LINEARS_PER_LAYER and set(modules.values()) == {"int8"}
-    assert all(name.startswith("encoder.layer.") for name in modules)
-    assert type(model.pooler.dense) is nn.Linear
+    assert len(modules) == 2 * LINEARS_PER_LAYER + 1 and set(modules.values()) == {"int8"}
+    assert all(name.startswith("encoder.layer.") for name in modules if name != "pooler.dense")
+    assert isinstance(model.pooler.dense, Linear8bit)  # as quantize_dynamic quantizes it
     assert type(model.embeddings.word_embeddings) is nn.Embedding
     assert type(model.encoder.layer[0].output.LayerNorm) is nn.LayerNorm
 
@@ -108,10 +108,12 @@ def test_state_dict_round_trips_through_safetensors(tmp_path, mode):
 
 
 def test_save_and_load_helpers(tmp_path):
-    model = quantize(tiny_bert(), "int8", calibration=batches(1))
+    model = quantize(tiny_bert(), "int8", calibration=batches(1), skip=("pooler",))
     quantize(model, "fp16", skip=lambda name, m: name != "pooler.dense")
     save_quantized(model, tmp_path)
     assert (tmp_path / "slimformer_quantization.json").exists()
+    smooth = load_file(tmp_path / "model.safetensors")["encoder.layer.0.attention.self.query.smooth"]
+    assert torch.equal(smooth, model.encoder.layer[0].attention.self.query.smooth)
     loaded = load_quantized(tiny_bert(seed=2), tmp_path)
     assert quantized_modules(loaded) == quantized_modules(model)
     batch = batches(1, seed=4)[0]
@@ -272,10 +274,24 @@ def test_loader_refuses_a_tensor_of_another_dtype(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     fresh = _fresh_sequential()
     before = copy.deepcopy(fresh.state_dict())
-    with pytest.raises(RuntimeError, match=rf"model.safetensors: module '0': {scale_key[2:]} is torch.int32, the layer's is torch.float"):
+    with pytest.raises(RuntimeError, match=rf"model.safetensors: module '0': {scale_key[2:]} is torch.int32, the layer's is torch.bfloat16 or torch.float32"):
         load_quantized(fresh, tmp_path)
     assert not quantized_modules(fresh)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+def test_loader_reads_the_first_format(tmp_path):
+    # Files written before the scales were bfloat16 values: fp32 scales, an all-ones smooth.
+    model = _saved_sequential(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    for layer in ("0", "2"):
+        state[f"{layer}.weight_scale"] = state[f"{layer}.weight_scale"].float()
+        state[f"{layer}.smooth"] = torch.ones(8)
+    save_file(state, tmp_path / "model.safetensors")
+    loaded = load_quantized(_fresh_sequential(), tmp_path)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
 
 
 @pytest.mark.parametrize("damage", ["truncated_weights", "corrupt_config", "config_is_a_list", "unknown_mode", "file_path"])

@@ -1,4 +1,4 @@
-"""W8A8 on CPU in two fused C++ loops around oneDNN's int8 GEMM (``torch._int_mm``).
+"""W8A8 on CPU in two fused C++ loops around oneDNN's int8 GEMM (``torch._int_mm``), W8A16 in one call.
 
 The PyTorch statement of the CPU path (``matmul._quantize_rows_reference`` and the int8
 branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear;
@@ -14,10 +14,14 @@ in one pass each:
   then ``fma(fp32(acc) * x_scale[m], w_scale[n], bias[n])`` in the accumulator's own
   memory: the reference's ``mul_`` then ``addcmul`` (which fuses its multiply-add);
   ``-ffp-contract=off`` keeps the compiler from fusing anything else.
+- ``weight_only_gemm(x, weight, w_scale, bias)``: W8A16 as ``_gemm_reference`` states it,
+  ``fma(x @ fp32(weight)ᵀ, w_scale[n], bias[n])``: the weight's integers converted into a
+  buffer each thread keeps (the reference's ``weight.float()`` allocates, and converts at
+  a third of this loop's speed), the same fp32 GEMM, the epilogue in the output's memory.
 
 The extension is compiled by ``torch.utils.cpp_extension.load_inline`` once (about a
 minute; then cached in torch's extensions directory) for the vector ISA torch uses on
-this CPU; ``Linear8bit.from_float`` builds it when it makes a CPU layer of mode "int8",
+this CPU; ``Linear8bit.from_float`` builds it when it makes a CPU layer,
 so the time is spent at quantize / load time, not in the first forward. Without a
 working C++ compiler ``extension()`` returns None and the callers run the PyTorch
 statement, which gives the same bits, only slower.
@@ -152,6 +156,45 @@ torch::Tensor int8_gemm(torch::Tensor q, torch::Tensor weight_t, torch::Tensor x
   });
   return out;
 }
+
+torch::Tensor weight_only_gemm(torch::Tensor x, torch::Tensor weight, torch::Tensor w_scale,
+                               c10::optional<torch::Tensor> bias) {
+  check_fp32(x, "x");
+  TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.is_contiguous() && weight.dim() == 2,
+              "weight must be a contiguous (N, K) int8 tensor");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (M, K)");
+  check_fp32(w_scale, "w_scale");
+  TORCH_CHECK(w_scale.numel() == n, "w_scale must have N elements");
+  if (bias.has_value()) {
+    check_fp32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "bias must have N elements");
+  }
+  // The weight's integers as fp32 in one buffer per thread, reused by every call: a
+  // fresh (N, K) tensor per call costs its allocation and page faults too.
+  thread_local torch::Tensor scratch;
+  if (!scratch.defined() || scratch.numel() < n * k) scratch = torch::empty({n * k}, x.options());
+  float* wf = scratch.data_ptr<float>();
+  const int8_t* wq = weight.data_ptr<int8_t>();
+  at::parallel_for(0, n * k, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) wf[i] = static_cast<float>(wq[i]);
+  });
+  auto out = at::mm(x, scratch.narrow(0, 0, n * k).view({n, k}).t());
+  float* op = out.data_ptr<float>();
+  const float* ws = w_scale.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* o = op + i * n;
+      if (bp) {
+        for (int64_t j = 0; j < n; ++j) o[j] = std::fma(o[j], ws[j], bp[j]);
+      } else {
+        for (int64_t j = 0; j < n; ++j) o[j] = o[j] * ws[j];
+      }
+    }
+  });
+  return out;
+}
 """
 
 # -ffp-contract=off: no multiply-add is fused but the one written as std::fma.
@@ -166,7 +209,7 @@ _ISA_FLAGS = {
 
 @functools.cache
 def extension():
-    """The compiled module (``quantize_rows``, ``int8_gemm``), or None where it cannot be
+    """The compiled module (``quantize_rows``, ``int8_gemm``, ``weight_only_gemm``), or None where it cannot be
     built (no C++ compiler or ninja): the callers then run the PyTorch statement."""
     from torch.utils import cpp_extension
 
@@ -180,7 +223,7 @@ def extension():
         return cpp_extension.load_inline(
             name,
             cpp_sources=_SOURCE,
-            functions=["quantize_rows", "int8_gemm"],
+            functions=["quantize_rows", "int8_gemm", "weight_only_gemm"],
             extra_cflags=flags,
             verbose=False,
         )

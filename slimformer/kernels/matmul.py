@@ -5,7 +5,7 @@ Every GEMM computes ``y = act(x @ Wᵀ + b)`` for x (M, K) and an nn.Linear weig
 ReLU) applied to the accumulator before the one rounding to the output dtype.
 
 INT8 is symmetric. A weight row n is stored as ``Wq[n] = round(W[n] / s_w[n])`` with
-``s_w[n] = max|W[n]| / 127``; an activation row m is quantized on the fly the same way
+``s_w[n] = max|W[n]| / 127`` rounded up to a bfloat16 value; an activation row m is quantized on the fly the same way
 (per token, ``s_x[m] = max|x[m]| / 127``; an all-zero row gets scale 1). Then
 
     W8A8:  y[m, n] = (Σ_k xq[m, k] wq[n, k]) · s_x[m] · s_w[n] + b[n]   (int32 sum)
@@ -21,7 +21,8 @@ activation's outliers moved into the weights, which were multiplied by 1 / smoot
 
 On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
 loops around ``torch._int_mm`` (``int8_cpu``: the quantization in one pass, the int32
-epilogue in one pass), bit for bit; the references run where it cannot be built.
+epilogue in one pass) and W8A16 in one compiled call, bit for bit; the references run
+where it cannot be built.
 
 These are inference ops: nothing is saved for backward, and backward raises.
 """
@@ -341,15 +342,31 @@ def _quantize_rows_reference(x, smooth):
     x = x.float()
     if smooth is not None:
         x = x * smooth
+    scale = _row_scales_reference(x)
+    return _quantize_with_scales(x, scale), scale
+
+
+def _row_scales_reference(x: torch.Tensor) -> torch.Tensor:
+    """max|row| / 127 of fp32 x (M, K), 1 for rows below ``MIN_ROW_ABSMAX``: (M,) fp32."""
     if x.shape[1]:
         absmax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
     else:
         absmax = x.new_zeros(x.shape[0])
     # A tensor divisor: torch divides by a Python scalar as a multiplication by its
     # reciprocal (two roundings) in some kernels; the Triton kernel divides exactly.
-    scale = torch.where(absmax >= MIN_ROW_ABSMAX, absmax / _C127.to(absmax.device), 1.0)
+    return torch.where(absmax >= MIN_ROW_ABSMAX, absmax / _C127.to(absmax.device), 1.0)
+
+
+def _quantize_with_scales(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """round(x / scale[:, None]) of fp32 x (M, K) as int8, for scales >= max|row| / 127."""
     shifted = torch.div(x, scale[:, None]).add_(_ROUNDING_SHIFT.value)
-    return shifted.view(torch.int32).to(torch.int8), scale
+    return shifted.view(torch.int32).to(torch.int8)
+
+
+def _round_up_to_bfloat16(t: torch.Tensor) -> torch.Tensor:
+    """The least bfloat16 value >= each positive finite fp32 element, as fp32: adding
+    2^16 - 1 to the bits carries into the 16 bits bfloat16 keeps unless the low ones are zero."""
+    return ((t.view(torch.int32) + 0xFFFF) & -0x10000).view(torch.float32)
 
 
 def _int_mm_supports(m: int, k: int, n: int, device: torch.device) -> bool:
@@ -398,7 +415,7 @@ def _activate(out, activation):
 
 
 def _fused_cpu_int8(t: torch.Tensor):
-    """The compiled CPU W8A8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
+    """The compiled CPU int8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
     (where ``use_triton(t)`` is False on a CPU tensor), or None: on other devices (or a
     CPU tensor emulating CUDA for the compile report), while torch.compile
     traces (it cannot trace into them), or without a compiler. Checked first, cheaply:
@@ -409,9 +426,13 @@ def _fused_cpu_int8(t: torch.Tensor):
 
 
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
-    fused = None if x_scale is None else _fused_cpu_int8(x)
+    fused = None if w_scale is None else _fused_cpu_int8(x)
     if fused is not None:
-        out = fused.int8_gemm(x, weight.t(), x_scale, w_scale, None if bias is None else bias.float())
+        bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
+        if x_scale is None:
+            out = fused.weight_only_gemm(x.float(), weight, w_scale, bias)
+        else:
+            out = fused.int8_gemm(x, weight.t(), x_scale, w_scale, bias)
         return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
     if use_triton(x):
         return _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype)
@@ -547,14 +568,18 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """Symmetric int8 quantization of each output row of an nn.Linear weight.
 
     weight: (N, K) float16, bfloat16 or float32, all finite. Returns q (N, K) int8 in
-    [-127, 127] and scale (N,) float32 = max|row| / 127 (1 for an all-zero row).
+    [-127, 127] and scale (N,) float32 = max|row| / 127 rounded up to the next bfloat16
+    value (1 for an all-zero row): the step grows by less than 2^-7 of itself, and the
+    scales take two bytes each on disk without loss (``Linear8bit``'s state_dict).
     Raises ValueError when weight has a NaN or infinity.
     """
     _check_tensor("weight", weight, FLOAT_DTYPES, dim=2)
     with torch.no_grad():
         if not bool(torch.isfinite(weight).all()):
             raise ValueError("weight must be finite to quantize, got NaN or infinity")
-        return _quantize_rows_reference(weight, None)
+        weight = weight.float()
+        scale = _round_up_to_bfloat16(_row_scales_reference(weight))
+        return _quantize_with_scales(weight, scale), scale
 
 
 def int8_matmul(
@@ -664,6 +689,15 @@ def _shared_quantization(input: torch.Tensor, rows: torch.Tensor) -> tuple[torch
     quantized = _run_quantize_rows(rows, None)
     _last_quantized = (weakref.ref(input), input._version, quantized)
     return quantized
+
+
+def int8_weight_only_linear_unchecked(
+    input: torch.Tensor, q_weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``int8_weight_only_linear`` without its argument checks and without autograd, for
+    ``Linear8bit`` (as ``int8_linear_unchecked``). Same arguments, no activation."""
+    y = _run_gemm(_rows(input.contiguous()), q_weight, None, weight_scale, bias, None, input.dtype)
+    return y.view(*input.shape[:-1], q_weight.shape[0])
 
 
 def int8_weight_only_linear(

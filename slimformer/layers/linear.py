@@ -4,9 +4,10 @@
 channel (``quantize_per_channel``), so its weight takes a quarter of its fp32 bytes:
 
 - ``mode="int8"`` (W8A8, dynamic): each call quantizes the input per token and runs
-  the int8 GEMM with int32 accumulation; ``smooth`` (K,), all ones unless SmoothQuant
-  calibration set it, multiplies the input before quantization (the weight was
-  divided by it before being quantized, so the product is unchanged).
+  the int8 GEMM with int32 accumulation; ``smooth`` (K,), set by SmoothQuant
+  calibration, multiplies the input before quantization (the weight was divided by it
+  before being quantized, so the product is unchanged); an empty ``smooth`` (0,) means
+  the input is not smoothed.
 - ``mode="int8-weight-only"`` (W8A16): the input stays in its float dtype and the
   weight is dequantized inside the GEMM.
 
@@ -14,8 +15,11 @@ channel (``quantize_per_channel``), so its weight takes a quarter of its fp32 by
 GEMM. Every layer casts nothing but its own arithmetic: the output has the input's
 dtype, so the layers drop into a float model whose other modules stay as they are.
 
-state_dict: ``weight`` (int8 or 16-bit), ``weight_scale`` (fp32, int8 modes), ``smooth``
-(fp32, mode "int8") and ``bias`` (if any), all plain tensors (safetensors-friendly).
+state_dict: ``weight`` (int8 or 16-bit), ``weight_scale`` (int8 modes), ``smooth``
+(fp32, (K,) or empty; mode "int8", whose mark it is) and ``bias`` (if any), all plain
+tensors (safetensors-friendly). ``weight_scale`` is an fp32 buffer whose values
+``quantize_per_channel`` makes bfloat16 values, so the state_dict holds it in bfloat16
+(exactly; fp32 where a loaded scale is not a bfloat16 value) and loading takes either.
 Scales, ``smooth`` and the 16-bit weight keep their dtype under ``model.half()`` /
 ``.to(dtype)``; only their device follows. Loading a state_dict saved from a layer of
 another mode is an error. These are inference layers: backward raises RuntimeError.
@@ -31,6 +35,7 @@ from slimformer.kernels.matmul import (
     int8_linear,
     int8_linear_unchecked,
     int8_weight_only_linear,
+    int8_weight_only_linear_unchecked,
     linear,
     quantize_per_channel,
 )
@@ -65,6 +70,8 @@ class _InferenceLinear(nn.Module):
 
     # Buffers whose dtype is part of the format: dtype casts of the module move them only.
     _fixed_dtype_buffers: tuple[str, ...] = ()
+    # state_dict entries that load without loss from several dtypes: {name: dtypes}.
+    loadable_dtypes: dict[str, tuple[torch.dtype, ...]] = {}
     mode: str
 
     def __init__(self, in_features: int, out_features: int) -> None:
@@ -108,6 +115,7 @@ class Linear8bit(_InferenceLinear):
     """
 
     _fixed_dtype_buffers = ("weight_scale", "smooth")
+    loadable_dtypes = {"weight_scale": (torch.bfloat16, torch.float32)}
 
     def __init__(
         self,
@@ -126,7 +134,7 @@ class Linear8bit(_InferenceLinear):
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         if mode == "int8":
-            self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device))
+            self.register_buffer("smooth", torch.ones(0, dtype=torch.float32, device=device))
             self._smooth_key = None
         bias_tensor = torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None
         self.register_buffer("bias", bias_tensor)
@@ -163,31 +171,49 @@ class Linear8bit(_InferenceLinear):
             mode=mode,
         )
         q, scale = quantize_per_channel(weight)
-        if mode == "int8" and weight.device.type == "cpu":
+        if weight.device.type == "cpu":
             int8_cpu.extension()  # built (or found in the cache) now rather than in the first forward
         with torch.no_grad():
             layer.weight.copy_(q)
             layer.weight_scale.copy_(scale)
             if smooth is not None:
-                layer.smooth.copy_(smooth)
+                layer.smooth = smooth.to(weight.device, torch.float32, copy=True)
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias.detach())
         return layer
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        scale = destination[prefix + "weight_scale"]
+        as_bfloat16 = scale.detach().to(torch.bfloat16)
+        if torch.equal(as_bfloat16.float(), scale.detach()):
+            destination[prefix + "weight_scale"] = as_bfloat16
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+        # ``smooth`` is (K,) for a smoothed layer, empty otherwise: take the saved one's length.
+        saved_smooth = state_dict.get(prefix + "smooth")
+        own = self._buffers.get("smooth")
+        if own is not None and saved_smooth is not None and saved_smooth.shape in ((0,), (self.in_features,)):
+            self._buffers["smooth"] = torch.empty(saved_smooth.shape, dtype=own.dtype, device=own.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         # Buffers read from _buffers: nn.Module.__getattr__ costs about a microsecond each,
         # and a CPU int8 Linear of BERT takes about a hundred.
         buffers = self._buffers
         weight, weight_scale, bias = buffers["weight"], buffers["weight_scale"], buffers["bias"]
+        plain = self._is_plain_inference_input(input, weight)
         if self.mode == "int8-weight-only":
-            return int8_weight_only_linear(input, weight, weight_scale, bias)
+            if not plain:
+                return int8_weight_only_linear(input, weight, weight_scale, bias)
+            return int8_weight_only_linear_unchecked(input, weight, weight_scale, bias)
         smooth = self._applied_smooth(buffers["smooth"])
-        if not self._is_plain_inference_input(input, weight):
+        if not plain:
             return int8_linear(input, weight, weight_scale, bias, smooth=smooth)
         return int8_linear_unchecked(input, weight, weight_scale, bias, smooth)
 
     def _is_plain_inference_input(self, input, weight) -> bool:
-        """Whether ``input`` needs none of ``int8_linear``'s checks (its errors, its backward
+        """Whether ``input`` needs none of the checked ops' checks (their errors, their backward
         that raises): a float (..., in_features) tensor on the weight's device, no autograd."""
         return (
             isinstance(input, torch.Tensor)
@@ -199,10 +225,10 @@ class Linear8bit(_InferenceLinear):
         )
 
     def _applied_smooth(self, smooth: torch.Tensor) -> torch.Tensor | None:
-        """``smooth`` (the buffer), or None while it is all ones (no calibration): multiplying
-        by ones is an extra pass over the input for nothing. The check reruns only when the
-        buffer is replaced or written in place (``load_state_dict``, ``.to``)."""
-        key = (smooth.data_ptr(), smooth.is_cpu, smooth._version)
+        """``smooth`` (the buffer), or None while it is empty or all ones (no calibration):
+        multiplying by ones is an extra pass over the input for nothing. The check reruns
+        only when the buffer is replaced or written in place (``load_state_dict``, ``.to``)."""
+        key = (smooth.data_ptr(), smooth.is_cpu, smooth._version, smooth.numel())
         if self._smooth_key != key:
             self._smooth_is_one = bool((smooth == 1).all())
             self._smooth_key = key
@@ -211,7 +237,7 @@ class Linear8bit(_InferenceLinear):
     def dequantized_weight(self) -> torch.Tensor:
         """The (out_features, in_features) fp32 weight this layer multiplies by, smoothing undone."""
         weight = self.weight.float() * self.weight_scale[:, None]
-        return weight * self.smooth if self.mode == "int8" else weight
+        return weight * self.smooth if self.mode == "int8" and self.smooth.numel() else weight
 
 
 class Linear16bit(_InferenceLinear):

@@ -157,10 +157,10 @@ def test_fused_cpu_int8_is_bit_exact_with_reference(shape):
         x[2] = 1e-35
         x[3, 2] = float("nan")
         x[4, 1] = float("-inf")
-    for x in (x, _adversarial_rows()) if k == 100 else (x,):
-        for smooth in (None, torch.rand(x.shape[1], generator=gen) + 0.5):
-            q, scale = fused.quantize_rows(x, smooth, matmul.MIN_ROW_ABSMAX)
-            q_ref, scale_ref = matmul._quantize_rows_reference(x, smooth)
+    for rows in (x, _adversarial_rows()) if k == 100 else (x,):
+        for smooth in (None, torch.rand(rows.shape[1], generator=gen) + 0.5):
+            q, scale = fused.quantize_rows(rows, smooth, matmul.MIN_ROW_ABSMAX)
+            q_ref, scale_ref = matmul._quantize_rows_reference(rows, smooth)
             assert torch.equal(q, q_ref) and torch.equal(scale, scale_ref)
     q = torch.randint(-127, 128, (m, k), generator=gen, dtype=torch.int8)
     wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -168,19 +168,28 @@ def test_fused_cpu_int8_is_bit_exact_with_reference(shape):
     for bias in (None, torch.randn(n, generator=gen)):
         ours = fused.int8_gemm(q, wq.t(), x_scale, w_scale, bias)
         assert torch.equal(ours, matmul._gemm_reference(q, wq, x_scale, w_scale, bias, None, torch.float32))
+        # W8A16, twice: the second call reuses the converted-weight buffer
+        for _ in range(2):
+            ours = fused.weight_only_gemm(x, wq, w_scale, bias)
+            expected = matmul._gemm_reference(x, wq, None, w_scale, bias, None, torch.float32)
+            torch.testing.assert_close(ours, expected, rtol=0, atol=0, equal_nan=True)  # x has NaN rows
 
 
 def test_int8_layers_run_the_reference_without_the_fused_cpu_path(monkeypatch):
-    # Where the extension cannot be built (no compiler), int8_linear gives the same bits.
+    # Where the extension cannot be built (no compiler), int8_linear and
+    # int8_weight_only_linear give the same bits.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     _fused_cpu_int8()
     x, weight, bias = _inputs(33, 100, 70, torch.float32)
     wq, w_scale = quantize_per_channel(weight)
     smooth = torch.rand(100) + 0.5
     fused = [int8_linear(x, wq, w_scale, bias, smooth=s, activation="gelu") for s in (None, smooth)]
+    weight_only = [int8_weight_only_linear(x.to(dtype), wq, w_scale, bias, activation="gelu") for dtype in DTYPES]
     monkeypatch.setattr(int8_cpu, "extension", lambda: None)
     for s, y in zip((None, smooth), fused):
         assert torch.equal(int8_linear(x, wq, w_scale, bias, smooth=s, activation="gelu"), y)
+    for dtype, y in zip(DTYPES, weight_only):
+        assert torch.equal(int8_weight_only_linear(x.to(dtype), wq, w_scale, bias, activation="gelu"), y)
 
 
 def test_quantize_per_token_zero_rows_and_saturation(backend):

@@ -14,8 +14,8 @@ MODES = ["int8", "int8-weight-only", "fp16", "bf16"]
 # (int8-weight-only, bf16) and 68 dB (fp16).
 MIN_SQNR_DB = {"int8": 35, "int8-weight-only": 40, "fp16": 60, "bf16": 40}
 EXPECTED_STATE = {
-    "int8": {"weight": torch.int8, "weight_scale": torch.float32, "smooth": torch.float32, "bias": torch.float32},
-    "int8-weight-only": {"weight": torch.int8, "weight_scale": torch.float32, "bias": torch.float32},
+    "int8": {"weight": torch.int8, "weight_scale": torch.bfloat16, "smooth": torch.float32, "bias": torch.float32},
+    "int8-weight-only": {"weight": torch.int8, "weight_scale": torch.bfloat16, "bias": torch.float32},
     "fp16": {"weight": torch.float16, "bias": torch.float16},
     "bf16": {"weight": torch.bfloat16, "bias": torch.bfloat16},
 }
@@ -57,7 +57,7 @@ def test_int8_weight_takes_a_quarter_of_fp32_bytes():
     linear = _float_linear(384, 1536)
     layer = Linear8bit.from_float(linear, "int8-weight-only")
     assert layer.weight.nbytes * 4 == linear.weight.nbytes
-    assert layer.weight_scale.nbytes == 4 * 1536
+    assert layer.state_dict()["weight_scale"].nbytes == 2 * 1536
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -81,6 +81,36 @@ def test_loading_another_modes_state_dict_raises(saved, loaded):
     target = _from_float(_float_linear(seed=1), loaded)
     with pytest.raises(RuntimeError, match=f"saved from a '{saved}' layer, but this layer is '{loaded}'"):
         target.load_state_dict(source.state_dict())
+
+
+def test_state_dict_stores_no_smoothing_vector_and_two_byte_scales_without_loss():
+    layer = Linear8bit.from_float(_float_linear(), "int8")
+    state = layer.state_dict()
+    assert state["smooth"].shape == (0,) and layer.weight_scale.dtype == torch.float32
+    assert torch.equal(state["weight_scale"].float(), layer.weight_scale)
+    smoothed = Linear8bit.from_float(_float_linear(), "int8", smooth=torch.rand(33) + 0.5)
+    assert smoothed.state_dict()["smooth"].shape == (33,)
+    # a smoothed state loads into an unsmoothed layer and the other way round
+    fresh = Linear8bit(33, 17, mode="int8")
+    x = torch.randn(4, 33)
+    for source in (smoothed, layer):
+        fresh.load_state_dict(source.state_dict())
+        assert torch.equal(fresh(x), source(x))
+
+
+def test_state_dict_of_the_first_format_loads(backend):
+    # fp32 scales (any value) and an all-ones (K,) smooth, as written before the scales were
+    # bfloat16 values: loaded as they are, and saved again in fp32 where bfloat16 would lose bits.
+    layer = Linear8bit.from_float(_float_linear(), "int8")
+    state = layer.state_dict()
+    state["weight_scale"] = state["weight_scale"].float() * (1 + 2**-20)
+    state["smooth"] = torch.ones(33)
+    fresh = Linear8bit(33, 17, mode="int8")
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.weight_scale, state["weight_scale"])
+    assert fresh.state_dict()["weight_scale"].dtype == torch.float32
+    x = torch.randn(4, 33)
+    assert torch.equal(fresh(x), int8_linear(x, fresh.weight, state["weight_scale"], fresh.bias))
 
 
 def test_smooth_moves_into_the_weight_and_keeps_the_product(backend):
@@ -177,12 +207,15 @@ def test_int8_layers_reading_one_input_share_its_quantization(backend, monkeypat
 
 
 def test_int8_layer_follows_its_smooth_buffer(backend):
-    # All ones is skipped (no multiplication); a buffer written in place or loaded is applied.
+    # Empty or all ones is skipped (no multiplication); a buffer replaced, written in place
+    # or loaded is applied.
     torch.manual_seed(1)
     layer = Linear8bit.from_float(nn.Linear(33, 5), "int8")
     x = torch.randn(4, 33)
     args = (layer.weight, layer.weight_scale, layer.bias)
     with torch.no_grad():
+        assert torch.equal(layer(x), int8_linear(x, *args))
+        layer.smooth = torch.ones(33)
         assert torch.equal(layer(x), int8_linear(x, *args))
         layer.smooth.copy_(torch.rand(33) + 0.5)
         assert torch.equal(layer(x), int8_linear(x, *args, smooth=layer.smooth))
