@@ -146,6 +146,10 @@ _NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\)\n\s*\1 = self\.d
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _MAX_HEAD_DIM = 256
 _RECORD = "_slimformer_patch"
+# The Linears of a fused BERT layer may be ``sf.quantize``'s inference layers (for either
+# order of patch and quantize); the fused MLP kernel reads float weights, so a layer with
+# quantized MLP Linears calls them as modules instead.
+_LINEARS = (nn.Linear, Linear8bit, Linear16bit)
 # Submodules that the fused forward runs without calling, and the types it computes
 # for (None: a container whose own forward is replaced); the Linears it does call
 # (q, k, v, attention.output.dense) are not listed.
@@ -153,8 +157,8 @@ _BYPASSED = {
     "attention": None, "attention.self": None, "attention.self.dropout": (nn.Dropout,),
     "attention.output": None, "attention.output.dropout": (nn.Dropout,),
     "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate": None,
-    "intermediate.dense": (nn.Linear,), "intermediate.intermediate_act_fn": None, "output": None,
-    "output.dense": (nn.Linear,), "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+    "intermediate.dense": _LINEARS, "intermediate.intermediate_act_fn": None, "output": None,
+    "output.dense": _LINEARS, "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
 }  # fmt: skip
 
 
@@ -203,6 +207,9 @@ class FusedBertFamilyLayer(NotScriptable):
     ``forward(hidden_states, attention_mask=None, ...)`` takes what the original does and
     returns the layer output (batch, seq, hidden) in hidden_states' dtype.
     """
+
+    # sf.quantize may swap its inference Linears in: the forward calls them as modules.
+    accepts_quantized_linears = True
 
     def forward(
         self,
@@ -257,11 +264,18 @@ class FusedBertFamilyLayer(NotScriptable):
             context = self._self_attention(x, attn_mask, padding)
         out = self.attention.output
         y = self._add_norm(out.dense(context), x, out)
-        h = fused_mlp(
-            y, self.intermediate.dense.weight, self.intermediate.dense.bias, self.output.dense.weight,
-            self.output.dense.bias, self.fused_activation, 0.0, recompute_fc1="mlp" in policy,
-        )  # fmt: skip
-        return self._add_norm(h, y, self.output)
+        return self._add_norm(self._mlp(y, policy), y, self.output)
+
+    def _mlp(self, y, policy):
+        """fc2(act(fc1(y))): the fused MLP kernel for float Linears; ``sf.quantize``'s
+        inference Linears (no float weight to read) are called as modules, as the original does."""
+        fc1, fc2 = self.intermediate.dense, self.output.dense
+        if type(fc1) is nn.Linear and type(fc2) is nn.Linear:
+            return fused_mlp(
+                y, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.fused_activation, 0.0,
+                recompute_fc1="mlp" in policy,
+            )  # fmt: skip
+        return fc2(self.intermediate.intermediate_act_fn(fc1(y)))
 
     def _self_attention(self, x, attn_mask, padding):
         """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
@@ -441,11 +455,11 @@ def _bert_layer_problem(layer: nn.Module) -> str | None:
     if act not in _HF_ACTIVATIONS:
         return f"hidden_act {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
     expected = {
-        "attention.self.query": (nn.Linear,), "attention.self.key": (nn.Linear,),
-        "attention.self.value": (nn.Linear,), "attention.self.dropout": (nn.Dropout,),
-        "attention.output.dense": (nn.Linear,), "attention.output.dropout": (nn.Dropout,),
-        "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate.dense": (nn.Linear,),
-        "output.dense": (nn.Linear,), "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+        "attention.self.query": _LINEARS, "attention.self.key": _LINEARS,
+        "attention.self.value": _LINEARS, "attention.self.dropout": (nn.Dropout,),
+        "attention.output.dense": _LINEARS, "attention.output.dropout": (nn.Dropout,),
+        "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate.dense": _LINEARS,
+        "output.dense": _LINEARS, "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
     }  # fmt: skip
     for path, types in expected.items():
         module = layer.get_submodule(path)
@@ -703,16 +717,6 @@ def _plan_unpad(root: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
     return swaps, left
 
 
-def _check_no_quantized_linears(model: nn.Module) -> None:
-    """NotImplementedError if ``model`` holds ``sf.quantize``'s Linears (unpad needs fused float layers)."""
-    for name, module in model.named_modules():
-        if isinstance(module, (Linear8bit, Linear16bit)):
-            raise NotImplementedError(
-                f"patch(unpad=True) does not support sf.quantize's inference Linears yet ({name} is a "
-                f"{type(module).__name__}): the fused layers that run unpadded read float weights; unpad a float model"
-            )
-
-
 def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
@@ -735,14 +739,11 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``unpad`` is not a bool.
         ValueError: ``recompute`` is not a policy.
-        NotImplementedError: ``unpad=True`` on a model holding ``sf.quantize``'s Linears.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(unpad, bool):
         raise TypeError(f"unpad must be a bool, got {type(unpad).__name__} {unpad!r}")
-    if unpad:
-        _check_no_quantized_linears(model)
     if recompute is not None:
         check_policy(recompute)
     patched = [name or "the model itself" for name, module in model.named_modules() if _RECORD in module.__dict__]

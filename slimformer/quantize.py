@@ -99,7 +99,7 @@ def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.
     """({first name: Linear} to convert, {first name: every name}); raises ValueError for a
     shared Linear that ``skip`` skips under some of its names only."""
     fused = {
-        name: type(module).__name__
+        name: module
         for name, module in model.named_modules()
         if type(module).__module__.startswith("slimformer.") and not isinstance(module, (Linear8bit, Linear16bit))
     }
@@ -111,11 +111,13 @@ def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.
             raise ValueError(f"the Linear shared as {names} is skipped under some of its names only: skip all or none")
         if skipped[0]:
             continue
-        # the innermost fused module (a patched *ForMaskedLM model holds fused layers)
+        # the innermost fused module (a patched *ForMaskedLM model holds fused layers); those
+        # that call their Linears as modules (patched BERT layers, unpadded models) take ours
         owner = max((name for name in fused if first.startswith(f"{name}.") or not name), key=len, default=None)
-        if owner is not None:
+        if owner is not None and not getattr(fused[owner], "accepts_quantized_linears", False):
             raise ValueError(
-                f"{first!r} is inside the slimformer {fused[owner]} {owner!r}, whose fused kernels read its float "
+                f"{first!r} is inside the slimformer {type(fused[owner]).__name__} {owner!r}, whose fused kernels "
+                "read its float "
                 "weight: quantize the unpatched model (slimformer.unpatch), or skip it"
             )
         linears[first], aliases[first] = module, names

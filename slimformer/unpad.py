@@ -134,6 +134,8 @@ class UnpaddedEncoderModel:
     module docstring). ``unpad`` (default True) turns it off."""
 
     unpad = True
+    # sf.quantize may swap its inference Linears in (the pooler's is called as a module).
+    accepts_quantized_linears = True
 
     def forward(self, *args, **kwargs):
         bound = self._forward_signature.bind(self, *args, **kwargs)
