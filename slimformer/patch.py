@@ -55,7 +55,11 @@ which also repeats the attention forward in backward (about 3% of a BERT-base la
 FLOPs at seq 512) and keeps neither q, k, v nor the log-sum-exp.
 
 The fused BERT layer calls the q, k, v and attention-output Linears as modules (their
-hooks fire; an adapter wrapped around one, such as a PEFT LoRA layer, is used). A call
+hooks fire; an adapter wrapped around one, such as a PEFT LoRA layer, is used). Its
+Linears may be ``sf.quantize``'s inference layers, in either order (``patch`` of a
+quantized model, ``sf.quantize`` of a patched one, with or without ``unpad``): the MLP
+then calls fc1, the activation and fc2 as modules instead of the fused MLP kernel,
+which reads float weights. A call
 runs the layer's original, unfused forward instead, for that call only, when it asks
 for ``output_attentions`` (as ``MultiheadAttention(need_weights=True)`` does: the
 weights are formed only there; under ``attn_implementation="sdpa"`` transformers then

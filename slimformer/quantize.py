@@ -4,7 +4,11 @@
 "int8-weight-only") or ``Linear16bit`` ("fp16", "bf16") in place. Embeddings,
 LayerNorm and softmax are not Linears and stay as they are; the pooler/classifier
 heads stay float by default (``DEFAULT_SKIP``). Every replacement is built before
-the first one is swapped in, so an error leaves the model untouched.
+the first one is swapped in, so an error leaves the model untouched. In a
+``slimformer.patch``-ed model, the Linears of fused BERT-family layers and unpadded base
+models are converted (those modules call them as modules); a Linear whose float weight
+another fused module reads (a patched ``*ForMaskedLM`` head, a slimformer
+``TransformerEncoderLayer``) is refused.
 
 SmoothQuant (mode "int8", ``calibration=`` batches): activation outliers concentrate in
 a few input channels, which per-token scales cannot isolate. With a_j = max|x_j| over

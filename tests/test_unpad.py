@@ -323,7 +323,9 @@ def test_quantized_model_runs_unpadded_and_equals_the_padded_quantized_model(nam
     ids, mask = _batch(model.config, "holes")
     real = mask.bool()
     with torch.no_grad():
-        out, expected, hf = (m(ids, attention_mask=mask, output_hidden_states=True) for m in (unpadded, padded, hf_quantized))
+        out, expected, hf = (
+            m(ids, attention_mask=mask, output_hidden_states=True) for m in (unpadded, padded, hf_quantized)
+        )
     assert rows == [(1, real.sum().item())]  # the quantized Linears ran on the real tokens, packed
     for reference in (expected, hf):
         torch.testing.assert_close(out.hidden_states[-1][real], reference.hidden_states[-1][real], rtol=1e-5, atol=1e-5)
@@ -359,7 +361,10 @@ def test_smoothquant_calibration_and_save_load_of_an_unpadded_quantized_model(tm
     with torch.no_grad():
         for parameter in (*fresh[0].parameters(), *fresh[1].parameters()):
             parameter.zero_()
-    loaded = [sf.patch(sf.load_quantized(fresh[0], tmp_path), unpad=True), sf.load_quantized(sf.patch(fresh[1], unpad=True), tmp_path)]
+    loaded = [
+        sf.patch(sf.load_quantized(fresh[0], tmp_path), unpad=True),
+        sf.load_quantized(sf.patch(fresh[1], unpad=True), tmp_path),
+    ]
     with torch.no_grad():
         expected = quantized(ids, attention_mask=mask).logits
         for model_loaded in loaded:
@@ -369,7 +374,7 @@ def test_smoothquant_calibration_and_save_load_of_an_unpadded_quantized_model(tm
 
 def test_quantize_still_refuses_linears_that_fused_kernels_read():
     model = sf.patch(_model("BertForMaskedLM"), unpad=True)  # the fused MLM loss reads the decoder's weight
-    with pytest.raises(ValueError, match="'cls.predictions.transform.dense' is inside the slimformer FusedBertForMaskedLM"):
+    with pytest.raises(ValueError, match="'cls.predictions.transform.dense' is inside the slimformer FusedBertForMask"):
         sf.quantize(model, "int8", skip=())
     assert not quantized_modules(model)
     sf.quantize(model, "int8")  # the head is skipped by default
