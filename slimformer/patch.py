@@ -57,17 +57,18 @@ FLOPs at seq 512) and keeps neither q, k, v nor the log-sum-exp.
 The fused BERT layer calls the q, k, v and attention-output Linears as modules (their
 hooks fire; an adapter wrapped around one, such as a PEFT LoRA layer, is used). Its
 Linears may be ``sf.quantize``'s inference layers, in either order (``patch`` of a
-quantized model, ``sf.quantize`` of a patched one, with or without ``unpad``): the MLP
-then calls fc1, the activation and fc2 as modules instead of the fused MLP kernel,
-which reads float weights. A call
+quantized model, ``sf.quantize`` of a patched one, with or without ``unpad``). The MLP
+Linears are read by the fused MLP kernel while they are float nn.Linears without hooks;
+quantized or hooked, they are called as modules (fc1, the activation, fc2). A call
 runs the layer's original, unfused forward instead, for that call only, when it asks
 for ``output_attentions`` (as ``MultiheadAttention(need_weights=True)`` does: the
 weights are formed only there; under ``attn_implementation="sdpa"`` transformers then
 warns that sdpa gives none), when a submodule the fused forward does not call
 (``attention``, ``attention.self``, ``attention.output``, ``intermediate``, ``output``,
-the dropouts, LayerNorms, the MLP Linears and activation) has a forward or backward
-hook (transformers' inactive output-capturing hooks excepted) or was replaced by a
-module of another type, and with ``past_key_values``. Other limits: decoder layers (causal, cache,
+the dropouts, LayerNorms and the activation) has a forward or backward hook
+(transformers' inactive output-capturing hooks excepted) or was replaced by a module of
+another type (the MLP Linears by anything but nn.Linear or sf.quantize's), and with
+``past_key_values``. Other limits: decoder layers (causal, cache,
 cross-attention) and activations other than gelu / gelu_new / gelu_pytorch_tanh /
 relu are left; ``chunk_size_feed_forward`` is not needed (the fused MLP keeps less
 than a chunked one) and is ignored. The attention mask transformers builds for the
@@ -151,19 +152,22 @@ _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh":
 _MAX_HEAD_DIM = 256
 _RECORD = "_slimformer_patch"
 # The Linears of a fused BERT layer may be ``sf.quantize``'s inference layers (for either
-# order of patch and quantize); the fused MLP kernel reads float weights, so a layer with
-# quantized MLP Linears calls them as modules instead.
+# order of patch and quantize).
 _LINEARS = (nn.Linear, Linear8bit, Linear16bit)
 # Submodules that the fused forward runs without calling, and the types it computes
-# for (None: a container whose own forward is replaced); the Linears it does call
-# (q, k, v, attention.output.dense) are not listed.
+# for (None: a container whose own forward is replaced); the Linears, which it calls
+# (q, k, v, attention.output.dense) or may call (the MLP's), are not listed.
 _BYPASSED = {
     "attention": None, "attention.self": None, "attention.self.dropout": (nn.Dropout,),
     "attention.output": None, "attention.output.dropout": (nn.Dropout,),
     "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate": None,
-    "intermediate.dense": _LINEARS, "intermediate.intermediate_act_fn": None, "output": None,
-    "output.dense": _LINEARS, "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+    "intermediate.intermediate_act_fn": None, "output": None, "output.dropout": (nn.Dropout,),
+    "output.LayerNorm": (nn.LayerNorm, LayerNorm),
 }  # fmt: skip
+# The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
+# hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
+# calibration's, which so see the real tokens only in an unpadded model).
+_MLP_LINEARS = ("intermediate.dense", "output.dense")
 
 
 def _kernel_masks(attention_mask, batch: int, seq: int):
@@ -259,6 +263,10 @@ class FusedBertFamilyLayer(NotScriptable):
                 return f"{path} is a {type(module).__name__}"
             if _has_user_hooks(module):
                 return f"{path} has hooks"
+        for path in _MLP_LINEARS:
+            module = self.get_submodule(path)
+            if type(module) not in _LINEARS:
+                return f"{path} is a {type(module).__name__}"
         return None
 
     def _fused_block(self, x, attn_mask, padding, policy):
@@ -271,10 +279,10 @@ class FusedBertFamilyLayer(NotScriptable):
         return self._add_norm(self._mlp(y, policy), y, self.output)
 
     def _mlp(self, y, policy):
-        """fc2(act(fc1(y))): the fused MLP kernel for float Linears; ``sf.quantize``'s
-        inference Linears (no float weight to read) are called as modules, as the original does."""
+        """fc2(act(fc1(y))): the fused MLP kernel for float Linears without hooks; else (``sf.quantize``'s
+        inference Linears, which keep no float weight; hooks) the Linears are called as modules."""
         fc1, fc2 = self.intermediate.dense, self.output.dense
-        if type(fc1) is nn.Linear and type(fc2) is nn.Linear:
+        if all(type(fc) is nn.Linear and not _has_user_hooks(fc) for fc in (fc1, fc2)):
             return fused_mlp(
                 y, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.fused_activation, 0.0,
                 recompute_fc1="mlp" in policy,
