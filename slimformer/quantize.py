@@ -121,8 +121,7 @@ def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.
         if owner is not None and not getattr(fused[owner], "accepts_quantized_linears", False):
             raise ValueError(
                 f"{first!r} is inside the slimformer {type(fused[owner]).__name__} {owner!r}, whose fused kernels "
-                "read its float "
-                "weight: quantize the unpatched model (slimformer.unpatch), or skip it"
+                "read its float weight: quantize the unpatched model (slimformer.unpatch), or skip it"
             )
         linears[first], aliases[first] = module, names
     return linears, aliases
