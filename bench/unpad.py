@@ -21,6 +21,17 @@ Measured in one process, one intra-op thread, the columns interleaved round afte
 * loss curves: 50 SGD steps of a small model (hidden 128, 2 layers, dropout 0) on the
   same batch, padded vs unpadded patched: the largest difference of the losses.
 
+INT8 inference (``slimformer.quantize(model, "int8")``: W8A8, per-token activation
+scales; the pooler and classifier stay fp32), eval forwards under ``torch.no_grad``,
+the columns interleaved in rounds of their own (4x as many: a round takes a second or
+two, so more of them steady the medians): ``HF SDPA int8`` (the unpatched model
+quantized), ``slimformer padded int8`` (patched, then quantized), ``slimformer unpadded
+int8`` (``patch(unpad=True)``, then quantized) and ``slimformer unpadded fp32``; and the
+difference of ``last_hidden_state`` between unpadded and padded int8 at the real tokens
+(largest, and SQNR next to int8's own SQNR vs fp32). The Linears give each token the
+same bits packed or padded (per-token scales); the attention's fp32 rounding differs
+(varlen vs padded), which can move a rounding to int8 in the next Linear by one step.
+
 Targets (issue 15): kept bytes of the unpadded model <= 1.1 x (real / padded tokens) x
 the padded patched model's; training tokens/s >= 1.6x the padded patched model's,
 inference likewise; identical loss curves.
@@ -39,11 +50,14 @@ from transformers import BertConfig, BertForSequenceClassification
 
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import patch
+from slimformer.quantize import quantize, sqnr_db
 
 BATCH, MAX_LEN, SEED = 32, 128, 0
 MEDIAN_LENGTH, SIGMA = 62, 0.5
 KEPT_SLACK, SPEEDUP = 1.1, 1.6
 COLUMNS = ("HF eager", "HF SDPA", "slimformer padded", "slimformer unpadded")
+INT8_ROUNDS_PER_ROUND = 4
+INT8_COLUMNS = ("HF SDPA int8", "slimformer padded int8", "slimformer unpadded int8", "slimformer unpadded fp32")
 MiB = 2**20
 
 
@@ -80,6 +94,35 @@ def build_models(config: BertConfig) -> dict[str, torch.nn.Module]:
     models["slimformer padded"] = patch(copy.deepcopy(base))
     models["slimformer unpadded"] = patch(copy.deepcopy(base), unpad=True)
     return {name: model.train() for name, model in models.items()}
+
+
+def build_inference_models(models: dict) -> dict[str, torch.nn.Module]:
+    """INT8 column -> eval model, from ``build_models``' models (copied, same weights)."""
+    sources = dict(zip(INT8_COLUMNS, ("HF SDPA", "slimformer padded", "slimformer unpadded", "slimformer unpadded")))
+    inference = {}
+    for name, source in sources.items():
+        model = copy.deepcopy(models[source]).eval()
+        inference[name] = model if name.endswith("fp32") else quantize(model, "int8")
+    return inference
+
+
+def int8_agreement(models: dict, int8_models: dict, inputs: dict) -> dict[str, float]:
+    """How far unpadded int8 is from padded int8, next to int8's own error, on last_hidden_state at
+    the real tokens: {"max": largest |unpadded - padded int8|, "sqnr": its SQNR in dB,
+    "int8 sqnr": SQNR of padded int8 vs the padded fp32 patched model}."""
+    real = inputs["attention_mask"].bool()
+    runs = {"fp32": models["slimformer padded"].eval(), **int8_models}
+    with torch.no_grad():
+        states = {
+            name: runs[name].bert(inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state[real]
+            for name in ("fp32", "slimformer padded int8", "slimformer unpadded int8")
+        }
+    padded, unpadded = states["slimformer padded int8"], states["slimformer unpadded int8"]
+    return {
+        "max": (unpadded - padded).abs().max().item(),
+        "sqnr": sqnr_db(unpadded, padded),
+        "int8 sqnr": sqnr_db(padded, states["fp32"]),
+    }
 
 
 def kept_bytes(models: dict, inputs: dict) -> dict[str, int]:
@@ -123,6 +166,26 @@ def interleaved_times(models: dict, inputs: dict, rounds: int, log=print) -> dic
     return times
 
 
+def interleaved_inference_times(models: dict, inputs: dict, rounds: int, log=print) -> dict[str, list[float]]:
+    """Column -> CPU s of one eval forward per round, one thread, interleaved, after a warm-up."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    times = {name: [] for name in models}
+    try:
+        for model in models.values():
+            _infer(model, inputs)
+        for round_ in range(rounds):
+            for name, model in models.items():
+                gc.collect()
+                start = time.process_time()
+                _infer(model, inputs)
+                times[name].append(time.process_time() - start)
+            log(f"int8 round {round_ + 1}/{rounds}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
 def loss_curves(steps: int = 50) -> tuple[list[float], list[float]]:
     """(padded, unpadded) losses of ``steps`` SGD steps of a small patched model, dropout 0."""
     config = _config(2, hidden_size=128, num_attention_heads=2, intermediate_size=512, vocab_size=1000,
@@ -159,6 +222,9 @@ def report_lines(layers: int = 2, rounds: int = 5, log=print) -> list[str]:
     models = build_models(config)
     kept = kept_bytes(models, inputs)
     times = interleaved_times(models, inputs, rounds, log)
+    int8_models = build_inference_models(models)
+    int8_times = interleaved_inference_times(int8_models, inputs, INT8_ROUNDS_PER_ROUND * rounds, log)
+    agreement = int8_agreement(models, int8_models, inputs)
     padded_curve, unpadded_curve = loss_curves()
     curve_gap = max(abs(a - b) for a, b in zip(padded_curve, unpadded_curve))
 
@@ -197,6 +263,33 @@ def report_lines(layers: int = 2, rounds: int = 5, log=print) -> list[str]:
         f"- inference: {infer_speedup:.2f}x padded patched (target >= {SPEEDUP}x): {verdict(infer_speedup >= SPEEDUP)}",
         f"- loss curves, 50 SGD steps (hidden 128, 2 layers, dropout 0, same batch): largest |difference| "
         f"{curve_gap:.2e} (losses {padded_curve[0]:.4f} -> {padded_curve[-1]:.4f}): {verdict(curve_gap < 1e-4)}",
+    ]
+    return lines + ["", *int8_lines(int8_times, agreement, INT8_ROUNDS_PER_ROUND * rounds)]
+
+
+def int8_lines(times: dict[str, list[float]], agreement: dict[str, float], rounds: int) -> list[str]:
+    """The INT8 inference table and its verdict."""
+    hf, padded, unpadded = (statistics.median(times[name]) for name in INT8_COLUMNS[:3])
+    lines = [
+        f"INT8 inference (`slimformer.quantize(model, \"int8\")`, W8A8 per-token activation scales; pooler and "
+        f"classifier fp32), same batch, eval forward under no_grad; {rounds} interleaved rounds of its own, "
+        "process CPU time, median (min–max):",
+        "",
+        "| | inference s | vs padded int8 | vs HF SDPA int8 |",
+        "|---|---|---|---|",
+    ]
+    for name, values in times.items():
+        median = statistics.median(values)
+        lines.append(f"| {name} | {_median(values)} | {padded / median:.2f}x | {hf / median:.2f}x |")
+    speedup = padded / unpadded
+    lines += [
+        "",
+        f"- INT8 inference: unpadded {speedup:.2f}x padded int8 (target >= {SPEEDUP}x, as fp32): "
+        f"{'met' if speedup >= SPEEDUP else 'MISSED'}; unpadded int8 vs unpadded fp32: "
+        f"{statistics.median(times['slimformer unpadded fp32']) / unpadded:.2f}x",
+        f"- unpadded vs padded int8, last_hidden_state at the real tokens: largest |difference| "
+        f"{agreement['max']:.2e}, SQNR {agreement['sqnr']:.1f} dB (int8's own error, padded int8 vs fp32: "
+        f"SQNR {agreement['int8 sqnr']:.1f} dB)",
     ]
     return lines
 

@@ -55,15 +55,20 @@ which also repeats the attention forward in backward (about 3% of a BERT-base la
 FLOPs at seq 512) and keeps neither q, k, v nor the log-sum-exp.
 
 The fused BERT layer calls the q, k, v and attention-output Linears as modules (their
-hooks fire; an adapter wrapped around one, such as a PEFT LoRA layer, is used). A call
+hooks fire; an adapter wrapped around one, such as a PEFT LoRA layer, is used). Its
+Linears may be ``sf.quantize``'s inference layers, in either order (``patch`` of a
+quantized model, ``sf.quantize`` of a patched one, with or without ``unpad``). The MLP
+Linears are read by the fused MLP kernel while they are float nn.Linears without hooks;
+quantized or hooked, they are called as modules (fc1, the activation, fc2). A call
 runs the layer's original, unfused forward instead, for that call only, when it asks
 for ``output_attentions`` (as ``MultiheadAttention(need_weights=True)`` does: the
 weights are formed only there; under ``attn_implementation="sdpa"`` transformers then
 warns that sdpa gives none), when a submodule the fused forward does not call
 (``attention``, ``attention.self``, ``attention.output``, ``intermediate``, ``output``,
-the dropouts, LayerNorms, the MLP Linears and activation) has a forward or backward
-hook (transformers' inactive output-capturing hooks excepted) or was replaced by a
-module of another type, and with ``past_key_values``. Other limits: decoder layers (causal, cache,
+the dropouts, LayerNorms and the activation) has a forward or backward hook
+(transformers' inactive output-capturing hooks excepted) or was replaced by a module of
+another type (the MLP Linears by anything but nn.Linear or sf.quantize's), and with
+``past_key_values``. Other limits: decoder layers (causal, cache,
 cross-attention) and activations other than gelu / gelu_new / gelu_pytorch_tanh /
 relu are left; ``chunk_size_feed_forward`` is not needed (the fused MLP keeps less
 than a chunked one) and is ignored. The attention mask transformers builds for the
@@ -146,16 +151,23 @@ _NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\)\n\s*\1 = self\.d
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _MAX_HEAD_DIM = 256
 _RECORD = "_slimformer_patch"
+# The Linears of a fused BERT layer may be ``sf.quantize``'s inference layers (for either
+# order of patch and quantize).
+_LINEARS = (nn.Linear, Linear8bit, Linear16bit)
 # Submodules that the fused forward runs without calling, and the types it computes
-# for (None: a container whose own forward is replaced); the Linears it does call
-# (q, k, v, attention.output.dense) are not listed.
+# for (None: a container whose own forward is replaced); the Linears, which it calls
+# (q, k, v, attention.output.dense) or may call (the MLP's), are not listed.
 _BYPASSED = {
     "attention": None, "attention.self": None, "attention.self.dropout": (nn.Dropout,),
     "attention.output": None, "attention.output.dropout": (nn.Dropout,),
     "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate": None,
-    "intermediate.dense": (nn.Linear,), "intermediate.intermediate_act_fn": None, "output": None,
-    "output.dense": (nn.Linear,), "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+    "intermediate.intermediate_act_fn": None, "output": None, "output.dropout": (nn.Dropout,),
+    "output.LayerNorm": (nn.LayerNorm, LayerNorm),
 }  # fmt: skip
+# The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
+# hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
+# calibration's, which so see the real tokens only in an unpadded model).
+_MLP_LINEARS = ("intermediate.dense", "output.dense")
 
 
 def _kernel_masks(attention_mask, batch: int, seq: int):
@@ -204,6 +216,9 @@ class FusedBertFamilyLayer(NotScriptable):
     returns the layer output (batch, seq, hidden) in hidden_states' dtype.
     """
 
+    # sf.quantize may swap its inference Linears in: the forward calls them as modules.
+    accepts_quantized_linears = True
+
     def forward(
         self,
         hidden_states,
@@ -248,6 +263,10 @@ class FusedBertFamilyLayer(NotScriptable):
                 return f"{path} is a {type(module).__name__}"
             if _has_user_hooks(module):
                 return f"{path} has hooks"
+        for path in _MLP_LINEARS:
+            module = self.get_submodule(path)
+            if type(module) not in _LINEARS:
+                return f"{path} is a {type(module).__name__}"
         return None
 
     def _fused_block(self, x, attn_mask, padding, policy):
@@ -257,11 +276,18 @@ class FusedBertFamilyLayer(NotScriptable):
             context = self._self_attention(x, attn_mask, padding)
         out = self.attention.output
         y = self._add_norm(out.dense(context), x, out)
-        h = fused_mlp(
-            y, self.intermediate.dense.weight, self.intermediate.dense.bias, self.output.dense.weight,
-            self.output.dense.bias, self.fused_activation, 0.0, recompute_fc1="mlp" in policy,
-        )  # fmt: skip
-        return self._add_norm(h, y, self.output)
+        return self._add_norm(self._mlp(y, policy), y, self.output)
+
+    def _mlp(self, y, policy):
+        """fc2(act(fc1(y))): the fused MLP kernel for float Linears without hooks; else (``sf.quantize``'s
+        inference Linears, which keep no float weight; hooks) the Linears are called as modules."""
+        fc1, fc2 = self.intermediate.dense, self.output.dense
+        if all(type(fc) is nn.Linear and not _has_user_hooks(fc) for fc in (fc1, fc2)):
+            return fused_mlp(
+                y, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.fused_activation, 0.0,
+                recompute_fc1="mlp" in policy,
+            )  # fmt: skip
+        return fc2(self.intermediate.intermediate_act_fn(fc1(y)))
 
     def _self_attention(self, x, attn_mask, padding):
         """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
@@ -441,11 +467,11 @@ def _bert_layer_problem(layer: nn.Module) -> str | None:
     if act not in _HF_ACTIVATIONS:
         return f"hidden_act {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
     expected = {
-        "attention.self.query": (nn.Linear,), "attention.self.key": (nn.Linear,),
-        "attention.self.value": (nn.Linear,), "attention.self.dropout": (nn.Dropout,),
-        "attention.output.dense": (nn.Linear,), "attention.output.dropout": (nn.Dropout,),
-        "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate.dense": (nn.Linear,),
-        "output.dense": (nn.Linear,), "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+        "attention.self.query": _LINEARS, "attention.self.key": _LINEARS,
+        "attention.self.value": _LINEARS, "attention.self.dropout": (nn.Dropout,),
+        "attention.output.dense": _LINEARS, "attention.output.dropout": (nn.Dropout,),
+        "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate.dense": _LINEARS,
+        "output.dense": _LINEARS, "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
     }  # fmt: skip
     for path, types in expected.items():
         module = layer.get_submodule(path)
@@ -703,16 +729,6 @@ def _plan_unpad(root: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
     return swaps, left
 
 
-def _check_no_quantized_linears(model: nn.Module) -> None:
-    """NotImplementedError if ``model`` holds ``sf.quantize``'s Linears (unpad needs fused float layers)."""
-    for name, module in model.named_modules():
-        if isinstance(module, (Linear8bit, Linear16bit)):
-            raise NotImplementedError(
-                f"patch(unpad=True) does not support sf.quantize's inference Linears yet ({name} is a "
-                f"{type(module).__name__}): the fused layers that run unpadded read float weights; unpad a float model"
-            )
-
-
 def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
@@ -735,14 +751,11 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``unpad`` is not a bool.
         ValueError: ``recompute`` is not a policy.
-        NotImplementedError: ``unpad=True`` on a model holding ``sf.quantize``'s Linears.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(unpad, bool):
         raise TypeError(f"unpad must be a bool, got {type(unpad).__name__} {unpad!r}")
-    if unpad:
-        _check_no_quantized_linears(model)
     if recompute is not None:
         check_policy(recompute)
     patched = [name or "the model itself" for name, module in model.named_modules() if _RECORD in module.__dict__]

@@ -4,7 +4,11 @@
 "int8-weight-only") or ``Linear16bit`` ("fp16", "bf16") in place. Embeddings,
 LayerNorm and softmax are not Linears and stay as they are; the classifier and LM
 heads stay float by default (``DEFAULT_SKIP``). Every replacement is built before
-the first one is swapped in, so an error leaves the model untouched.
+the first one is swapped in, so an error leaves the model untouched. In a
+``slimformer.patch``-ed model, the Linears of fused BERT-family layers and unpadded base
+models are converted (those modules call them as modules); a Linear whose float weight
+another fused module reads (a patched ``*ForMaskedLM`` head, a slimformer
+``TransformerEncoderLayer``) is refused.
 
 SmoothQuant (mode "int8", ``calibration=`` batches): activation outliers concentrate in
 a few input channels, which per-token scales cannot isolate. With a_j = max|x_j| over
@@ -101,7 +105,7 @@ def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.
     """({first name: Linear} to convert, {first name: every name}); raises ValueError for a
     shared Linear that ``skip`` skips under some of its names only."""
     fused = {
-        name: type(module).__name__
+        name: module
         for name, module in model.named_modules()
         if type(module).__module__.startswith("slimformer.") and not isinstance(module, (Linear8bit, Linear16bit))
     }
@@ -113,12 +117,13 @@ def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.
             raise ValueError(f"the Linear shared as {names} is skipped under some of its names only: skip all or none")
         if skipped[0]:
             continue
-        # the innermost fused module (a patched *ForMaskedLM model holds fused layers)
+        # the innermost fused module (a patched *ForMaskedLM model holds fused layers); those
+        # that call their Linears as modules (patched BERT layers, unpadded models) take ours
         owner = max((name for name in fused if first.startswith(f"{name}.") or not name), key=len, default=None)
-        if owner is not None:
+        if owner is not None and not getattr(fused[owner], "accepts_quantized_linears", False):
             raise ValueError(
-                f"{first!r} is inside the slimformer {fused[owner]} {owner!r}, whose fused kernels read its float "
-                "weight: quantize the unpatched model (slimformer.unpatch), or skip it"
+                f"{first!r} is inside the slimformer {type(fused[owner]).__name__} {owner!r}, whose fused kernels "
+                "read its float weight: quantize the unpatched model (slimformer.unpatch), or skip it"
             )
         linears[first], aliases[first] = module, names
     return linears, aliases

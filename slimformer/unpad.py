@@ -21,7 +21,9 @@ right or left padding, holes in the middle (the sequence is the row's real token
 order, at their padded positions), all-padding rows (no tokens; their rows are zero; a
 batch with no token at all runs padded).
 Dropout masks are drawn per packed token, so with dropout a step differs from the padded
-model's by its random draws only.
+model's by its random draws only. The Linears may be ``slimformer.quantize``'s (quantize
+before or after the patch): INT8's activation scales are per token, so a token's Linear
+output depends on its own row only, packed or padded.
 
 Calls that cannot be unpadded run the original, padded forward: no ``attention_mask``
 (nothing to remove) or a 4-d one, ``output_attentions``, encoder-decoder inputs
@@ -134,6 +136,8 @@ class UnpaddedEncoderModel:
     module docstring). ``unpad`` (default True) turns it off."""
 
     unpad = True
+    # sf.quantize may swap its inference Linears in (the pooler's is called as a module).
+    accepts_quantized_linears = True
 
     def forward(self, *args, **kwargs):
         bound = self._forward_signature.bind(self, *args, **kwargs)

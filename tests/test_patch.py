@@ -27,6 +27,7 @@ from slimformer.kernels.philox import dropout_threshold
 from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import FusedBertFamilyLayer, patch, patch_summary, unpatch
+from slimformer.quantize import quantized_modules
 from slimformer.recompute import POLICIES
 from tests.helpers import BRANCH_COVERING_POLICIES, TINY_BERT as TINY
 
@@ -413,8 +414,27 @@ def test_patch_and_quantize_in_either_order_say_what_they_cannot_do(torch_path):
     left = {item.name: item.reason for item in patch_summary(encoder).left}
     assert left["layers.0"] == "linear1 must be a torch.nn.Linear for the fused MLP, got Linear8bit"
     encoder(torch.randn(2, 5, 32))  # the norms are swapped; the quantized layers run as they were
-    with pytest.raises(ValueError, match="inside the slimformer FusedBertLayer 'bert.encoder.layer.0'.*unpatch"):
-        sf.quantize(patch(_model("BertForMaskedLM")), "int8")
+    with pytest.raises(ValueError, match="inside the slimformer TransformerEncoderLayer 'layers.0'.*unpatch"):
+        sf.quantize(patch(_encoder(False)), "int8", skip=())
+
+
+@pytest.mark.parametrize("order", ["quantize, then patch", "patch, then quantize"])
+def test_fused_bert_layers_take_quantized_linears_in_either_order(torch_path, order):
+    model = _model("BertForMaskedLM", dropout=0.0).eval()
+    expected_model = sf.quantize(copy.deepcopy(model), "int8")
+    if order == "quantize, then patch":
+        patched = patch(sf.quantize(model, "int8"))
+    else:
+        patched = sf.quantize(patch(model), "int8")
+    assert all(isinstance(layer, FusedBertFamilyLayer) for layer in patched.bert.encoder.layer)
+    assert set(quantized_modules(patched)) == set(quantized_modules(expected_model))
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        out, expected = patched(ids, attention_mask=mask).logits, expected_model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
+    unpatched = sf.unpatch(patched)  # the original layers, holding the quantized Linears
+    assert set(quantized_modules(unpatched)) == set(quantized_modules(expected_model))
 
 
 def test_hooks_registered_before_patching_still_run(torch_path):

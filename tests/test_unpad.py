@@ -29,6 +29,7 @@ from transformers import (
 
 import slimformer as sf
 from slimformer.memory import measure_activation_memory
+from slimformer.quantize import quantized_modules
 from slimformer.recompute import POLICIES
 from slimformer.unpad import PackedSequences, UnpaddedEncoderModel, pack_padding_mask
 from tests.helpers import TINY_BERT as TINY
@@ -225,6 +226,17 @@ def test_kernels_inside_an_unpadded_model(backend):
     _assert_grads_close(grads, expected)
 
 
+def test_kernels_inside_an_unpadded_int8_model(backend):
+    model = _model("BertModel").eval()
+    padded = sf.patch(sf.quantize(copy.deepcopy(model), "int8"))
+    unpadded = sf.quantize(sf.patch(copy.deepcopy(model), unpad=True), "int8")
+    ids, mask = _batch(model.config, "holes")
+    real = mask.bool()
+    with torch.no_grad():
+        out, expected = (m(ids, attention_mask=mask).last_hidden_state for m in (unpadded, padded))
+    torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
 def test_kept_memory_scales_with_real_tokens():
     model = _model("BertModel")
     padded, unpadded = sf.patch(copy.deepcopy(model)).train(), sf.patch(copy.deepcopy(model), unpad=True).train()
@@ -283,16 +295,94 @@ def test_bad_input():
         sf.patch(_model(), unpad="yes")
     with pytest.raises(ValueError, match="attention_mask must be 2-d"):
         pack_padding_mask(mask[0])
-    quantized = sf.quantize(_model().eval(), "int8")
-    with pytest.raises(NotImplementedError, match="patch\\(unpad=True\\) does not support sf.quantize's"):
-        sf.patch(quantized, unpad=True)
-    assert sf.patch_summary(quantized).patched is False  # nothing changed
-    with pytest.raises(ValueError, match="quantize the unpatched model"):  # the other order: sf.quantize refuses
-        sf.quantize(unpadded, "int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sf.patch(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), unpad=True)
     assert any("nothing is unpadded" in str(w.message) for w in caught)
+
+
+def _quantized_unpadded(model, mode, order, **options):
+    if order == "quantize, then patch":
+        return sf.patch(sf.quantize(model, mode, **options), unpad=True)
+    return sf.quantize(sf.patch(model, unpad=True), mode, **options)
+
+
+@pytest.mark.parametrize("order", ["quantize, then patch", "patch, then quantize"])
+@pytest.mark.parametrize("mode", ["int8", "int8-weight-only", "fp16"])
+@pytest.mark.parametrize("name", ["BertForSequenceClassification", "RobertaModel"])
+def test_quantized_model_runs_unpadded_and_equals_the_padded_quantized_model(name, mode, order):
+    model = _model(name).eval()
+    hf_quantized = sf.quantize(copy.deepcopy(model), mode)  # HF's layers, padded
+    padded = sf.patch(sf.quantize(copy.deepcopy(model), mode))  # the fused layers, padded
+    unpadded = _quantized_unpadded(copy.deepcopy(model), mode, order)
+    assert isinstance(unpadded.base_model, UnpaddedEncoderModel)
+    assert quantized_modules(unpadded) == quantized_modules(hf_quantized)
+    rows = []
+    query = unpadded.base_model.encoder.layer[0].attention.self.query
+    query.register_forward_pre_hook(lambda module, args: rows.append(tuple(args[0].shape[:-1])))
+    ids, mask = _batch(model.config, "holes")
+    real = mask.bool()
+    with torch.no_grad():
+        out, expected, hf = (
+            m(ids, attention_mask=mask, output_hidden_states=True) for m in (unpadded, padded, hf_quantized)
+        )
+    assert rows == [(1, real.sum().item())]  # the quantized Linears ran on the real tokens, packed
+    for reference in (expected, hf):
+        torch.testing.assert_close(out.hidden_states[-1][real], reference.hidden_states[-1][real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.hidden_states[-1][~real], torch.zeros_like(out.hidden_states[-1][~real]))
+    if "logits" in out:  # the pooler reads position 0
+        first_real = real[:, 0]
+        torch.testing.assert_close(out.logits[first_real], expected.logits[first_real], rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_linears_are_bit_identical_per_token_packed_or_padded():
+    model = sf.quantize(_model("BertModel").eval(), "int8")
+    linear = model.encoder.layer[0].intermediate.dense
+    ids, mask = _batch(model.config, "holes")
+    x = torch.randn(*mask.shape, linear.in_features, generator=torch.Generator().manual_seed(3)) * 4
+    packing = pack_padding_mask(mask)
+    with torch.no_grad():
+        assert torch.equal(linear(x)[mask.bool()], linear(x.flatten(0, 1)[packing.indices][None])[0])
+
+
+def test_smoothquant_calibration_and_save_load_of_an_unpadded_quantized_model(tmp_path):
+    model = _model("BertForSequenceClassification").eval()
+    ids, mask = _batch(model.config, "right")
+    calibration = [{"input_ids": ids, "attention_mask": mask}]
+    quantized = _quantized_unpadded(copy.deepcopy(model), "int8", "patch, then quantize", calibration=calibration)
+    # the unpadded model's Linears see the real tokens only: the maxima of the sentences run one
+    # by one without padding (a padded batch's padding rows would count in a padded model's)
+    sentences = [{"input_ids": row[m.bool()][None]} for row, m in zip(ids, mask)]
+    reference = _quantized_unpadded(copy.deepcopy(model), "int8", "quantize, then patch", calibration=sentences)
+    padded_calibration = sf.quantize(copy.deepcopy(model), "int8", calibration=calibration)
+    for name, layer in quantized.named_modules():
+        if hasattr(layer, "smooth"):
+            torch.testing.assert_close(layer.smooth, reference.get_submodule(name).smooth, rtol=1e-5, atol=0)
+    assert not torch.allclose(
+        quantized.bert.encoder.layer[1].output.dense.smooth, padded_calibration.bert.encoder.layer[1].output.dense.smooth
+    )
+    sf.save_quantized(quantized, tmp_path)
+    fresh = [_model("BertForSequenceClassification").eval() for _ in range(2)]
+    with torch.no_grad():
+        for parameter in (*fresh[0].parameters(), *fresh[1].parameters()):
+            parameter.zero_()
+    loaded = [
+        sf.patch(sf.load_quantized(fresh[0], tmp_path), unpad=True),
+        sf.load_quantized(sf.patch(fresh[1], unpad=True), tmp_path),
+    ]
+    with torch.no_grad():
+        expected = quantized(ids, attention_mask=mask).logits
+        for model_loaded in loaded:
+            assert isinstance(model_loaded.bert, UnpaddedEncoderModel)
+            assert torch.equal(model_loaded(ids, attention_mask=mask).logits, expected)
+
+
+def test_quantize_still_refuses_linears_that_fused_kernels_read():
+    model = sf.patch(_model("BertForMaskedLM"), unpad=True)  # the fused MLM loss reads the decoder's weight
+    with pytest.raises(ValueError, match="'cls.predictions.transform.dense' is inside the slimformer FusedBertForMask"):
+        sf.quantize(model, "int8", skip=())
+    assert not quantized_modules(model)
+    sf.quantize(model, "int8")  # the head is skipped by default
 
 
 def test_batch_without_tokens_runs_padded():
@@ -387,3 +477,20 @@ def test_inputs_embeds_and_token_types(name):
         out, expected = unpadded(**inputs).last_hidden_state, padded(**inputs).last_hidden_state
     real = mask.bool()
     torch.testing.assert_close(out[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
+def test_int8_rows_of_the_unpad_benchmark():
+    from bench import unpad as bench
+
+    config = bench._config(1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=100)
+    inputs = bench.padded_batch(config, bench.sentence_lengths())
+    models = bench.build_models(config)
+    int8_models = bench.build_inference_models(models)
+    assert list(int8_models) == list(bench.INT8_COLUMNS)
+    assert not quantized_modules(int8_models["slimformer unpadded fp32"])
+    assert isinstance(int8_models["slimformer unpadded int8"].bert, UnpaddedEncoderModel)
+    times = bench.interleaved_inference_times(int8_models, inputs, rounds=1, log=lambda line: None)
+    agreement = bench.int8_agreement(models, int8_models, inputs)
+    assert agreement["sqnr"] > agreement["int8 sqnr"] + 10  # unpadding adds far less than int8's own error
+    lines = bench.int8_lines(times, agreement, rounds=1)
+    assert all(any(line.startswith(f"| {name} |") for line in lines) for name in bench.INT8_COLUMNS)
