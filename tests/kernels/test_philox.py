@@ -13,7 +13,8 @@ from slimformer.kernels.philox import (
     _philox4x32,
     dropout_keep_block,
     dropout_keep_mma_block,
-    dropout_keep_mma_tile,
+    dropout_mma_apply,
+    dropout_mma_words,
     dropout_keep_tile,
     dropout_keep_tile_t,
     dropout_threshold,
@@ -79,13 +80,17 @@ def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BL
     tile_r = tl.arange(0, BLOCK_R)
     tile_c = tl.arange(0, BLOCK_C)
     threshold, _ = dropout_threshold_and_scale(tl.load(P))
-    keep = dropout_keep_mma_tile(tl.load(SEED), stream, row_start, col_start, n_cols, threshold, BLOCK_R, BLOCK_C,
-                                 TRANSPOSED)  # fmt: skip
+    words, byte = dropout_mma_words(tl.load(SEED), stream, row_start, col_start, n_cols, BLOCK_R, BLOCK_C, TRANSPOSED)
     if TRANSPOSED:
         ptrs = OUT + tile_c[:, None] + tile_r[None, :] * BLOCK_C
     else:
         ptrs = OUT + tile_r[:, None] * BLOCK_C + tile_c[None, :]
-    tl.store(ptrs, keep.to(tl.int8))
+    ones = tl.full(words.shape, 1.0, tl.float32).to(OUT.dtype.element_ty)
+    tl.store(ptrs, dropout_mma_apply(ones, words, byte, threshold))
+
+
+# dropout_mma_apply drops 16-bit elements in pairs and 32-bit ones singly when compiled
+DROP_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["queries-first", "keys-first"])
@@ -95,13 +100,15 @@ def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c)
     p = 0.3
     n_rows, n_cols, streams = 70, 97, 3
     whole = dropout_keep_mma_block(seed, streams, 0, 80, 112, n_cols, p)
-    for stream, row_start, col_start in [(0, 0, 0), (2, 16, 96), (1, 48, 80)]:
-        out = torch.empty(block_r, block_c, dtype=torch.int8, device=DEVICE)
+    for (stream, row_start, col_start), dtype in zip([(0, 0, 0), (2, 16, 96), (1, 48, 80)], DROP_DTYPES):
+        out = torch.empty(block_r, block_c, dtype=dtype, device=DEVICE)
         p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
         _keep_mma_tile_kernel[(1,)](seed.to(DEVICE), out, p32, stream, row_start, col_start, n_cols, BLOCK_R=block_r,
                                     BLOCK_C=block_c, TRANSPOSED=transposed)  # fmt: skip
         expected = whole[stream, row_start : row_start + block_r, col_start : col_start + block_c]
-        got = out.cpu().bool()[: expected.shape[0], : expected.shape[1]]
+        got = out.cpu()[: expected.shape[0], : expected.shape[1]]
+        assert torch.all((got == 0) | (got == 1))
+        got = got != 0
         assert torch.equal(got, expected), (stream, row_start, col_start)
     # a block of rows is a slice of the whole matrix, and the bytes of each call decide 4 × 4 elements
     assert torch.equal(dropout_keep_mma_block(seed, streams, 5, 37, 41, n_cols, p), whole[:, 5:37, :41])
