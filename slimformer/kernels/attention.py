@@ -627,8 +627,8 @@ def _attention_bwd_dq_kernel(
 # and need only a little more than plain ones. Picked by compiling the runtime
 # specialisations for sm_90: wgmma for every dot, at least two pipeline stages, shared
 # memory within 227 KB, no register spills where some config avoids them (with dropout,
-# 128 x 128 forward tiles at d128 and the plain dK/dV configs at d64 (and at d128 with 2
-# stages) spill 4-16 B in some specialisation).
+# the plain dK/dV configs at d64 (and at d128 with 2 stages) spill 4-44 B in some
+# specialisation, and so do 128 x 128 dQ tiles at d64 and d128).
 # BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
     "fwd": (
@@ -641,7 +641,7 @@ _TENSOR_CORE_CONFIGS = {
     # on mma.sync do not (16 query rows with masks, whose tiles need more).
     "dkdv": (
         (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
-        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 2)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3)),
         (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
     "dq": (

@@ -45,10 +45,18 @@ orientation's thread uses 8 of its 16 bytes:
         counter = (c0, c1) = (((i // 16) · ceil(seq_k / 16) + j // 16) · 16 + 4 · ((i % 8) // 2) + (j % 8) // 2,  s)
         word    = 2 · ((i % 16) // 8) + i % 2,   byte = 2 · ((j % 16) // 8) + j % 2,   keep = byte >= t.
 
-The keep bits are built in registers from the tile's own index bits (``tl.join`` and a
-reshape that Triton maps onto the accumulator layout), so no random byte crosses
-threads or shared memory. ``dropout_keep_mma_tile`` and ``dropout_keep_mma_block`` are
-the Triton and PyTorch halves.
+Each element's word is built in registers from the tile's own index bits (``tl.join``
+and a reshape that Triton maps onto the accumulator layout), so no random byte crosses
+threads or shared memory. ``dropout_mma_words`` gives a tile's words and byte indices,
+``dropout_mma_apply`` zeroes the dropped elements, ``dropout_keep_mma_block`` is the
+PyTorch half. Compiled, they run a little inline PTX that the interpreter cannot: each
+Philox product is one ``mul.wide.u32`` (IMAD.WIDE.U32, both halves) rather than a high
+and a low multiply, and a word's four decisions are made at once (a byte-wise compare in
+three instructions) and applied with a byte permute and an ``and`` per 32-bit register,
+which holds two elements of the 16-bit P. Per call, sm_90: about 26 instructions of
+Philox-4x32-7, and ~2 per element to decide and apply (was ~42 and ~5). The ``tl`` twins
+that the interpreter runs give the same bits; ``tests/kernels/test_philox.py`` executes
+the PTX instruction by instruction against them.
 """
 
 import math
