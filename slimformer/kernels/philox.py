@@ -401,7 +401,7 @@ def dropout_keep_mma_block(
 ) -> torch.Tensor:
     """Keep mask (streams, row_stop − row_start, n_block_cols) of rows row_start:row_stop and
     columns 0:n_block_cols of the dropout matrices (n_cols columns) of streams 0..streams − 1,
-    as ``dropout_keep_mma_tile`` draws it (the attention scheme of the module docstring)."""
+    as ``dropout_mma_words`` and ``dropout_mma_apply`` draw it (the attention scheme of the module docstring)."""
     device = seed.device
     if streams == 0 or row_stop <= row_start or n_block_cols <= 0:
         return torch.ones((streams, max(row_stop - row_start, 0), max(n_block_cols, 0)), dtype=torch.bool,
