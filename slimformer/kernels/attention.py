@@ -51,7 +51,8 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from slimformer.kernels.dispatch import absent_output, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     dropout_keep_mma_block,
-    dropout_keep_mma_tile,
+    dropout_mma_apply,
+    dropout_mma_words,
     dropout_threshold,
     dropout_threshold_and_scale,
     new_dropout_seed,
@@ -180,14 +181,14 @@ def _masked_scores(
 
 
 @triton.jit
-def _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  KEYS_FIRST: tl.constexpr):  # fmt: skip
-    """z for queries start_m .. start_m + BLOCK_M and keys start_n .. start_n + BLOCK_N: bool
-    [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST. Stream ``off_bh`` = batch ·
-    heads + head of ``philox.py``'s attention scheme, drawn in the tile's register layout;
-    the kernels apply r = 1 / (1 − p) outside the loops where it is linear."""
-    threshold, _ = dropout_threshold_and_scale(dropout_p)
-    return dropout_keep_mma_tile(seed, off_bh, start_m, start_n, seq_k, threshold, BLOCK_M, BLOCK_N, KEYS_FIRST)
+def _dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   KEYS_FIRST: tl.constexpr):  # fmt: skip
+    """The words and bytes that decide z for queries start_m .. start_m + BLOCK_M and keys
+    start_n .. start_n + BLOCK_N ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST):
+    stream ``off_bh`` = batch · heads + head of ``philox.py``'s attention scheme, drawn in
+    the tile's register layout, for ``dropout_mma_apply``. The kernels apply
+    r = 1 / (1 − p) outside the loops where it is linear, else in an existing multiply-add."""
+    return dropout_mma_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, KEYS_FIRST)
 
 
 @triton.jit
@@ -228,14 +229,15 @@ def _attention_fwd_tile(
         p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if HAS_DROPOUT:
-        p = tl.where(_dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, offs_m.shape[0], BLOCK_N, False),
-                     p, 0.0)  # fmt: skip
     v = _load_rows(
         V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
         HEAD_DIM, BLOCK_D, EDGE,
     )
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+    p = p.to(v.dtype)
+    if HAS_DROPOUT:
+        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
+        p = dropout_mma_apply(p, words, byte, dropout_threshold_and_scale(dropout_p)[0])
+    acc = _dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
     return acc, l_i, m_new
 
 
@@ -394,12 +396,14 @@ def _attention_bwd_dkdv_tile(
         p_t = tl.exp2(qk_t * qk_scale - lse_log2[None, :])
     dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        keep_t = _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, tile_m.shape[0], BLOCK_N, True)
-        dv = _dot(tl.where(keep_t, p_t, 0.0).to(do.dtype), do, dv, PRECISION, UPCAST)  # r applied to dv at the end
-        dp_t = tl.where(keep_t, dp_t * dropout_threshold_and_scale(dropout_p)[1], 0.0)
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True)
+        # r applied to dv at the end
+        dv = _dot(dropout_mma_apply(p_t.to(do.dtype), words, byte, threshold), do, dv, PRECISION, UPCAST)
+        ds_t = p_t * (dropout_mma_apply(dp_t, words, byte, threshold) * scale - delta[None, :])
     else:
         dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
-    ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = p_t * (dp_t - delta[None, :])
     dk = _dot(ds_t.to(q.dtype), q, dk, PRECISION, UPCAST)
     return dk, dv
 
@@ -532,9 +536,11 @@ def _attention_bwd_dq_tile(
         p = tl.exp2(qk * qk_scale - lse_log2[:, None])
     dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
-        keep = _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, offs_m.shape[0], BLOCK_N, False)
-        dp = tl.where(keep, dp * dropout_threshold_and_scale(dropout_p)[1], 0.0)
-    ds = p * (dp - delta[:, None])
+        threshold, scale = dropout_threshold_and_scale(dropout_p)
+        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
+        ds = p * (dropout_mma_apply(dp, words, byte, threshold) * scale - delta[:, None])
+    else:
+        ds = p * (dp - delta[:, None])
     return _dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
 
 
@@ -621,13 +627,13 @@ def _attention_bwd_dq_kernel(
 # and need only a little more than plain ones. Picked by compiling the runtime
 # specialisations for sm_90: wgmma for every dot, at least two pipeline stages, shared
 # memory within 227 KB, no register spills where some config avoids them (with dropout,
-# 128 x 128 forward tiles at d128 and the plain dK/dV configs at d64 (and at d128 with 2
-# stages) spill 4-16 B in some specialisation).
+# the plain dK/dV configs at d64 (and at d128 with 2 stages) spill 4-44 B in some
+# specialisation, and so do 128 x 128 dQ tiles at d64 and d128).
 # BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
     "fwd": (
         (64, (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3)),
-        (128, (128, 128, 8, 3), (64, 16, 4, 2), (128, 64, 8, 3)),
+        (128, (128, 128, 8, 3), (64, 16, 4, 2), (128, 128, 8, 3)),
         (256, (128, 32, 8, 3), (128, 16, 8, 2), (128, 32, 8, 3)),
     ),
     # dK/dV dots have BLOCK_N rows: wgmma needs at least 64 per warpgroup. At head dim 256
@@ -639,7 +645,7 @@ _TENSOR_CORE_CONFIGS = {
         (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
     "dq": (
-        (64, (128, 128, 8, 2), (128, 64, 8, 2), (128, 128, 8, 2)),
+        (64, (128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 2)),
         (128, (128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)),
         (256, (128, 32, 8, 2), (128, 16, 8, 2), (128, 32, 8, 2)),
     ),

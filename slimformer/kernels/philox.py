@@ -45,13 +45,22 @@ orientation's thread uses 8 of its 16 bytes:
         counter = (c0, c1) = (((i // 16) · ceil(seq_k / 16) + j // 16) · 16 + 4 · ((i % 8) // 2) + (j % 8) // 2,  s)
         word    = 2 · ((i % 16) // 8) + i % 2,   byte = 2 · ((j % 16) // 8) + j % 2,   keep = byte >= t.
 
-The keep bits are built in registers from the tile's own index bits (``tl.join`` and a
-reshape that Triton maps onto the accumulator layout), so no random byte crosses
-threads or shared memory. ``dropout_keep_mma_tile`` and ``dropout_keep_mma_block`` are
-the Triton and PyTorch halves.
+Each element's word is built in registers from the tile's own index bits (``tl.join``
+and a reshape that Triton maps onto the accumulator layout), so no random byte crosses
+threads or shared memory. ``dropout_mma_words`` gives a tile's words and byte indices,
+``dropout_mma_apply`` zeroes the dropped elements, ``dropout_keep_mma_block`` is the
+PyTorch half. Compiled, they run a little inline PTX that the interpreter cannot: each
+Philox product is one ``mul.wide.u32`` (IMAD.WIDE.U32, both halves) rather than a high
+and a low multiply, and a word's four decisions are made at once (a byte-wise compare in
+three instructions) and applied with a byte permute and an ``and`` per 32-bit register,
+which holds two elements of the 16-bit P. Per call, sm_90: about 26 instructions of
+Philox-4x32-7, and ~2 per element to decide and apply (was ~42 and ~5). The ``tl`` twins
+that the interpreter runs give the same bits; ``tests/kernels/test_philox.py`` executes
+the PTX instruction by instruction against them.
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -78,6 +87,13 @@ _KEY_A: tl.constexpr = tl.constexpr(_PHILOX_KEY_A)
 _KEY_B: tl.constexpr = tl.constexpr(_PHILOX_KEY_B)
 _ATTENTION_ROUNDS: tl.constexpr = tl.constexpr(ATTENTION_PHILOX_ROUNDS)
 _LOW32 = 0xFFFFFFFF
+# Compiled attention tiles use inline PTX (``mul.wide.u32``: one IMAD.WIDE.U32 gives both
+# halves of a Philox product, where ``tl.umulhi`` and ``*`` emit IMAD.HI and IMAD); the
+# interpreter cannot run PTX, so it takes the ``tl`` twin, which gives the same words.
+# Read at import, as Triton's JIT decides at decoration time whether it interprets.
+_INLINE_PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+_MUL_WIDE_A: tl.constexpr = tl.constexpr("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }")
+_MUL_WIDE_B: tl.constexpr = tl.constexpr("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }")
 
 
 @triton.jit
@@ -130,55 +146,61 @@ def dropout_keep_tile_t(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.co
 
 
 @triton.jit
+def _mul_hi_lo(a, B_ROUND: tl.constexpr):
+    """(hi, lo) 32-bit halves of the 64-bit product of uint32 ``a`` and Philox's round
+    multiplier (A, or B with B_ROUND)."""
+    if _INLINE_PTX:
+        asm: tl.constexpr = _MUL_WIDE_B if B_ROUND else _MUL_WIDE_A
+        return tl.inline_asm_elementwise(asm, "=r,=r,r", [a], dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        multiplier: tl.constexpr = _ROUND_B if B_ROUND else _ROUND_A
+        return tl.umulhi(a, multiplier), a * multiplier
+
+
+@triton.jit
 def _philox_zero_high(seed, c0, c1):
     """``tl.philox(seed, c0, c1, 0, 0, ATTENTION_PHILOX_ROUNDS)`` for uint32 c0 and a scalar uint32 c1,
-    with round 1 specialised to c2 = c3 = 0 and c1 kept scalar until it mixes with c0.
-
-    (Writing each round's products as 64-bit multiplies would let ptxas use one
-    IMAD.WIDE.U32 instead of a high and a low multiply, but Triton then leaves the four
-    words in a blocked layout and moves them through shared memory into the
-    accumulator layout: more instructions and 8 KB more shared memory, measured.)"""
+    with round 1 specialised to c2 = c3 = 0 and c1 kept scalar until it mixes with c0."""
     seed = seed.to(tl.uint64)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = (seed >> 32).to(tl.uint32)
-    c2 = tl.umulhi(c0, _ROUND_A) ^ k1
-    c3 = c0 * _ROUND_A
+    c2, c3 = _mul_hi_lo(c0, False)
+    c2 = c2 ^ k1
     c0 = c1 ^ k0
     c1 = tl.zeros_like(c2)
     for _ in tl.static_range(_ATTENTION_ROUNDS - 1):
         k0 += _KEY_A
         k1 += _KEY_B
-        a, b = c0, c2
-        c0 = tl.umulhi(b, _ROUND_B) ^ c1 ^ k0
-        c2 = tl.umulhi(a, _ROUND_A) ^ c3 ^ k1
-        c1 = b * _ROUND_B
-        c3 = a * _ROUND_A
+        hi_b, lo_b = _mul_hi_lo(c2, True)
+        hi_a, lo_a = _mul_hi_lo(c0, False)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
     return c0, c1, c2, c3
 
 
 @triton.jit
-def _keep_bytes_of_word(word, t):
-    """[..., 2, 2]: [..., c, e] = byte 2 · c + e of ``word`` >= t (t shifted into the top byte)."""
-    return tl.join(tl.join(word << 24 >= t, word << 8 >= t), tl.join(word << 16 >= t, word >= t))
+def _copies22(word):
+    """[..., 2, 2] copies of ``word``."""
+    pair = tl.join(word, word)
+    return tl.join(pair, pair)
 
 
 @triton.jit
-def _keep_bytes_of_words(w0, w1, w2, w3, shift, t):
-    """[..., 2, 2]: [..., c, e] = the byte of word 2 · c + e that ``shift`` moves to the top >= t."""
-    return tl.join(tl.join(w0 << shift >= t, w2 << shift >= t), tl.join(w1 << shift >= t, w3 << shift >= t))
+def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+    """(words, byte), uint32 [BLOCK_R, BLOCK_C]: the Philox word that decides each element of
+    rows ``row_start + arange(BLOCK_R)`` and columns ``col_start + arange(BLOCK_C)`` of
+    stream ``stream``'s dropout matrix (``n_cols`` columns), and which of its bytes (0..3);
+    with TRANSPOSED both are [BLOCK_C, BLOCK_R], the transpose. The attention scheme of the
+    module docstring; ``dropout_mma_apply`` drops with them. row_start, col_start, BLOCK_R,
+    BLOCK_C: multiples of 16.
 
-
-@triton.jit
-def dropout_keep_mma_tile(seed, stream, row_start, col_start, n_cols, threshold,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
-    """Keep mask [BLOCK_R, BLOCK_C] of rows ``row_start + arange(BLOCK_R)`` and columns
-    ``col_start + arange(BLOCK_C)`` of stream ``stream``'s dropout matrix (``n_cols``
-    columns), or with TRANSPOSED the [BLOCK_C, BLOCK_R] transpose; the attention scheme of
-    the module docstring. row_start, col_start, BLOCK_R, BLOCK_C: multiples of 16.
-
-    The tile is built as [x // 16, x % 16 // 8, x % 8 // 2, x % 2, y // 16, y % 16 // 8,
+    The words are built as [x // 16, x % 16 // 8, x % 8 // 2, x % 2, y // 16, y % 16 // 8,
     y % 8 // 2, y % 2] (x, y: the tile's first and second index) and reshaped, which is the
-    order of the accumulator layout's lanes and registers.
+    order of the accumulator layout's lanes and registers; the bytes come from the tile's
+    own index bits.
     """
     BLOCK_X: tl.constexpr = BLOCK_C if TRANSPOSED else BLOCK_R
     BLOCK_Y: tl.constexpr = BLOCK_R if TRANSPOSED else BLOCK_C
@@ -197,19 +219,86 @@ def dropout_keep_mma_tile(seed, stream, row_start, col_start, n_cols, threshold,
     w0, w1, w2, w3 = _philox_zero_high(seed, counters, stream.to(tl.uint32))
     w0, w1, w2, w3 = w0[:, :, None, :, :], w1[:, :, None, :, :], w2[:, :, None, :, :], w3[:, :, None, :, :]
     x_odd = tl.arange(0, 2)[None, None, :, None, None]  # x % 2
-    t = threshold << 24
     if TRANSPOSED:
-        # x holds columns: x's bits pick the byte (byte 2 · h + x % 2 is shifted by 24 − 8 · byte)
-        k0 = _keep_bytes_of_words(w0, w1, w2, w3, (24 - 8 * x_odd).to(tl.uint32), t)
-        k1 = _keep_bytes_of_words(w0, w1, w2, w3, (8 - 8 * x_odd).to(tl.uint32), t)
+        # x holds columns, y rows: y's bits pick the word (2 · (y % 16 // 8) + y % 2), x's the byte
+        shape: tl.constexpr = (BLOCK_X // 16, 4, 2, BLOCK_Y // 16, 4)  # x % 2 takes no part
+        w0, w1, w2, w3 = tl.broadcast_to(w0, shape), tl.broadcast_to(w1, shape), tl.broadcast_to(w2, shape), \
+            tl.broadcast_to(w3, shape)
+        k0 = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+        k1 = k0
+        x = tl.arange(0, BLOCK_X)[:, None]
+        byte = 2 * (x % 16 // 8) + x % 2 + tl.zeros([BLOCK_X, BLOCK_Y], tl.int32)
     else:
-        # x holds rows: x's bits pick the word (2 · h + x % 2), y's the byte
-        k0 = _keep_bytes_of_word(tl.where(x_odd == 0, w0, w1), t)
-        k1 = _keep_bytes_of_word(tl.where(x_odd == 0, w2, w3), t)
+        # x holds rows: x's bits pick the word (2 · (x % 16 // 8) + x % 2), y's the byte
+        k0 = _copies22(tl.where(x_odd == 0, w0, w1))
+        k1 = _copies22(tl.where(x_odd == 0, w2, w3))
+        y = tl.arange(0, BLOCK_Y)[None, :]
+        byte = 2 * (y % 16 // 8) + y % 2 + tl.zeros([BLOCK_X, BLOCK_Y], tl.int32)
     # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8]
-    keep = tl.join(k0, k1)
-    keep = tl.permute(keep, (0, 7, 1, 2, 3, 5, 4, 6))
-    return tl.reshape(keep, (BLOCK_X, BLOCK_Y))
+    words = tl.join(k0, k1)
+    words = tl.permute(words, (0, 7, 1, 2, 3, 5, 4, 6))
+    return tl.reshape(words, (BLOCK_X, BLOCK_Y)), byte.to(tl.uint32)
+
+
+# Inline PTX of ``dropout_mma_apply``, one element per 32-bit lane of x or two per 16-bit
+# pair. f = the byte-wise x >= t of word w and t4 = t in every byte, in bit 7 of each byte:
+# d = (w | 0x80808080) − (t4 & 0x7F7F7F7F) carries no borrow between bytes and its bit 7 is
+# (low 7 bits of w's byte) >= (t's), so w >= t is (w7 & ~t7) | (~(w7 ^ t7) & d7), one
+# lop3 (0xB2); prmt with a sign-replicating selector (8 | byte) copies an element's bit 7
+# to all its bytes, the mask that x is and-ed with.
+_APPLY_16: tl.constexpr = tl.constexpr("""{
+.reg .b32 d, m, f0, f1, s0, s1;
+and.b32 m, $6, 0x7F7F7F7F;
+or.b32 d, $2, 0x80808080;
+sub.u32 d, d, m;
+lop3.b32 f0, $2, $6, d, 0xB2;
+and.b32 m, $7, 0x7F7F7F7F;
+or.b32 d, $3, 0x80808080;
+sub.u32 d, d, m;
+lop3.b32 f1, $3, $7, d, 0xB2;
+or.b32 s0, $4, 8;
+mul.lo.u32 s0, s0, 0x11;
+or.b32 s1, $5, 12;
+mul.lo.u32 s1, s1, 0x1100;
+or.b32 s0, s0, s1;
+prmt.b32 m, f0, f1, s0;
+and.b32 $0, $1, m;
+}""")
+_APPLY_32: tl.constexpr = tl.constexpr("""{
+.reg .b32 d, m, f, s;
+and.b32 m, $4, 0x7F7F7F7F;
+or.b32 d, $2, 0x80808080;
+sub.u32 d, d, m;
+lop3.b32 f, $2, $4, d, 0xB2;
+or.b32 s, $3, 8;
+mul.lo.u32 s, s, 0x1111;
+prmt.b32 m, f, f, s;
+and.b32 $0, $1, m;
+}""")
+
+
+@triton.jit
+def dropout_mma_apply(x, words, byte, threshold):
+    """``x`` where byte ``byte`` of ``words`` (``dropout_mma_words``) is >= ``threshold``
+    (``dropout_threshold_and_scale``), else 0; x: 16- or 32-bit floats of the words' shape.
+
+    Compiled, four decisions are made by three instructions on the packed word and applied
+    with a byte permute and an and per element (16-bit: per pair); the interpreter (and
+    other element sizes) compares byte by byte, with the same result.
+    """
+    BITS: tl.constexpr = x.dtype.primitive_bitwidth
+    if _INLINE_PTX and (BITS == 16 or BITS == 32):
+        t4 = threshold * 0x01010101
+        if BITS == 16:
+            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True), words,
+                                             byte, t4], dtype=tl.uint16, is_pure=True, pack=2)  # fmt: skip
+            return bits.to(x.dtype, bitcast=True)
+        else:
+            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words, byte,
+                                             t4], dtype=tl.uint32, is_pure=True, pack=1)  # fmt: skip
+            return bits.to(x.dtype, bitcast=True)
+    else:
+        return tl.where((words >> (8 * byte)) & 0xFF >= threshold, x, 0.0)
 
 
 # An opaque op, so that torch.compile draws the seed from torch's generator exactly as
@@ -312,7 +401,7 @@ def dropout_keep_mma_block(
 ) -> torch.Tensor:
     """Keep mask (streams, row_stop − row_start, n_block_cols) of rows row_start:row_stop and
     columns 0:n_block_cols of the dropout matrices (n_cols columns) of streams 0..streams − 1,
-    as ``dropout_keep_mma_tile`` draws it (the attention scheme of the module docstring)."""
+    as ``dropout_mma_words`` and ``dropout_mma_apply`` draw it (the attention scheme of the module docstring)."""
     device = seed.device
     if streams == 0 or row_stop <= row_start or n_block_cols <= 0:
         return torch.ones((streams, max(row_stop - row_start, 0), max(n_block_cols, 0)), dtype=torch.bool,

@@ -7,13 +7,15 @@ import torch
 import triton
 import triton.language as tl
 
+from slimformer.kernels import philox
 from slimformer.kernels.philox import (
     ATTENTION_PHILOX_ROUNDS,
     DECISIONS_PER_CALL,
     _philox4x32,
     dropout_keep_block,
     dropout_keep_mma_block,
-    dropout_keep_mma_tile,
+    dropout_mma_apply,
+    dropout_mma_words,
     dropout_keep_tile,
     dropout_keep_tile_t,
     dropout_threshold,
@@ -79,13 +81,17 @@ def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BL
     tile_r = tl.arange(0, BLOCK_R)
     tile_c = tl.arange(0, BLOCK_C)
     threshold, _ = dropout_threshold_and_scale(tl.load(P))
-    keep = dropout_keep_mma_tile(tl.load(SEED), stream, row_start, col_start, n_cols, threshold, BLOCK_R, BLOCK_C,
-                                 TRANSPOSED)  # fmt: skip
+    words, byte = dropout_mma_words(tl.load(SEED), stream, row_start, col_start, n_cols, BLOCK_R, BLOCK_C, TRANSPOSED)
     if TRANSPOSED:
         ptrs = OUT + tile_c[:, None] + tile_r[None, :] * BLOCK_C
     else:
         ptrs = OUT + tile_r[:, None] * BLOCK_C + tile_c[None, :]
-    tl.store(ptrs, keep.to(tl.int8))
+    ones = tl.full(words.shape, 1.0, tl.float32).to(OUT.dtype.element_ty)
+    tl.store(ptrs, dropout_mma_apply(ones, words, byte, threshold))
+
+
+# dropout_mma_apply drops 16-bit elements in pairs and 32-bit ones singly when compiled
+DROP_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["queries-first", "keys-first"])
@@ -95,13 +101,15 @@ def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c)
     p = 0.3
     n_rows, n_cols, streams = 70, 97, 3
     whole = dropout_keep_mma_block(seed, streams, 0, 80, 112, n_cols, p)
-    for stream, row_start, col_start in [(0, 0, 0), (2, 16, 96), (1, 48, 80)]:
-        out = torch.empty(block_r, block_c, dtype=torch.int8, device=DEVICE)
+    for (stream, row_start, col_start), dtype in zip([(0, 0, 0), (2, 16, 96), (1, 48, 80)], DROP_DTYPES):
+        out = torch.empty(block_r, block_c, dtype=dtype, device=DEVICE)
         p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
         _keep_mma_tile_kernel[(1,)](seed.to(DEVICE), out, p32, stream, row_start, col_start, n_cols, BLOCK_R=block_r,
                                     BLOCK_C=block_c, TRANSPOSED=transposed)  # fmt: skip
         expected = whole[stream, row_start : row_start + block_r, col_start : col_start + block_c]
-        got = out.cpu().bool()[: expected.shape[0], : expected.shape[1]]
+        got = out.cpu()[: expected.shape[0], : expected.shape[1]]
+        assert torch.all((got == 0) | (got == 1))
+        got = got != 0
         assert torch.equal(got, expected), (stream, row_start, col_start)
     # a block of rows is a slice of the whole matrix, and the bytes of each call decide 4 × 4 elements
     assert torch.equal(dropout_keep_mma_block(seed, streams, 5, 37, 41, n_cols, p), whole[:, 5:37, :41])
@@ -169,3 +177,82 @@ def test_threshold_edges():
     assert dropout_threshold(0.0) == (0, 1.0)
     assert dropout_threshold(0.001) == (0, 1.0)  # below 1/512: no dropout
     assert dropout_threshold(0.999)[0] == 255  # never drops everything
+
+
+def _run_ptx(asm: str, operands: list[torch.Tensor]) -> dict:
+    """Execute the straight-line PTX of an inline-asm string on int64 tensors holding 32-bit
+    values, elementwise: the few instructions the compiled dropout paths use, bit-exactly.
+    ``operands`` are $0, $1, ... (outputs may be None); returns every register by name."""
+    regs = {f"${i}": v for i, v in enumerate(operands)}
+    low = 0xFFFFFFFF
+
+    def value(token):
+        token = token.strip()
+        return regs[token] if token in regs else torch.tensor(int(token, 0))
+
+    def prmt(a, b, selector):
+        a, b, selector = torch.broadcast_tensors(a, b, selector)
+        source = torch.stack([(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)])
+        out = torch.zeros_like(a)
+        for i in range(4):
+            nibble = (selector >> (4 * i)) & 0xF
+            picked = source.gather(0, (nibble & 7)[None])[0]
+            picked = torch.where(nibble & 8 != 0, (picked >> 7) * 0xFF, picked)  # replicate the byte's sign bit
+            out |= picked << (8 * i)
+        return out
+
+    def lop3(a, b, c, lut):
+        out = torch.zeros_like(a)
+        for k in range(8):
+            if lut >> k & 1:
+                out |= (a if k & 4 else ~a) & (b if k & 2 else ~b) & (c if k & 1 else ~c)
+        return out & low
+
+    body = asm.strip()
+    body = body[1:-1] if body.startswith("{") else body  # the block's braces, not mov.b64's
+    for line in body.split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b64":  # mov.b64 {lo, hi}, t
+            halves, source = args.rsplit(",", 1)
+            lo, hi = (name.strip() for name in halves.strip(" {}").split(","))
+            regs[lo], regs[hi] = regs[source.strip()] & low, regs[source.strip()] >> 32
+            continue
+        dest, *sources = (token.strip() for token in args.split(","))
+        xs = [value(s) for s in sources]
+        regs[dest] = {
+            "and.b32": lambda: xs[0] & xs[1],
+            "or.b32": lambda: xs[0] | xs[1],
+            "sub.u32": lambda: (xs[0] - xs[1]) & low,
+            "mul.lo.u32": lambda: (xs[0] * xs[1]) & low,
+            "mul.wide.u32": lambda: xs[0] * xs[1],
+            "lop3.b32": lambda: lop3(xs[0], xs[1], xs[2], int(sources[3], 0)),
+            "prmt.b32": lambda: prmt(xs[0], xs[1], xs[2]),
+        }[op]()
+    return regs
+
+
+def test_compiled_dropout_math_is_the_interpreted_math():
+    """The inline PTX that compiled kernels run (the interpreter cannot) gives the ``tl``
+    twin's bits: every byte value at every position against every threshold."""
+    values = torch.arange(256)
+    t, v, position = (g.reshape(-1) for g in torch.meshgrid(values, values, torch.arange(4), indexing="ij"))
+    others = torch.randint(0, 2**32, t.shape, generator=torch.Generator().manual_seed(0))
+    word = (others & ~(0xFF << (8 * position))) | (v << (8 * position))
+    keep = v >= t
+    t4 = t * 0x01010101
+    x = torch.randint(1, 2**32, t.shape, generator=torch.Generator().manual_seed(1))  # the bits dropped
+    out = _run_ptx(philox._APPLY_32.value, [None, x, word, position, t4])["$0"]
+    assert torch.equal(out, torch.where(keep, x, 0))
+    # 16-bit pairs: element 0 in the low half, element 1 decided by another word and byte
+    word_1, position_1 = torch.roll(word, 12345), torch.roll(position, 777)
+    keep_1 = (word_1 >> (8 * position_1)) & 0xFF >= t
+    out = _run_ptx(philox._APPLY_16.value, [None, x, word, word_1, position, position_1, t4, t4])["$0"]
+    assert torch.equal(out, torch.where(keep, x & 0xFFFF, 0) | torch.where(keep_1, x & 0xFFFF0000, 0))
+    a = torch.randint(0, 2**32, (4096,), generator=torch.Generator().manual_seed(2))
+    for asm, multiplier in [(philox._MUL_WIDE_A.value, philox._PHILOX_ROUND_A), (philox._MUL_WIDE_B.value,
+                                                                                 philox._PHILOX_ROUND_B)]:
+        regs = _run_ptx(asm, [None, None, a])
+        assert torch.equal(regs["$0"] * 2**32 + regs["$1"], a * multiplier)
