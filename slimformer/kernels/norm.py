@@ -97,6 +97,34 @@ def _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _row_part(X, RESIDUAL, H, SEED, rows, row_ok, col_start, N, dropout_p, ROUND_H: tl.constexpr,
+              H_DTYPE: tl.constexpr, STORE_H: tl.constexpr, DROPOUT_AFTER: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(h, its row sums, column mask, offsets) of columns col_start + arange(BLOCK_N) of ``rows``; h stored when STORE_H."""
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+    h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER,
+                     BLOCK_N)  # fmt: skip
+    if STORE_H:
+        tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
+    return h, tl.sum(h, axis=1), mask, offsets
+
+
+@triton.jit
+def _store_row_part(y, W, B, Y, SEED, rows, col_start, mask, offsets, N, dropout_p, DROPOUT_AFTER: tl.constexpr,
+                    BLOCK_N: tl.constexpr):  # fmt: skip
+    """Store y · w + b (then dropout when it follows the norm) for columns col_start + arange(BLOCK_N)."""
+    cols = col_start + tl.arange(0, BLOCK_N)
+    if W is not None:
+        y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if B is not None:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if DROPOUT_AFTER:
+        y *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_fwd_kernel(
     X,  # (M, N) branch input, before dropout
     RESIDUAL,  # (M, N) residual to add, or None
@@ -119,37 +147,40 @@ def _norm_fwd_kernel(
     DROPOUT_AFTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TAIL_N: tl.constexpr,
 ):
+    """BLOCK_M whole rows per program, held as their first BLOCK_N columns and, when TAIL_N > 0,
+    the TAIL_N after them (``_row_split``: 768 = 512 + 256 rather than 1024 lanes, a quarter idle)."""
     N = _aligned(N, N_ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-
-    h = _fused_input(X, RESIDUAL, SEED, rows, 0, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER,
-                     BLOCK_N)  # fmt: skip
-    if STORE_H:
-        tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
+    h, row_sum, mask, offsets = _row_part(X, RESIDUAL, H, SEED, rows, row_ok, 0, N, dropout_p, ROUND_H, H_DTYPE,
+                                          STORE_H, DROPOUT_AFTER, BLOCK_N)  # fmt: skip
+    if TAIL_N > 0:
+        h_tail, tail_sum, tail_mask, tail_offsets = _row_part(X, RESIDUAL, H, SEED, rows, row_ok, BLOCK_N, N, dropout_p,
+                                                              ROUND_H, H_DTYPE, STORE_H, DROPOUT_AFTER, TAIL_N)  # fmt: skip
+        row_sum += tail_sum
 
     if IS_RMS:
         centered = h
     else:
-        mean = tl.sum(h, axis=1) / N
-        centered = tl.where(mask, h - mean[:, None], 0.0)
+        mean = row_sum / N
+        # a row's first BLOCK_N columns are all real when a tail follows (and rows past M are zeros)
+        centered = h - mean[:, None] if TAIL_N > 0 else tl.where(mask, h - mean[:, None], 0.0)
         if MEAN is not None:
             tl.store(MEAN + rows, mean, mask=row_ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+    sum_sq = tl.sum(centered * centered, axis=1)
+    if TAIL_N > 0:
+        centered_tail = h_tail if IS_RMS else tl.where(tail_mask, h_tail - mean[:, None], 0.0)
+        sum_sq += tl.sum(centered_tail * centered_tail, axis=1)
+    rstd = 1.0 / tl.sqrt(sum_sq / N + eps)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
-    y = centered * rstd[:, None]
-    if W is not None:
-        y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if B is not None:
-        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if DROPOUT_AFTER:
-        y *= _dropout_scale_tile(SEED, rows, 0, N, dropout_p, BLOCK_N)
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    _store_row_part(centered * rstd[:, None], W, B, Y, SEED, rows, 0, mask, offsets, N, dropout_p, DROPOUT_AFTER,
+                    BLOCK_N)  # fmt: skip
+    if TAIL_N > 0:
+        _store_row_part(centered_tail * rstd[:, None], W, B, Y, SEED, rows, BLOCK_N, tail_mask, tail_offsets, N,
+                        dropout_p, DROPOUT_AFTER, TAIL_N)  # fmt: skip
 
 
 @triton.jit
@@ -484,6 +515,19 @@ def _block_config(n_cols: int, forward: bool = False) -> tuple[int, int, int, bo
     return block_m, block_n, max(1, num_warps // 2) if forward else num_warps, False
 
 
+def _row_split(n_cols: int, block_m: int, block_n: int, num_warps: int) -> tuple[int, int, int]:
+    """(head, tail, num_warps) of the whole-row forward: a row of n_cols <= block_n columns is
+    held as head + tail lanes, both powers of two (tail 0: one block of block_n), the pair with
+    the fewest idle lanes: 768 -> 512 + 256 rather than 1024, a quarter of them idle. A split
+    row keeps at most 48 values per thread (the rule's 32 to 64 for whole blocks) by halving
+    the warps, whose row sums then cost fewer shuffles and shared-memory round trips."""
+    head = block_n // 2
+    tail = max(DECISIONS_PER_CALL, triton.next_power_of_2(max(n_cols - head, 1)))
+    if n_cols <= head or tail >= head:
+        return block_n, 0, num_warps
+    return head, tail, triton.next_power_of_2(triton.cdiv(block_m * (head + tail), 32 * 48))
+
+
 def _row_alignment(n_cols: int) -> int:
     """The largest power of two <= 8 dividing n_cols: 8 makes every row of a 16-bit (M, N)
     tensor 16-byte aligned, so the kernels load and store whole vectors."""
@@ -519,7 +563,8 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     if wide:
         _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flags, block_n, num_warps)
     else:
-        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+        head, tail, num_warps = _row_split(N, block_m, block_n, num_warps)
+        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](*args, **flags, BLOCK_M=block_m, BLOCK_N=head, TAIL_N=tail,
                                                      num_warps=num_warps)  # fmt: skip
     return y, h, mean, rstd
 
