@@ -184,6 +184,44 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _sum_partial_rows(dw_row, db_row, DW_PARTIAL, DB_PARTIAL, DW, DB, ARRIVALS, cols, N, LEVELS: tl.constexpr):
+    """Store dw and db (DW, DB: (N,)), the sums over programs of their rows dw_row and db_row
+    ([BLOCK_N] fp32 for ``cols``, BLOCK_N >= N), in this launch and the same way on every run:
+    over a fixed binary tree of the programs (LEVELS >= log2(programs) levels, unrolled).
+    A node's sum is stored at the row of DW_PARTIAL / DB_PARTIAL ((programs, N) fp32) of its
+    first program; whichever of two sibling nodes finishes later (ARRIVALS, zero-filled
+    (LEVELS, programs) int32, counts them) adds the other's row, read from L2, and goes up,
+    the earlier one stops; the program that completes the root stores the result."""
+    programs = tl.num_programs(0)
+    node = tl.program_id(0)
+    span = 1  # programs under node
+    finishing = node >= 0
+    for level in tl.static_range(LEVELS):
+        if finishing and (node ^ 1) * span < programs:  # node has a sibling
+            if DW_PARTIAL is not None:
+                tl.store(DW_PARTIAL + node * span * N + cols, dw_row, mask=cols < N)
+            if DB_PARTIAL is not None:
+                tl.store(DB_PARTIAL + node * span * N + cols, db_row, mask=cols < N)
+            # every thread's stores come before the counter's release (and its acquire before the loads)
+            tl.debug_barrier()
+            if tl.atomic_add(ARRIVALS + level * programs + node // 2, 1, sem="acq_rel") == 0:
+                finishing = node < 0
+            else:
+                sibling = (node ^ 1) * span * N + cols
+                if DW_PARTIAL is not None:
+                    dw_row += tl.load(DW_PARTIAL + sibling, mask=cols < N, other=0.0, cache_modifier=".cg")
+                if DB_PARTIAL is not None:
+                    db_row += tl.load(DB_PARTIAL + sibling, mask=cols < N, other=0.0, cache_modifier=".cg")
+        node = node // 2
+        span = span * 2
+    if finishing:
+        if DW is not None:
+            tl.store(DW + cols, dw_row.to(DW.dtype.element_ty), mask=cols < N)
+        if DB is not None:
+            tl.store(DB + cols, db_row.to(DB.dtype.element_ty), mask=cols < N)
+
+
+@triton.jit
 def _norm_bwd_kernel(
     DY,  # (M, N) gradient of the output
     SAVED,  # (M, N) h, or the output y when REBUILD_FROM_OUTPUT
@@ -197,6 +235,9 @@ def _norm_bwd_kernel(
     DRESIDUAL,  # (M, N) gradient of the residual when it differs from DX, or None
     DW_PARTIAL,  # (G, N) fp32 per-program sums of dy * x̂, or None
     DB_PARTIAL,  # (G, N) fp32 per-program sums of dy, or None
+    DW,  # (N,) dw, the sum of DW_PARTIAL's rows, or None
+    DB,  # (N,) db, or None
+    ARRIVALS,  # (levels, G) int32 zeros for _sum_partial_rows, or None
     SEED,  # () int64 dropout seed, or None
     M,
     N,
@@ -206,6 +247,7 @@ def _norm_bwd_kernel(
     REBUILD_FROM_OUTPUT: tl.constexpr,
     N_ALIGN: tl.constexpr,
     DROPOUT_AFTER: tl.constexpr,
+    LEVELS: tl.constexpr,  # of _sum_partial_rows' tree
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -269,10 +311,9 @@ def _norm_bwd_kernel(
         if DB_PARTIAL is not None:
             db_acc += dy
 
-    if DW_PARTIAL is not None:
-        tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
-    if DB_PARTIAL is not None:
-        tl.store(DB_PARTIAL + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+    if ARRIVALS is not None:
+        _sum_partial_rows(tl.sum(dw_acc, axis=0), tl.sum(db_acc, axis=0), DW_PARTIAL, DB_PARTIAL, DW, DB, ARRIVALS,
+                          cols, N, LEVELS)  # fmt: skip
 
 
 @triton.jit
@@ -597,7 +638,8 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     dresidual = torch.empty((M, N), dtype=residual_dtype, device=dy.device) if separate_dresidual else None
     block_m, block_n, num_warps, wide = _block_config(max(N, 1))
     # One fp32 partial row of dw (and db) per program, at most one program per SM, each with
-    # at least one row: every partial row is written, so nothing is zero-filled first.
+    # at least one row: every partial row is written, so nothing is zero-filled first. The
+    # whole-row kernel sums them itself (``_sum_partial_rows``), into dw and db in their dtypes.
     programs = max(1, min(triton.cdiv(M, block_m), multiprocessor_count(dy.device)))
     rows_per_program = max(1, triton.cdiv(triton.cdiv(M, programs), block_m)) * block_m
     programs = max(1, triton.cdiv(M, rows_per_program))
@@ -605,21 +647,30 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     allocate = torch.empty if M > 0 else torch.zeros
     dw_partial = None if weight is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
     db_partial = None if bias is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
+    summed_in_kernel = M > 0 and N > 0 and not wide
+    dw = None if weight is None or not summed_in_kernel else torch.empty(N, dtype=weight.dtype, device=dy.device)
+    db = None if bias is None or not summed_in_kernel else torch.empty(N, dtype=bias.dtype, device=dy.device)
     if M > 0 and N > 0:
         # x̂ = (y - b) · (1 / w): a multiply per element where a division is eight instructions
         w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
-        args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial,
-                seed, M, N, spec.dropout_p, rows_per_program)  # fmt: skip
+        args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial)
+        scalars = (seed, M, N, spec.dropout_p, rows_per_program)
         flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N),
                      DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
         if wide:
-            _norm_bwd_wide_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
+            _norm_bwd_wide_kernel[(programs,)](*args, *scalars, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:
-            _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+            # enough tree levels for one program per SM, so that the kernel compiles once per device
+            levels = max(1, (multiprocessor_count(dy.device) - 1).bit_length())
+            summed = weight is not None or bias is not None
+            arrivals = torch.zeros((levels, programs), dtype=torch.int32, device=dy.device) if summed else None
+            _norm_bwd_kernel[(programs,)](*args, dw, db, arrivals, *scalars, **flags, LEVELS=levels, BLOCK_M=block_m,
+                                          BLOCK_N=block_n, num_warps=num_warps)  # fmt: skip
     if residual_dtype is not None and dresidual is None:
         dresidual = dx
-    dw = None if weight is None else dw_partial.sum(0).to(weight.dtype)
-    db = None if bias is None else db_partial.sum(0).to(bias.dtype)
+    if not summed_in_kernel:
+        dw = None if weight is None else dw_partial.sum(0).to(weight.dtype)
+        db = None if bias is None else db_partial.sum(0).to(bias.dtype)
     return dx, dresidual, dw, db
 
 
