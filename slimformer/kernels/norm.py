@@ -22,10 +22,13 @@ BERT-family embeddings compute last); backward then masks dy before the norm's o
 backward. The output then has zeros where y does not, so x itself is saved (the next
 layer keeps out, not y: saving y would cost as much and round).
 
-dw and db are reduced in two stages without atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
-the partials are summed. Rows wider than 16384 (forward) or 8192 (backward) are processed
-in 4096-column blocks (``_norm_*_wide_*kernel``), so no row has to fit in registers; the
-forward then splits each row into segments over the SMs when there are fewer rows than SMs.
+dw and db are reduced in two stages, deterministically: each program (at most one per SM) sums
+its rows into an fp32 partial row, then the partial rows are summed over a fixed binary tree
+of the programs, in the same launch (counters say which of two sibling programs finishes
+later and adds the other's row; no float atomics), or by PyTorch after the wide kernel.
+Rows wider than 16384 (forward) or 8192 (backward) are processed in 4096-column blocks
+(``_norm_*_wide_*kernel``), so no row has to fit in registers; the forward then splits each
+row into segments over the SMs when there are fewer rows than SMs.
 """
 
 import math
