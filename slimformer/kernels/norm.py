@@ -198,7 +198,7 @@ def _sum_partial_rows(dw_row, db_row, DW_PARTIAL, DB_PARTIAL, DW, DB, ARRIVALS, 
     programs = tl.num_programs(0)
     node = tl.program_id(0)
     span = 1  # programs under node
-    finishing = node >= 0
+    finishing = node >= 0  # true, as a tensor (so is the false below): both branches give it one type
     for level in tl.static_range(LEVELS):
         if finishing and (node ^ 1) * span < programs:  # node has a sibling
             if DW_PARTIAL is not None:
