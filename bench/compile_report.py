@@ -309,7 +309,7 @@ def elementwise_section(collection: Collection) -> list[str]:
 
 def norm_bytes_section(collection: Collection) -> list[str]:
     """A norm's backward as a whole: its kernel plus the PyTorch ops slimformer runs around it
-    (zero-filled partial sums, their reduction, casts), against the minimum it must move."""
+    (memsets, the wide kernel's partial-row sum and casts), against the minimum it must move."""
     from bench import compile_figures as fig
 
     rows = []
@@ -330,7 +330,8 @@ def norm_bytes_section(collection: Collection) -> list[str]:
         "### Norm backward: bytes moved vs the minimum",
         "",
         "kernel: every tensor the backward kernel is handed, once; PyTorch ops: what slimformer's own "
-        "torch calls in the backward read and write (zero-filled dW/dB partial rows, their sum, casts); "
+        "torch calls in the backward read and write (the zero-filled arrival counters of the in-kernel dW/dB sum; "
+        "after the wide kernel, the sum of its partial rows and casts); "
         "minimum: dy (+ the returned h's gradient), the saved activation, dx (+ a separate dresidual with "
         "dropout), w, b, dw, db and the row statistics.",
         "",

@@ -36,6 +36,7 @@ from types import SimpleNamespace
 import torch
 import triton
 import triton.language as tl
+from torch._library.custom_ops import _maybe_get_opdef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from triton.backends.compiler import GPUTarget
@@ -333,6 +334,11 @@ class TorchTraffic(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        custom = _maybe_get_opdef(func) if func.namespace == "slimformer" else None
+        if custom is not None:
+            # one of slimformer's own ops: what it moves is its kernels' and its torch calls', counted there
+            with self:
+                return custom._init_fn(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if func.is_view or name in self._FREE or not self._called_from_slimformer():

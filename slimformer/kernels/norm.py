@@ -22,10 +22,13 @@ BERT-family embeddings compute last); backward then masks dy before the norm's o
 backward. The output then has zeros where y does not, so x itself is saved (the next
 layer keeps out, not y: saving y would cost as much and round).
 
-dw and db are reduced in two stages without atomics: each program (at most one per SM) sums its rows into an fp32 partial row, then
-the partials are summed. Rows wider than 16384 (forward) or 8192 (backward) are processed
-in 4096-column blocks (``_norm_*_wide_*kernel``), so no row has to fit in registers; the
-forward then splits each row into segments over the SMs when there are fewer rows than SMs.
+dw and db are reduced in two stages, deterministically: each program (at most one per SM) sums
+its rows into an fp32 partial row, then the partial rows are summed over a fixed binary tree
+of the programs, in the same launch (counters say which of two sibling programs finishes
+later and adds the other's row; no float atomics), or by PyTorch after the wide kernel.
+Rows wider than 16384 (forward) or 8192 (backward) are processed in 4096-column blocks
+(``_norm_*_wide_*kernel``), so no row has to fit in registers; the forward then splits each
+row into segments over the SMs when there are fewer rows than SMs.
 """
 
 import math
@@ -97,6 +100,34 @@ def _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N: tl.constex
 
 
 @triton.jit
+def _row_part(X, RESIDUAL, H, SEED, rows, row_ok, col_start, N, dropout_p, ROUND_H: tl.constexpr,
+              H_DTYPE: tl.constexpr, STORE_H: tl.constexpr, DROPOUT_AFTER: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """(h, its row sums, column mask, offsets) of columns col_start + arange(BLOCK_N) of ``rows``; h stored when STORE_H."""
+    cols = col_start + tl.arange(0, BLOCK_N)
+    mask = row_ok[:, None] & (cols < N)[None, :]
+    offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+    h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER,
+                     BLOCK_N)  # fmt: skip
+    if STORE_H:
+        tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
+    return h, tl.sum(h, axis=1), mask, offsets
+
+
+@triton.jit
+def _store_row_part(y, W, B, Y, SEED, rows, col_start, mask, offsets, N, dropout_p, DROPOUT_AFTER: tl.constexpr,
+                    BLOCK_N: tl.constexpr):  # fmt: skip
+    """Store y · w + b (then dropout when it follows the norm) for columns col_start + arange(BLOCK_N)."""
+    cols = col_start + tl.arange(0, BLOCK_N)
+    if W is not None:
+        y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if B is not None:
+        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if DROPOUT_AFTER:
+        y *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_fwd_kernel(
     X,  # (M, N) branch input, before dropout
     RESIDUAL,  # (M, N) residual to add, or None
@@ -119,37 +150,78 @@ def _norm_fwd_kernel(
     DROPOUT_AFTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TAIL_N: tl.constexpr,
 ):
+    """BLOCK_M whole rows per program, held as their first BLOCK_N columns and, when TAIL_N > 0,
+    the TAIL_N after them (``_row_split``: 768 = 512 + 256 rather than 1024 lanes, a quarter idle)."""
     N = _aligned(N, N_ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    mask = row_ok[:, None] & (cols < N)[None, :]
-    offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-
-    h = _fused_input(X, RESIDUAL, SEED, rows, 0, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER,
-                     BLOCK_N)  # fmt: skip
-    if STORE_H:
-        tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
+    h, row_sum, mask, offsets = _row_part(X, RESIDUAL, H, SEED, rows, row_ok, 0, N, dropout_p, ROUND_H, H_DTYPE,
+                                          STORE_H, DROPOUT_AFTER, BLOCK_N)  # fmt: skip
+    if TAIL_N > 0:
+        h_tail, tail_sum, tail_mask, tail_offsets = _row_part(X, RESIDUAL, H, SEED, rows, row_ok, BLOCK_N, N, dropout_p,
+                                                              ROUND_H, H_DTYPE, STORE_H, DROPOUT_AFTER, TAIL_N)  # fmt: skip
+        row_sum += tail_sum
 
     if IS_RMS:
         centered = h
     else:
-        mean = tl.sum(h, axis=1) / N
-        centered = tl.where(mask, h - mean[:, None], 0.0)
+        mean = row_sum / N
+        # a row's first BLOCK_N columns are all real when a tail follows (and rows past M are zeros)
+        centered = h - mean[:, None] if TAIL_N > 0 else tl.where(mask, h - mean[:, None], 0.0)
         if MEAN is not None:
             tl.store(MEAN + rows, mean, mask=row_ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / N + eps)
+    sum_sq = tl.sum(centered * centered, axis=1)
+    if TAIL_N > 0:
+        centered_tail = h_tail if IS_RMS else tl.where(tail_mask, h_tail - mean[:, None], 0.0)
+        sum_sq += tl.sum(centered_tail * centered_tail, axis=1)
+    rstd = 1.0 / tl.sqrt(sum_sq / N + eps)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
-    y = centered * rstd[:, None]
-    if W is not None:
-        y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if B is not None:
-        y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    if DROPOUT_AFTER:
-        y *= _dropout_scale_tile(SEED, rows, 0, N, dropout_p, BLOCK_N)
-    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+    _store_row_part(centered * rstd[:, None], W, B, Y, SEED, rows, 0, mask, offsets, N, dropout_p, DROPOUT_AFTER,
+                    BLOCK_N)  # fmt: skip
+    if TAIL_N > 0:
+        _store_row_part(centered_tail * rstd[:, None], W, B, Y, SEED, rows, BLOCK_N, tail_mask, tail_offsets, N,
+                        dropout_p, DROPOUT_AFTER, TAIL_N)  # fmt: skip
+
+
+@triton.jit
+def _sum_partial_rows(dw_row, db_row, DW_PARTIAL, DB_PARTIAL, DW, DB, ARRIVALS, cols, N, LEVELS: tl.constexpr):
+    """Store dw and db (DW, DB: (N,)), the sums over programs of their rows dw_row and db_row
+    ([BLOCK_N] fp32 for ``cols``, BLOCK_N >= N), in this launch and the same way on every run:
+    over a fixed binary tree of the programs (LEVELS >= log2(programs) levels, unrolled).
+    A node's sum is stored at the row of DW_PARTIAL / DB_PARTIAL ((programs, N) fp32) of its
+    first program; whichever of two sibling nodes finishes later (ARRIVALS, zero-filled
+    (LEVELS, programs) int32, counts them) adds the other's row, read from L2, and goes up,
+    the earlier one stops; the program that completes the root stores the result."""
+    programs = tl.num_programs(0)
+    node = tl.program_id(0)
+    span = 1  # programs under node
+    finishing = node >= 0  # true, as a tensor (so is the false below): both branches give it one type
+    for level in tl.static_range(LEVELS):
+        if finishing and (node ^ 1) * span < programs:  # node has a sibling
+            if DW_PARTIAL is not None:
+                tl.store(DW_PARTIAL + node * span * N + cols, dw_row, mask=cols < N)
+            if DB_PARTIAL is not None:
+                tl.store(DB_PARTIAL + node * span * N + cols, db_row, mask=cols < N)
+            # every thread's stores come before the counter's release (and its acquire before the loads)
+            tl.debug_barrier()
+            if tl.atomic_add(ARRIVALS + level * programs + node // 2, 1, sem="acq_rel") == 0:
+                finishing = node < 0
+            else:
+                sibling = (node ^ 1) * span * N + cols
+                if DW_PARTIAL is not None:
+                    dw_row += tl.load(DW_PARTIAL + sibling, mask=cols < N, other=0.0, cache_modifier=".cg")
+                if DB_PARTIAL is not None:
+                    db_row += tl.load(DB_PARTIAL + sibling, mask=cols < N, other=0.0, cache_modifier=".cg")
+        node = node // 2
+        span = span * 2
+    if finishing:
+        if DW is not None:
+            tl.store(DW + cols, dw_row.to(DW.dtype.element_ty), mask=cols < N)
+        if DB is not None:
+            tl.store(DB + cols, db_row.to(DB.dtype.element_ty), mask=cols < N)
 
 
 @triton.jit
@@ -166,6 +238,9 @@ def _norm_bwd_kernel(
     DRESIDUAL,  # (M, N) gradient of the residual when it differs from DX, or None
     DW_PARTIAL,  # (G, N) fp32 per-program sums of dy * x̂, or None
     DB_PARTIAL,  # (G, N) fp32 per-program sums of dy, or None
+    DW,  # (N,) dw, the sum of DW_PARTIAL's rows, or None
+    DB,  # (N,) db, or None
+    ARRIVALS,  # (levels, G) int32 zeros for _sum_partial_rows, or None
     SEED,  # () int64 dropout seed, or None
     M,
     N,
@@ -175,6 +250,7 @@ def _norm_bwd_kernel(
     REBUILD_FROM_OUTPUT: tl.constexpr,
     N_ALIGN: tl.constexpr,
     DROPOUT_AFTER: tl.constexpr,
+    LEVELS: tl.constexpr,  # of _sum_partial_rows' tree
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -238,10 +314,9 @@ def _norm_bwd_kernel(
         if DB_PARTIAL is not None:
             db_acc += dy
 
-    if DW_PARTIAL is not None:
-        tl.store(DW_PARTIAL + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
-    if DB_PARTIAL is not None:
-        tl.store(DB_PARTIAL + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+    if ARRIVALS is not None:
+        _sum_partial_rows(tl.sum(dw_acc, axis=0), tl.sum(db_acc, axis=0), DW_PARTIAL, DB_PARTIAL, DW, DB, ARRIVALS,
+                          cols, N, LEVELS)  # fmt: skip
 
 
 @triton.jit
@@ -484,6 +559,19 @@ def _block_config(n_cols: int, forward: bool = False) -> tuple[int, int, int, bo
     return block_m, block_n, max(1, num_warps // 2) if forward else num_warps, False
 
 
+def _row_split(n_cols: int, block_m: int, block_n: int, num_warps: int) -> tuple[int, int, int]:
+    """(head, tail, num_warps) of the whole-row forward: a row of n_cols <= block_n columns is
+    held as head + tail lanes, both powers of two (tail 0: one block of block_n), the pair with
+    the fewest idle lanes: 768 -> 512 + 256 rather than 1024, a quarter of them idle. A split
+    row keeps at most 48 values per thread (the rule's 32 to 64 for whole blocks) by halving
+    the warps, whose row sums then cost fewer shuffles and shared-memory round trips."""
+    head = block_n // 2
+    tail = max(DECISIONS_PER_CALL, triton.next_power_of_2(max(n_cols - head, 1)))
+    if n_cols <= head or tail >= head:
+        return block_n, 0, num_warps
+    return head, tail, triton.next_power_of_2(triton.cdiv(block_m * (head + tail), 32 * 48))
+
+
 def _row_alignment(n_cols: int) -> int:
     """The largest power of two <= 8 dividing n_cols: 8 makes every row of a 16-bit (M, N)
     tensor 16-byte aligned, so the kernels load and store whole vectors."""
@@ -519,7 +607,8 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     if wide:
         _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flags, block_n, num_warps)
     else:
-        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n,
+        head, tail, num_warps = _row_split(N, block_m, block_n, num_warps)
+        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](*args, **flags, BLOCK_M=block_m, BLOCK_N=head, TAIL_N=tail,
                                                      num_warps=num_warps)  # fmt: skip
     return y, h, mean, rstd
 
@@ -552,7 +641,8 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     dresidual = torch.empty((M, N), dtype=residual_dtype, device=dy.device) if separate_dresidual else None
     block_m, block_n, num_warps, wide = _block_config(max(N, 1))
     # One fp32 partial row of dw (and db) per program, at most one program per SM, each with
-    # at least one row: every partial row is written, so nothing is zero-filled first.
+    # at least one row: every partial row is written, so nothing is zero-filled first. The
+    # whole-row kernel sums them itself (``_sum_partial_rows``), into dw and db in their dtypes.
     programs = max(1, min(triton.cdiv(M, block_m), multiprocessor_count(dy.device)))
     rows_per_program = max(1, triton.cdiv(triton.cdiv(M, programs), block_m)) * block_m
     programs = max(1, triton.cdiv(M, rows_per_program))
@@ -560,21 +650,30 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     allocate = torch.empty if M > 0 else torch.zeros
     dw_partial = None if weight is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
     db_partial = None if bias is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)
+    summed_in_kernel = M > 0 and N > 0 and not wide
+    dw = None if weight is None or not summed_in_kernel else torch.empty(N, dtype=weight.dtype, device=dy.device)
+    db = None if bias is None or not summed_in_kernel else torch.empty(N, dtype=bias.dtype, device=dy.device)
     if M > 0 and N > 0:
         # x̂ = (y - b) · (1 / w): a multiply per element where a division is eight instructions
         w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
-        args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial,
-                seed, M, N, spec.dropout_p, rows_per_program)  # fmt: skip
+        args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial)
+        scalars = (seed, M, N, spec.dropout_p, rows_per_program)
         flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N),
                      DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
         if wide:
-            _norm_bwd_wide_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
+            _norm_bwd_wide_kernel[(programs,)](*args, *scalars, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:
-            _norm_bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+            # enough tree levels for one program per SM, so that the kernel compiles once per device
+            levels = max(1, (multiprocessor_count(dy.device) - 1).bit_length())
+            summed = weight is not None or bias is not None
+            arrivals = torch.zeros((levels, programs), dtype=torch.int32, device=dy.device) if summed else None
+            _norm_bwd_kernel[(programs,)](*args, dw, db, arrivals, *scalars, **flags, LEVELS=levels, BLOCK_M=block_m,
+                                          BLOCK_N=block_n, num_warps=num_warps)  # fmt: skip
     if residual_dtype is not None and dresidual is None:
         dresidual = dx
-    dw = None if weight is None else dw_partial.sum(0).to(weight.dtype)
-    db = None if bias is None else db_partial.sum(0).to(bias.dtype)
+    if not summed_in_kernel:
+        dw = None if weight is None else dw_partial.sum(0).to(weight.dtype)
+        db = None if bias is None else db_partial.sum(0).to(bias.dtype)
     return dx, dresidual, dw, db
 
 

@@ -187,6 +187,28 @@ def test_rows_in_column_blocks(backend, monkeypatch, is_rms, memory_efficient, m
     _check_norm(is_rms, torch.float32, 100, True, True, memory_efficient, return_residual=True)
 
 
+@pytest.mark.parametrize("multiprocessors", [1, 2, 7, 16])
+@pytest.mark.parametrize("affine", ["weight", "bias", "weight+bias"])
+def test_weight_grads_summed_over_programs(backend, monkeypatch, affine, multiprocessors):
+    # dw and db: one partial row per program (here 1, 2, 7 or 13 of them: 200 rows of 16),
+    # summed by the backward kernel over a binary tree of the programs, where odd counts
+    # leave nodes without a sibling; weight-only and bias-only sums use the same tree.
+    monkeypatch.setattr(norm_kernels, "multiprocessor_count", lambda device: multiprocessors)
+    torch.manual_seed(0)
+    x = torch.randn(200, 48, requires_grad=True)
+    weight = torch.rand(48, requires_grad=True) + 0.5 if "weight" in affine else None
+    bias = torch.randn(48, requires_grad=True) if "bias" in affine else None
+    params = [t for t in (weight, bias) if t is not None]
+    dy = torch.randn(200, 48)
+    grads = torch.autograd.grad(layer_norm(x, 48, weight, bias), [x, *params], dy)
+    exact = [t.detach().double().requires_grad_() for t in (x, *params)]
+    exact_weight = exact[1] if weight is not None else None
+    exact_bias = exact[-1] if bias is not None else None
+    grads_ref = torch.autograd.grad(F.layer_norm(exact[0], (48,), exact_weight, exact_bias), exact, dy.double())
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref.float(), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("affine", ["none", "weight", "weight+bias"])
 def test_without_affine_parameters(backend, affine):
     torch.manual_seed(0)
