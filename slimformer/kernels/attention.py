@@ -193,8 +193,10 @@ def _dropout_keep(seed, off_bh, start_m, start_n, seq_k, dropout_p, BLOCK_M: tl.
 
 
 @triton.jit
-def _load_head_rows(X, off_b, off_h, start, first, row_offsets, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
-                    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+def _load_head_rows(
+    X, off_b, off_h, start, first, row_offsets, rows, n_rows, offs_d,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr,
+):
     """A (BLOCK, BLOCK_D) tile, rows start .. start + BLOCK of head (off_b, off_h): through
     ``X``'s TMA descriptor when TMA (the copy engine zero-fills past seq and HEAD_DIM and
     needs no address per element), else ``_load_rows`` at ``X + first + row_offsets +
@@ -823,7 +825,8 @@ def _attention_fwd(
     # in the sm_90 compile report): they keep the pointer loads.
     inputs = None
     if kind != "masked":
-        inputs = _tma_descriptors((q, k, v), (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_N"]), config["BLOCK_D"])
+        rows = (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_N"])
+        inputs = _tma_descriptors((q, k, v), rows, config["BLOCK_D"])
     _attention_fwd_kernel[_grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
         *(inputs or (q, k, v)), out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
         heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p,
