@@ -31,7 +31,8 @@ NaN and inf in q, k, v, ``scale`` or an additive mask propagate as in SDPA (a Na
 value masks nothing).
 
 The kernels read q, k, v through their strides (only head_dim must be contiguous), so
-the heads of a fused QKV projection are used in place, and write o as (batch, seq,
+the heads of a fused QKV projection are used in place (on sm_90 the forward reads them
+through TMA descriptors, which take the same strides), and write o as (batch, seq,
 heads, head_dim), so that merging the heads for the output projection is a view and
 that projection saves the very storage attention saved. ``self_attention`` adds the
 ``qkv`` recompute policy: its backward recomputes the projection from the layer input
@@ -47,6 +48,7 @@ import triton
 import triton.language as tl
 from einops import rearrange
 from torch.nn.attention.bias import CausalBias, CausalVariant
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slimformer.kernels.dispatch import absent_output, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
@@ -192,21 +194,36 @@ def _dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _load_head_rows(
+    X, off_b, off_h, start, first, row_offsets, rows, n_rows, offs_d,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr,
+):
+    """A (BLOCK, BLOCK_D) tile, rows start .. start + BLOCK of head (off_b, off_h): through
+    ``X``'s TMA descriptor when TMA (the copy engine zero-fills past seq and HEAD_DIM and
+    needs no address per element), else ``_load_rows`` at ``X + first + row_offsets +
+    offs_d``, in that order: the scalar int64 offset ``first`` goes into the pointer before
+    the int32 offsets of the tile, so no 64-bit index tile is made."""
+    if TMA:
+        x = X.load([off_b.to(tl.int32), off_h.to(tl.int32), start, 0]).reshape(BLOCK, BLOCK_D)
+    else:
+        x = _load_rows(X + first + row_offsets + offs_d[None, :], rows, n_rows, offs_d, HEAD_DIM, BLOCK_D, CHECK_ROWS)
+    return x
+
+
+@triton.jit
 def _attention_fwd_tile(
-    acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+    acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_hk, seq_q, seq_k, qk_scale,
     stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
     seed, off_bh, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     EDGE: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     """One key block of the online softmax: the updated (acc, l_i, m_i)."""
     offs_n = start_n + tile_n
     first_col = tl.cast(start_n, tl.int64)
-    k = _load_rows(
-        K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d,
-        HEAD_DIM, BLOCK_D, EDGE,
-    )
+    k = _load_head_rows(K, off_b, off_hk, start_n, first_col * stride_ks, tile_n[:, None] * stride_ks,
+                        offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, EDGE, TMA)  # fmt: skip
     qk = _dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = _masked_scores(
@@ -229,10 +246,8 @@ def _attention_fwd_tile(
         p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(
-        V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
-        HEAD_DIM, BLOCK_D, EDGE,
-    )
+    v = _load_head_rows(V, off_b, off_hk, start_n, first_col * stride_vs, tile_n[:, None] * stride_vs,
+                        offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, EDGE, TMA)  # fmt: skip
     p = p.to(v.dtype)
     if HAS_DROPOUT:
         words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
@@ -243,7 +258,7 @@ def _attention_fwd_tile(
 
 @triton.jit
 def _attention_fwd_kernel(
-    Q,  # (batch, heads, seq_q, head_dim), strided, last dim contiguous
+    Q,  # (batch, heads, seq_q, head_dim), strided, last dim contiguous; with TMA its descriptor
     K,  # (batch, kv_heads, seq_k, head_dim), likewise
     V,  # (batch, kv_heads, seq_k, head_dim), likewise
     O,  # (batch, heads, seq_q, head_dim) output, likewise
@@ -264,7 +279,7 @@ def _attention_fwd_kernel(
     HAS_DROPOUT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
     HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
 ):
     # Multiplying by the constexpr unit tells Triton each row starts 16 bytes aligned
     # (head_dim % 8 == 0), so rows load as 16-byte vectors even when head_dim % 16 != 0.
@@ -278,10 +293,11 @@ def _attention_fwd_kernel(
     # Scalar int64 offsets select the tiles; int32 offsets index inside them, so no
     # 64-bit index tile has to stay live across the loop.
     first_row = pid_m.to(tl.int64) * BLOCK_M
-    Q += off_b * stride_qb + off_h * stride_qh + first_row * stride_qs
     O += off_b * stride_ob + off_h * stride_oh + first_row * stride_os
-    K += off_b * stride_kb + off_hk * stride_kh
-    V += off_b * stride_vb + off_hk * stride_vh
+    if not TMA:
+        Q += off_b * stride_qb + off_h * stride_qh + first_row * stride_qs
+        K += off_b * stride_kb + off_hk * stride_kh
+        V += off_b * stride_vb + off_hk * stride_vh
     qk_scale = sm_scale * _LOG2E
 
     start_m = pid_m * BLOCK_M
@@ -289,7 +305,8 @@ def _attention_fwd_kernel(
     tile_n = tl.arange(0, BLOCK_N)
     offs_m = start_m + tile_m
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_rows(Q + tile_m[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    q = _load_head_rows(Q, off_b, off_h, start_m, 0, tile_m[:, None] * stride_qs, offs_m, seq_q, offs_d, HEAD_DIM,
+                        BLOCK_M, BLOCK_D, True, TMA)  # fmt: skip
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -306,17 +323,19 @@ def _attention_fwd_kernel(
         full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_hk, seq_q, seq_k,
+            qk_scale,
             stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
-            False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+            False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST, TMA,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, seq_q, seq_k, qk_scale,
+            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_hk, seq_q, seq_k,
+            qk_scale,
             stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
             seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
-            True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+            True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST, TMA,
         )
 
     # l_i >= 1 (the best key adds exp2(0)) or NaN once a row has an allowed key; only a
@@ -748,6 +767,24 @@ def _stride_unit(*tensors: torch.Tensor) -> int:
     return next(unit for unit in (8, 4, 2, 1) if all(stride % unit == 0 for stride in strides))
 
 
+def _tma_supported(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device has the Tensor Memory Accelerator (sm_90 and later)."""
+    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
+def _tma_descriptors(tensors, rows: tuple[int, ...], block_d: int) -> list[TensorDescriptor] | None:
+    """Host-side TMA descriptors of (batch, heads, seq, head_dim) tensors, each loading
+    (1, 1, rows, block_d) boxes, or None where the kernels must use pointers: no TMA on
+    the device, fp32 (its small tiles run on CUDA cores), or a base or a stride the copy
+    engine cannot take (it needs both 16-byte aligned; broadcast dims, stride 0, are left
+    to pointers too)."""
+    if not all(_tma_supported(x) and x.dtype != torch.float32 for x in tensors):
+        return None
+    if any(x.data_ptr() % 16 or any(s <= 0 or s * x.element_size() % 16 for s in x.stride()[:-1]) for x in tensors):
+        return None
+    return [TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, n, block_d]) for x, n in zip(tensors, rows)]
+
+
 def _head_strides(unit: int, *tensors: torch.Tensor) -> list[int]:
     """(batch, heads, seq) strides of each (batch, heads, seq, head_dim) tensor in units
     of ``unit`` elements, flattened."""
@@ -786,13 +823,21 @@ def _attention_fwd(
     out = _empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
-    config = _block_config(head_dim, q.dtype, "fwd", _config_kind(attn_mask, key_padding_mask, dropout_p))
+    kind = _config_kind(attn_mask, key_padding_mask, dropout_p)
+    config = _block_config(head_dim, q.dtype, "fwd", kind)
     unit = _stride_unit(q, k, v, out)
+    # Masked launches run small tiles (16 keys at d128), where TMA's barrier wait per tile
+    # costs more than the cp.async addresses it saves (+5-14% warp-instructions per tile
+    # in the sm_90 compile report): they keep the pointer loads.
+    inputs = None
+    if kind != "masked":
+        rows = (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_N"])
+        inputs = _tma_descriptors((q, k, v), rows, config["BLOCK_D"])
     _attention_fwd_kernel[_grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
-        q, k, v, out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
+        *(inputs or (q, k, v)), out, lse, seed, *masks, *_head_strides(unit, q, k, v, out), *mask_strides,
         heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p,
         **mask_flags, **_kernel_flags(q, is_causal, dropout_p), NEGATIVE_SCALE=scale < 0, STRIDE_UNIT=unit,
-        **config,
+        TMA=inputs is not None, **config,
     )
     return out, lse
 

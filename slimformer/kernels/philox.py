@@ -60,7 +60,6 @@ the PTX instruction by instruction against them.
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -91,7 +90,7 @@ _LOW32 = 0xFFFFFFFF
 # halves of a Philox product, where ``tl.umulhi`` and ``*`` emit IMAD.HI and IMAD); the
 # interpreter cannot run PTX, so it takes the ``tl`` twin, which gives the same words.
 # Read at import, as Triton's JIT decides at decoration time whether it interprets.
-_INLINE_PTX: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
+_INLINE_PTX: tl.constexpr = tl.constexpr(not triton.knobs.runtime.interpret)
 _MUL_WIDE_A: tl.constexpr = tl.constexpr("{ .reg .b64 t; mul.wide.u32 t, $2, 0xD2511F53; mov.b64 {$1, $0}, t; }")
 _MUL_WIDE_B: tl.constexpr = tl.constexpr("{ .reg .b64 t; mul.wide.u32 t, $2, 0xCD9E8D57; mov.b64 {$1, $0}, t; }")
 

@@ -7,6 +7,7 @@ sequences.
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -201,6 +202,44 @@ def test_negative_scale_matches_sdpa(backend):
     same_dtype = _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=-0.2), q, k, v, grad)
     for name, actual, ours, reference in zip(("out", "dq", "dk", "dv"), got, same_dtype, exact):
         assert_within_reference_error(name, actual, ours, reference, FP32_ULPS)
+
+
+# The forward's sm_90 path for unmasked launches: q, k, v through TMA descriptors, whose
+# copy engine zero-fills rows past seq and columns past head_dim (80 in a 128-wide block).
+TMA_CASES = [
+    (Case(2, 4, 2, 150, 97, 64, causal=True), 0.0),
+    (Case(1, 2, 2, 130, 200, 80), 0.0),
+    (Case(2, 2, 1, 97, 70, 40, causal=True), 0.25),
+]
+
+
+@pytest.mark.parametrize("case, dropout_p", TMA_CASES, ids=str)
+def test_tma_descriptor_loads_match_reference(monkeypatch, case, dropout_p):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter stands in for a device with TMA")
+    monkeypatch.setattr(attention_module, "_tma_supported", lambda x: True)
+    made = []
+    descriptors = attention_module._tma_descriptors
+    monkeypatch.setattr(attention_module, "_tma_descriptors", lambda *a: made.append(descriptors(*a)) or made[-1])
+    if dropout_p:
+        _check_dropout(case, torch.float16, 1.0, "cpu", dropout_p)
+    else:
+        _check_case(case, torch.float16, 1.0, "cpu")
+    assert made and all(d is not None for d in made)
+
+
+def test_tma_only_where_the_copy_engine_can_read_the_tensors(monkeypatch):
+    monkeypatch.setattr(attention_module, "_tma_supported", lambda x: True)
+    qkv = torch.zeros(2, 17, 3 * 4 * 40, dtype=torch.bfloat16)
+    fused = attention_module._split_heads(qkv, 4)
+    assert attention_module._tma_descriptors(fused, (128, 64, 64), 64) is not None
+    assert attention_module._tma_descriptors([x.float() for x in fused], (32, 32, 32), 64) is None
+    odd_rows = torch.zeros(2, 4, 17, 36, dtype=torch.bfloat16)  # 72-byte rows
+    assert attention_module._tma_descriptors([odd_rows], (64,), 64) is None
+    broadcast = torch.zeros(2, 1, 17, 64, dtype=torch.bfloat16).expand(2, 4, 17, 64)
+    assert attention_module._tma_descriptors([broadcast], (64,), 64) is None
+    monkeypatch.setattr(attention_module, "_tma_supported", lambda x: False)
+    assert attention_module._tma_descriptors(fused, (128, 64, 64), 64) is None
 
 
 def test_grid_takes_any_batch():
