@@ -1,4 +1,4 @@
-"""W8A8 on CPU in two fused C++ loops around oneDNN's int8 GEMM (``torch._int_mm``), W8A16 in one call.
+"""W8A8 and W8A16 on CPU in fused C++ loops around oneDNN's int8 GEMM (``torch._int_mm``).
 
 The PyTorch statement of the CPU path (``matmul._quantize_rows_reference`` and the int8
 branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear;
@@ -18,6 +18,16 @@ in one pass each:
   ``fma(x @ fp32(weight)ᵀ, w_scale[n], bias[n])``: the weight's integers converted into a
   buffer each thread keeps (the reference's ``weight.float()`` allocates, and converts at
   a third of this loop's speed), the same fp32 GEMM, the epilogue in the output's memory.
+
+- ``quantize_rows_split(x, min_absmax)`` and ``split_gemm(q, weight_t, x_scale, w_scale, bias)``:
+  W8A16 as ``matmul._quantize_rows_split_reference`` / ``_split_gemm_reference`` state it
+  (the same bits): per row ``s = absmax / 32639`` (1 below ``min_absmax``, NaN for a row
+  with NaN or infinity, whose integers are zeros), ``v = round(x / s)`` by the same
+  division and add as above, ``v = 256·hi + lo`` stacked as (2M, K) int8 (hi rows, then lo
+  rows); then ``acc = torch._int_mm(q, weight_t)`` and
+  ``fma((256·fp32(acc_hi) + fp32(acc_lo)) * x_scale[m], w_scale[n], bias[n])`` in the
+  first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
+  ``matmul.MAX_SPLIT_IN_FEATURES``.
 
 The extension is compiled by ``torch.utils.cpp_extension.load_inline`` once (about a
 minute; then cached in torch's extensions directory) for the vector ISA torch uses on
@@ -291,7 +301,8 @@ _ISA_FLAGS = {
 
 @functools.cache
 def extension():
-    """The compiled module (``quantize_rows``, ``int8_gemm``, ``weight_only_gemm``), or None where it cannot be
+    """The compiled module (``quantize_rows``, ``int8_gemm``, ``weight_only_gemm``, ``quantize_rows_split``,
+    ``split_gemm``), or None where it cannot be
     built (no C++ compiler or ninja): the callers then run the PyTorch statement."""
     from torch.utils import cpp_extension
 

@@ -21,8 +21,22 @@ activation's outliers moved into the weights, which were multiplied by 1 / smoot
 
 On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
 loops around ``torch._int_mm`` (``int8_cpu``: the quantization in one pass, the int32
-epilogue in one pass) and W8A16 in one compiled call, bit for bit; the references run
-where it cannot be built.
+epilogue in one pass), bit for bit; the references run where it cannot be built.
+
+W8A16 on CPU is the same op rounded differently, since no float GEMM there beats fp32
+sgemm: each activation row becomes 16-bit fixed point, ``v = round(x / s)`` with
+``s = max|x[m]| / 32639`` (|v| <= 32639; the IEEE division, rounded half to even), split
+into two int8 rows ``v = 256·hi + lo`` (hi in [-127, 127], lo in [-128, 127]); both go
+through one int8 GEMM (``torch._int_mm`` on 2M rows) and the epilogue computes, in fp32,
+
+    y[m, n] = fma((256·acc_hi[m, n] + acc_lo[m, n]) · s[m], s_w[n], b[n])
+
+(the int32 sums converted to fp32 first: 256·acc_hi alone could pass int32 at K = 1536).
+The activation so keeps 15 bits of its row's max (error at most s / 2 = max|x[m]| / 65278
+per element), finer than the fp16/bf16 activations of the GPU kernel; an fp32 input's
+values below that step are lost, where fp32 sgemm keeps them. A row with NaN or infinity
+gives a NaN row. Past ``MAX_SPLIT_IN_FEATURES`` (int32 overflow of the sums), and in the
+interpreter (which runs the GPU kernel), W8A16 sums x · wq in fp32 as above.
 
 These are inference ops: nothing is saved for backward, and backward raises.
 """
@@ -771,7 +785,10 @@ def int8_weight_only_linear(
 
     input: (..., K) float16, bfloat16 or float32. q_weight: (N, K) int8 and
     weight_scale: (N,) float32 from ``quantize_per_channel``. bias: (N,) any float
-    dtype, or None. Sums in fp32; returns (..., N) in input's dtype. Backward raises.
+    dtype, or None. On GPU (and in the interpreter) sums input · q_weight in fp32; on
+    CPU multiplies the input rounded per row to 16-bit fixed point (step max|row| / 32639)
+    exactly in int32, as two int8 halves in one int8 GEMM (module docstring). Returns
+    (..., N) in input's dtype. Backward raises.
     """
     _check_input(input, FLOAT_DTYPES)
     _check_weight_and_bias(input, q_weight, (torch.int8,), bias)
