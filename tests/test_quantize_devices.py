@@ -58,7 +58,8 @@ def test_saved_on_cpu_loads_on_gpu_and_back_bit_exactly(tmp_path, mode):
     x = torch.randn(33, 24)
     with torch.no_grad():
         # Same integers and scales; the compiled epilogue may fuse a multiply-add.
-        torch.testing.assert_close(on_gpu(x.cuda()).cpu(), copy.deepcopy(back)(x), rtol=1e-5, atol=_cpu_atol(back, x, mode))
+        atol = _cpu_atol(back, x, mode)
+        torch.testing.assert_close(on_gpu(x.cuda()).cpu(), copy.deepcopy(back)(x), rtol=1e-5, atol=atol)
 
 
 def _cpu_atol(model: nn.Module, x: torch.Tensor, mode: str) -> float:

@@ -484,7 +484,8 @@ def _split_gemm_reference(q, weight, x_scale, w_scale, bias):
 
 def _weight_only_cpu(x, weight, w_scale, bias, fused):
     """CPU W8A16 for K <= MAX_SPLIT_IN_FEATURES: x's rows as 16-bit fixed point (``_quantize_rows_split_reference``),
-    both halves in one int8 GEMM (oneDNN's, through ``torch._int_mm``): fp32 (M, N)."""
+    both halves in one int8 GEMM (oneDNN's, through ``torch._int_mm``): fp32 (M, N), on the compiled
+    path a view of the first M rows of the (2M, N) accumulator (a fresh buffer costs its page faults)."""
     x = x.float()
     if fused is not None:
         bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
@@ -498,7 +499,9 @@ def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     if x_scale is None and w_scale is not None and x.shape[1] <= MAX_SPLIT_IN_FEATURES and not use_triton(x):
         if x.is_cpu and not x.is_cuda:
             out = _weight_only_cpu(x, weight, w_scale, bias, _fused_cpu_int8(x))
-            return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
+            if activation is None and out_dtype == torch.float32:
+                return out
+            return _activate(out, activation).to(out_dtype)
     fused = None if w_scale is None else _fused_cpu_int8(x)
     if fused is not None:
         bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
