@@ -13,8 +13,9 @@ with Python in the row of time outside ATen ops; for quantize_dynamic: one
 Then one Linear at a time, at the model's three Linear shapes (process CPU time,
 variants interleaved, medians with min-max): fp32, ``int8-weight-only``, the weight-only
 floor (the same arithmetic with an fp32 copy of the integers kept: the fp32 GEMM and the
-epilogue, no conversion), ``int8`` and quantize_dynamic. Weight-only multiplies float
-activations, so no kernel of it can beat the floor, which is the fp32 GEMM itself.
+epilogue, no conversion: the floor of any float-GEMM weight-only kernel), ``int8`` and
+quantize_dynamic. On CPU ``int8-weight-only`` runs no float GEMM: the activation rounded
+per token to 16-bit fixed point, two int8 halves in one ``torch._int_mm``.
 
     python -m bench.int8_profile        # prints and writes results/<device>-int8-profile.md
 """

@@ -202,7 +202,8 @@ def quantize(
 ) -> nn.Module:
     """Replace ``model``'s nn.Linear modules by quantized inference layers, in place.
 
-    mode: "int8" (W8A8, dynamic per-token activation scales), "int8-weight-only" (W8A16),
+    mode: "int8" (W8A8, dynamic per-token activation scales), "int8-weight-only" (W8A16;
+        on CPU the activation is rounded per token to 16-bit fixed point, ``Linear8bit``),
         "fp16" or "bf16" (16-bit weights, fp32 accumulation).
     skip: Linears to leave float: names (a Linear is skipped if its name equals one,
         starts with one plus ".", or has one as a dotted part) or a callable

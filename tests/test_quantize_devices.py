@@ -58,4 +58,18 @@ def test_saved_on_cpu_loads_on_gpu_and_back_bit_exactly(tmp_path, mode):
     x = torch.randn(33, 24)
     with torch.no_grad():
         # Same integers and scales; the compiled epilogue may fuse a multiply-add.
-        torch.testing.assert_close(on_gpu(x.cuda()).cpu(), copy.deepcopy(back)(x), rtol=1e-5, atol=1e-5)
+        atol = _cpu_atol(back, x, mode)
+        torch.testing.assert_close(on_gpu(x.cuda()).cpu(), copy.deepcopy(back)(x), rtol=1e-5, atol=atol)
+
+
+def _cpu_atol(model: nn.Module, x: torch.Tensor, mode: str) -> float:
+    """1e-5, plus for CPU W8A16 its rounding of each activation row to steps of max|row| / 32639
+    (the GPU multiplies fp32 inputs as they are): half a step per element times the largest
+    row sum of |weight|, through both Linears (GELU's slope stays below 1.13)."""
+    if mode != "int8-weight-only":
+        return 1e-5
+    w0, w2 = (model[i].dequantized_weight().abs().sum(1).max().item() for i in (0, 2))
+    with torch.no_grad():
+        hidden = model[1](model[0](x))
+    first = w0 * x.abs().max().item() / 65278
+    return 1e-5 + w2 * (1.13 * first + hidden.abs().max().item() / 65278)

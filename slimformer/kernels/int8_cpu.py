@@ -1,4 +1,4 @@
-"""W8A8 on CPU in two fused C++ loops around oneDNN's int8 GEMM (``torch._int_mm``), W8A16 in one call.
+"""W8A8 and W8A16 on CPU in fused C++ loops around oneDNN's int8 GEMM (``torch._int_mm``).
 
 The PyTorch statement of the CPU path (``matmul._quantize_rows_reference`` and the int8
 branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear;
@@ -18,6 +18,16 @@ in one pass each:
   ``fma(x @ fp32(weight)ᵀ, w_scale[n], bias[n])``: the weight's integers converted into a
   buffer each thread keeps (the reference's ``weight.float()`` allocates, and converts at
   a third of this loop's speed), the same fp32 GEMM, the epilogue in the output's memory.
+
+- ``quantize_rows_split(x, min_absmax)`` and ``split_gemm(q, weight_t, x_scale, w_scale, bias)``:
+  W8A16 as ``matmul._quantize_rows_split_reference`` / ``_split_gemm_reference`` state it
+  (the same bits): per row ``s = absmax / 32639`` (1 below ``min_absmax``, NaN for a row
+  with NaN or infinity, whose integers are zeros), ``v = round(x / s)`` by the same
+  division and add as above, ``v = 256·hi + lo`` stacked as (2M, K) int8 (hi rows, then lo
+  rows); then ``acc = torch._int_mm(q, weight_t)`` and
+  ``fma((256·fp32(acc_hi) + fp32(acc_lo)) * x_scale[m], w_scale[n], bias[n])`` in the
+  first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
+  ``matmul.MAX_SPLIT_IN_FEATURES``.
 
 The extension is compiled by ``torch.utils.cpp_extension.load_inline`` once (about a
 minute; then cached in torch's extensions directory) for the vector ISA torch uses on
@@ -157,6 +167,88 @@ torch::Tensor int8_gemm(torch::Tensor q, torch::Tensor weight_t, torch::Tensor x
   return out;
 }
 
+// W8A16 as two int8 GEMMs: per row v = round(x / s), s = absmax / 32639 (a 16-bit value,
+// |v| <= 32639), split v = 256 * hi + lo with hi in [-127, 127] and lo in [-128, 127]; rows
+// [hi; lo] stacked as (2M, K). A row with NaN or infinity gets scale NaN and zero rows.
+std::vector<torch::Tensor> quantize_rows_split(torch::Tensor x, double min_absmax) {
+  check_fp32(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
+  const int64_t m = x.size(0), k = x.size(1);
+  auto q = torch::empty({2 * m, k}, x.options().dtype(torch::kInt8));
+  auto scale = torch::empty({m}, x.options());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* scp = scale.data_ptr<float>();
+  const float lowest = static_cast<float>(min_absmax);
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xr = xp + i * k;
+      int8_t* hi = qp + i * k;
+      int8_t* lo = qp + (m + i) * k;
+      const float absmax = row_absmax(xr, nullptr, k);
+      if (!(absmax <= 3.4028234663852886e38f)) {  // NaN or infinity
+        scp[i] = NAN;
+        std::memset(hi, 0, k);
+        std::memset(lo, 0, k);
+        continue;
+      }
+      const float s = absmax >= lowest ? absmax / 32639.0f : 1.0f;
+      scp[i] = s;
+      for (int64_t j = 0; j < k; ++j) {
+        float shifted = xr[j] / s + kShift;
+        int32_t bits;
+        std::memcpy(&bits, &shifted, sizeof(bits));
+        const int32_t v = bits - 0x4B400000;
+        hi[j] = static_cast<int8_t>((v + 128) >> 8);
+        lo[j] = static_cast<int8_t>(v);
+      }
+    }
+  });
+  return {q, scale};
+}
+
+// y[i] = fma((256 * fp32(acc[i]) + fp32(acc[M + i])) * x_scale[i], w_scale, bias) for
+// acc = q @ weight_t (2M, N), in the first M rows of acc's memory.
+torch::Tensor split_gemm(torch::Tensor q, torch::Tensor weight_t, torch::Tensor x_scale, torch::Tensor w_scale,
+                         c10::optional<torch::Tensor> bias) {
+  auto acc = at::_int_mm(q, weight_t);
+  const int64_t m = acc.size(0) / 2, n = acc.size(1);
+  check_fp32(x_scale, "x_scale");
+  check_fp32(w_scale, "w_scale");
+  TORCH_CHECK(acc.size(0) == 2 * m && x_scale.numel() == m && w_scale.numel() == n,
+              "q must have 2M rows, x_scale M elements, w_scale N");
+  if (bias.has_value()) {
+    check_fp32(*bias, "bias");
+    TORCH_CHECK(bias->numel() == n, "bias must have N elements");
+  }
+  auto out = acc.view(torch::kFloat32).narrow(0, 0, m);
+  const int32_t* ap = acc.data_ptr<int32_t>();
+  float* op = acc.view(torch::kFloat32).data_ptr<float>();
+  const float* xs = x_scale.data_ptr<float>();
+  const float* ws = w_scale.data_ptr<float>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int32_t* ah = ap + i * n;
+      const int32_t* al = ap + (m + i) * n;
+      float* o = op + i * n;
+      const float s = xs[i];
+      if (bp) {
+        for (int64_t j = 0; j < n; ++j) {
+          const float t = 256.0f * static_cast<float>(ah[j]) + static_cast<float>(al[j]);
+          o[j] = std::fma(t * s, ws[j], bp[j]);
+        }
+      } else {
+        for (int64_t j = 0; j < n; ++j) {
+          const float t = 256.0f * static_cast<float>(ah[j]) + static_cast<float>(al[j]);
+          o[j] = t * s * ws[j];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 torch::Tensor weight_only_gemm(torch::Tensor x, torch::Tensor weight, torch::Tensor w_scale,
                                c10::optional<torch::Tensor> bias) {
   check_fp32(x, "x");
@@ -209,7 +301,8 @@ _ISA_FLAGS = {
 
 @functools.cache
 def extension():
-    """The compiled module (``quantize_rows``, ``int8_gemm``, ``weight_only_gemm``), or None where it cannot be
+    """The compiled module (``quantize_rows``, ``int8_gemm``, ``weight_only_gemm``, ``quantize_rows_split``,
+    ``split_gemm``), or None where it cannot be
     built (no C++ compiler or ninja): the callers then run the PyTorch statement."""
     from torch.utils import cpp_extension
 
@@ -223,7 +316,7 @@ def extension():
         return cpp_extension.load_inline(
             name,
             cpp_sources=_SOURCE,
-            functions=["quantize_rows", "int8_gemm", "weight_only_gemm"],
+            functions=["quantize_rows", "int8_gemm", "weight_only_gemm", "quantize_rows_split", "split_gemm"],
             extra_cflags=flags,
             verbose=False,
         )

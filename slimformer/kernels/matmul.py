@@ -21,8 +21,22 @@ activation's outliers moved into the weights, which were multiplied by 1 / smoot
 
 On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
 loops around ``torch._int_mm`` (``int8_cpu``: the quantization in one pass, the int32
-epilogue in one pass) and W8A16 in one compiled call, bit for bit; the references run
-where it cannot be built.
+epilogue in one pass), bit for bit; the references run where it cannot be built.
+
+W8A16 on CPU is the same op rounded differently, since no float GEMM there beats fp32
+sgemm: each activation row becomes 16-bit fixed point, ``v = round(x / s)`` with
+``s = max|x[m]| / 32639`` (|v| <= 32639; the IEEE division, rounded half to even), split
+into two int8 rows ``v = 256·hi + lo`` (hi in [-127, 127], lo in [-128, 127]); both go
+through one int8 GEMM (``torch._int_mm`` on 2M rows) and the epilogue computes, in fp32,
+
+    y[m, n] = fma((256·acc_hi[m, n] + acc_lo[m, n]) · s[m], s_w[n], b[n])
+
+(the int32 sums converted to fp32 first: 256·acc_hi alone could pass int32 at K = 1536).
+The activation so keeps 15 bits of its row's max (error at most s / 2 = max|x[m]| / 65278
+per element), finer than the fp16/bf16 activations of the GPU kernel; an fp32 input's
+values below that step are lost, where fp32 sgemm keeps them. A row with NaN or infinity
+gives a NaN row. Past ``MAX_SPLIT_IN_FEATURES`` (int32 overflow of the sums), and in the
+interpreter (which runs the GPU kernel), W8A16 sums x · wq in fp32 as above.
 
 These are inference ops: nothing is saved for backward, and backward raises.
 """
@@ -425,7 +439,69 @@ def _fused_cpu_int8(t: torch.Tensor):
     return int8_cpu.extension()
 
 
+# The activation's 16-bit fixed point on CPU W8A16: |v| = |round(x / s)| <= 32639 splits
+# into hi in [-127, 127] and lo in [-128, 127], so the int32 sums hold |lo · w| <= 128 · 127
+# over at most this many terms (beyond it, W8A16 runs the fp32 GEMM).
+_SPLIT_LEVELS = 32639
+MAX_SPLIT_IN_FEATURES = (2**31 - 1) // (128 * 127)
+_C_SPLIT = torch.tensor([float(_SPLIT_LEVELS)])
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _quantize_rows_split_reference(x):
+    """PyTorch statement of ``int8_cpu``'s ``quantize_rows_split`` (the same bits).
+
+    Per row of fp32 x (M, K): ``s = max|x| / 32639`` (1 below ``MIN_ROW_ABSMAX``, NaN for a
+    row with NaN or infinity), ``v = round(x / s)`` (the IEEE division, then the add of
+    1.5·2^23 that rounds half to even; v is the bits minus 0x4B400000), zero for a NaN-scale
+    row, and ``v = 256·hi + lo`` with ``hi = (v + 128) >> 8`` in [-127, 127] and ``lo`` the low
+    byte, in [-128, 127]. Returns (q (2M, K) int8: the hi rows, then the lo rows; s (M,) fp32).
+    """
+    if x.shape[1]:
+        absmax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_())
+    else:
+        absmax = x.new_zeros(x.shape[0])
+    finite = absmax <= _FLOAT32_MAX  # False for NaN and infinity
+    scale = torch.where(absmax >= MIN_ROW_ABSMAX, absmax / _C_SPLIT.to(absmax.device), 1.0)
+    scale = torch.where(finite, scale, float("nan"))
+    shifted = torch.div(x, scale[:, None]).add_(_ROUNDING_SHIFT.value)
+    v = shifted.view(torch.int32).sub_(0x4B400000).mul_(finite[:, None])
+    hi = v.add(128).bitwise_right_shift_(8).to(torch.int8)
+    return torch.cat([hi, v.to(torch.int8)]), scale
+
+
+def _split_gemm_reference(q, weight, x_scale, w_scale, bias):
+    """PyTorch statement of ``int8_cpu``'s ``split_gemm``: ``acc = q @ weightᵀ`` in int32 (2M, N),
+    ``t = 256·fp32(acc[:M]) + fp32(acc[M:])`` (the product exact, one rounding), then the W8A8
+    epilogue ``fma(t · x_scale, w_scale, bias)``."""
+    M = q.shape[0] // 2
+    torch._check(weight.shape[1] == q.shape[1])
+    acc = torch._int_mm(q, weight.t())
+    out = acc[M:].float().add_(acc[:M].float(), alpha=256.0)
+    out.mul_(x_scale[:, None])
+    return out.mul_(w_scale) if bias is None else torch.addcmul(bias.float(), out, w_scale, out=out)
+
+
+def _weight_only_cpu(x, weight, w_scale, bias, fused):
+    """CPU W8A16 for K <= MAX_SPLIT_IN_FEATURES: x's rows as 16-bit fixed point (``_quantize_rows_split_reference``),
+    both halves in one int8 GEMM (oneDNN's, through ``torch._int_mm``): fp32 (M, N), on the compiled
+    path a view of the first M rows of the (2M, N) accumulator (a fresh buffer costs its page faults)."""
+    x = x.float()
+    if fused is not None:
+        bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
+        q, scale = fused.quantize_rows_split(x, MIN_ROW_ABSMAX)
+        return fused.split_gemm(q, weight.t(), scale, w_scale, bias)
+    q, scale = _quantize_rows_split_reference(x)
+    return _split_gemm_reference(q, weight, scale, w_scale, bias)
+
+
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
+    if x_scale is None and w_scale is not None and x.shape[1] <= MAX_SPLIT_IN_FEATURES and not use_triton(x):
+        if x.is_cpu and not x.is_cuda:
+            out = _weight_only_cpu(x, weight, w_scale, bias, _fused_cpu_int8(x))
+            if activation is None and out_dtype == torch.float32:
+                return out
+            return _activate(out, activation).to(out_dtype)
     fused = None if w_scale is None else _fused_cpu_int8(x)
     if fused is not None:
         bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
@@ -712,7 +788,10 @@ def int8_weight_only_linear(
 
     input: (..., K) float16, bfloat16 or float32. q_weight: (N, K) int8 and
     weight_scale: (N,) float32 from ``quantize_per_channel``. bias: (N,) any float
-    dtype, or None. Sums in fp32; returns (..., N) in input's dtype. Backward raises.
+    dtype, or None. On GPU (and in the interpreter) sums input · q_weight in fp32; on
+    CPU multiplies the input rounded per row to 16-bit fixed point (step max|row| / 32639)
+    exactly in int32, as two int8 halves in one int8 GEMM (module docstring). Returns
+    (..., N) in input's dtype. Backward raises.
     """
     _check_input(input, FLOAT_DTYPES)
     _check_weight_and_bias(input, q_weight, (torch.int8,), bias)

@@ -175,6 +175,71 @@ def test_fused_cpu_int8_is_bit_exact_with_reference(shape):
             torch.testing.assert_close(ours, expected, rtol=0, atol=0, equal_nan=True)  # x has NaN rows
 
 
+def _split_adversarial_rows(seed: int = 0) -> torch.Tensor:
+    """Rows of 1536 whose quotients x / (max / 32639) fall on, one ulp below and one ulp above
+    half-integers across the 16-bit range, including ±127.5·256 and the hi/lo carries (±128, ±384)."""
+    gen = torch.Generator().manual_seed(seed)
+    halves = torch.cat([torch.arange(-600, 600, 1.0), torch.tensor([-32639.0, -32512, -32385, 32384, 32511, 32638])])
+    halves = halves + 0.5
+    rows = []
+    for scale in [1.0, *(torch.rand(3, generator=gen) * 3e-3 + 1e-5).tolist()]:
+        near = torch.cat([halves, torch.nextafter(halves, halves.new_tensor(0.0)), torch.nextafter(halves, halves * 2)])
+        x = near * scale
+        x = torch.cat([x, torch.nextafter(x, x.new_tensor(0.0)), torch.nextafter(x, x * 2)])
+        x = torch.cat([x[: 1536 - 1], (32639 * torch.tensor(scale)).view(1)])  # the row's max sets its scale
+        rows.append(x)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 3), (1, 0, 3), *SHAPES, (130, 384, 97), (9, 1536, 384)], ids=str)
+def test_fused_cpu_weight_only_split_is_bit_exact_with_reference(shape):
+    # CPU W8A16 multiplies the 16-bit fixed point v = round(x / s), s = max|row| / 32639, as
+    # v = 256·hi + lo in one int8 GEMM: the compiled loops and the PyTorch statement give the
+    # same bits for zero, tiny, NaN and infinite rows, adversarial half-way quotients, K = 1536.
+    fused = _fused_cpu_int8()
+    m, k, n = shape
+    gen = torch.Generator().manual_seed(m + k + 1)
+    x = torch.randn(m, k, generator=gen) * 3
+    if m > 5 and k > 3:
+        x[1] = 0
+        x[2] = 1e-35  # below MIN_ROW_ABSMAX: scale 1, all zero
+        x[3, 2] = float("nan")
+        x[4, 1] = float("-inf")
+        x[5] *= 1e-28  # tiny but above MIN_ROW_ABSMAX
+    for rows in (x, _split_adversarial_rows()) if k == 1536 else (x,):
+        q, scale = fused.quantize_rows_split(rows, matmul.MIN_ROW_ABSMAX)
+        q_ref, scale_ref = matmul._quantize_rows_split_reference(rows)
+        assert torch.equal(q, q_ref)
+        torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
+        # the halves: hi in [-127, 127], lo in [-128, 127], 256·hi + lo = round-half-even(x / s)
+        r = rows.shape[0]
+        hi, lo = q[:r].int(), q[r:].int()
+        assert hi.abs().max() <= 127 if r * k else True
+        finite = torch.isfinite(rows).all(1)
+        v = 256 * hi + lo
+        expected = torch.round(torch.div(rows, scale[:, None])).int()
+        assert torch.equal(v[finite], expected[finite]) and not v[~finite].any()
+        assert torch.isnan(scale[~finite]).all()
+        wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        w_scale = torch.rand(n, generator=gen)
+        for bias in (None, torch.randn(n, generator=gen)):
+            for _ in range(2):
+                ours = fused.split_gemm(q, wq.t(), scale, w_scale, bias)
+                expected_y = matmul._split_gemm_reference(q_ref, wq, scale_ref, w_scale, bias)
+                torch.testing.assert_close(ours, expected_y, rtol=0, atol=0, equal_nan=True)
+                assert torch.isnan(ours[~finite]).all()
+
+
+def test_weight_only_beyond_the_split_depth_runs_the_fp32_gemm(monkeypatch):
+    # Past MAX_SPLIT_IN_FEATURES the int32 sums of lo · w could overflow: fp32 GEMM there.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(matmul, "MAX_SPLIT_IN_FEATURES", 50)
+    x, weight, bias = _inputs(7, 100, 20, torch.float32)
+    wq, w_scale = quantize_per_channel(weight)
+    expected = matmul._gemm_reference(x, wq, None, w_scale, bias, None, torch.float32)
+    torch.testing.assert_close(int8_weight_only_linear(x, wq, w_scale, bias), expected, rtol=0, atol=0)
+
+
 def test_int8_layers_run_the_reference_without_the_fused_cpu_path(monkeypatch):
     # Where the extension cannot be built (no compiler), int8_linear and
     # int8_weight_only_linear give the same bits.
@@ -320,7 +385,20 @@ def test_int8_weight_only_linear_matches_dequantized_weight(backend, shape, dtyp
     # The kernel sums exact int8 weights and scales afterwards; torch rounds the
     # dequantized weight to dtype first: bound by its error, plus the weight's rounding.
     scale = (x.double().abs() @ dequantized.abs().t()).max().item()
-    assert_within_reference_error("int8_weight_only_linear", ours, torch_same_dtype, exact, scale=scale)
+    if backend == "torch" and shape[1] > 0:
+        # The CPU path multiplies the activation's 16-bit fixed point v · s (s = max|row| / 32639)
+        # exactly in int32: bound it by the float64 product of that activation, and bound that
+        # product's distance from ``exact`` by half a step per element, Σ_k |w[n, k]| · s / 2.
+        q, x_scale = matmul._quantize_rows_split_reference(x.float())
+        m = x.shape[0]
+        x16 = (256 * q[:m].double() + q[m:].double()) * x_scale.double()[:, None]
+        exact16 = _activation(F.linear(x16, dequantized, bias.double()), activation)
+        torch16 = _activation(F.linear(x16.float(), dequantized.float(), bias.float()), activation).to(dtype)
+        assert_within_reference_error("int8_weight_only_linear", ours, torch16, exact16, scale=scale)
+        step_bound = (x_scale.double()[:, None] / 2) * dequantized.abs().sum(1)[None, :]
+        assert ((exact16 - exact).abs() <= step_bound * (1 + 1e-9)).all()
+    else:
+        assert_within_reference_error("int8_weight_only_linear", ours, torch_same_dtype, exact, scale=scale)
     float_exact = _activation(F.linear(x.double(), weight.double(), bias.double()), activation)
     assert sqnr_db(ours, float_exact) > 25
 
