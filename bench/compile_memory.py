@@ -80,7 +80,8 @@ def measure_step(model: nn.Module, inputs: dict) -> StepMemory:
     """Kept bytes and peak of one forward + backward of ``model`` (after a warm-up step)."""
 
     def loss() -> torch.Tensor:
-        return model(**inputs).last_hidden_state.float().square().mean()
+        out = model(**inputs)
+        return out.last_hidden_state.float().square().mean() + out.pooler_output.float().square().mean()
 
     def step_seconds() -> float:
         model.zero_grad(set_to_none=True)

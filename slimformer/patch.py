@@ -234,8 +234,13 @@ class FusedBertFamilyLayer(NotScriptable):
         else:
             attn_mask, padding = _kernel_masks(attention_mask, *hidden_states.shape[:2])
         if policy == "full" and torch.is_grad_enabled():
-            return checkpoint(self._fused_block, hidden_states, attn_mask, padding, "none", use_reentrant=False)
-        return self._fused_block(hidden_states, attn_mask, padding, policy)
+            # The last norm runs outside the checkpoint: it keeps its output (the next
+            # layer's input, which a checkpoint would keep anyway) and rstd, and under
+            # torch.compile a region ending in a multi-output op would lose its saved
+            # boundary (the partitioner then recomputes every layer from the first).
+            h, y = checkpoint(self._attention_mlp, hidden_states, attn_mask, padding, "none", use_reentrant=False)
+            return self._add_norm(h, y, self.output)
+        return self._add_norm(*self._attention_mlp(hidden_states, attn_mask, padding, policy), self.output)
 
     def _unfused_reason(self) -> str | None:
         """Why this call must run the original forward (see the module docstring), or None."""
@@ -250,7 +255,8 @@ class FusedBertFamilyLayer(NotScriptable):
                 return f"{path} has hooks"
         return None
 
-    def _fused_block(self, x, attn_mask, padding, policy):
+    def _attention_mlp(self, x, attn_mask, padding, policy):
+        """(the MLP's output before its dropout, its input y): the layer but its last norm."""
         if "qkv" in policy and torch.is_grad_enabled():
             context = checkpoint(self._self_attention, x, attn_mask, padding, use_reentrant=False)
         else:
@@ -261,7 +267,7 @@ class FusedBertFamilyLayer(NotScriptable):
             y, self.intermediate.dense.weight, self.intermediate.dense.bias, self.output.dense.weight,
             self.output.dense.bias, self.fused_activation, 0.0, recompute_fc1="mlp" in policy,
         )  # fmt: skip
-        return self._add_norm(h, y, self.output)
+        return h, y
 
     def _self_attention(self, x, attn_mask, padding):
         """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
