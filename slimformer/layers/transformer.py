@@ -10,7 +10,7 @@ attention keeps q, k, v, its output and the log-sum-exp (never the score matrix)
 norms keep their output (memory-efficient mode), the MLP keeps fc1's output, and every
 dropout mask is regenerated from a seed. The ``recompute`` policy
 (``slimformer.recompute``) drops more: ``qkv`` recomputes the QKV projection, ``mlp``
-fc1, ``full`` checkpoints the whole layer.
+fc1, ``full`` checkpoints the whole layer but its last op (see ``slimformer.recompute``).
 
 Inputs are (batch, seq, d_model) with ``batch_first=True``; sequence-first inputs are
 transposed to a batch-first copy on entry (one more activation kept for backward).
