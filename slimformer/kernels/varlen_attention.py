@@ -447,7 +447,8 @@ def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, 
     kv_heads = k.shape[1]
     batch = cu_q.numel() - 1
     if q.numel() == 0 or batch == 0 or max_q == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.full((heads, total_q), math.inf, dtype=torch.float32, device=q.device)
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return out, torch.full((heads, total_q), math.inf, dtype=torch.float32, device=q.device)
     # every row belongs to a sequence (checked), whose programs write all of its rows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)

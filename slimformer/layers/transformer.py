@@ -137,9 +137,13 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
             return out.squeeze(0)
         return out if batch_first else out.transpose(0, 1)
 
+    # Each dropout's p is read from torch's module for it (dropout1 after the attention,
+    # dropout inside the MLP, dropout2 after it): under torch.compile a p that dynamo made
+    # dynamic must not be read both inside the checkpoint and after it.
+
     def _body(self, x, attn_mask, padding, is_causal, policy):
         """(the MLP's output, its residual): the layer up to its last residual add."""
-        p = self.dropout.p if self.training else 0.0
+        p = self.dropout1.p if self.training else 0.0
         if self.norm_first:
             attended = self._attention(self.norm1(x), attn_mask, padding, is_causal, policy)
             y, h = self.norm2(attended, x, dropout_p=p, return_residual=True)
@@ -148,7 +152,7 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
         return self._mlp(x, policy), x
 
     def _last_residual_add(self, branch, residual):
-        p = self.dropout.p if self.training else 0.0
+        p = self.dropout2.p if self.training else 0.0
         if self.norm_first:
             return dropout_add(branch, residual, p, self.training)
         return self.norm2(branch, residual, dropout_p=p)
