@@ -249,8 +249,13 @@ class FusedBertFamilyLayer(NotScriptable):
         else:
             attn_mask, padding = _kernel_masks(attention_mask, *hidden_states.shape[:2])
         if policy == "full" and torch.is_grad_enabled():
-            return checkpoint(self._fused_block, hidden_states, attn_mask, padding, "none", use_reentrant=False)
-        return self._fused_block(hidden_states, attn_mask, padding, policy)
+            # The last norm runs outside the checkpoint: it keeps its output (the next
+            # layer's input, which a checkpoint would keep anyway) and rstd, and under
+            # torch.compile a region ending in a multi-output op would lose its saved
+            # boundary (the partitioner then recomputes every layer from the first).
+            h, y = checkpoint(self._attention_mlp, hidden_states, attn_mask, padding, "none", use_reentrant=False)
+            return self._add_norm(h, y, self.output)
+        return self._add_norm(*self._attention_mlp(hidden_states, attn_mask, padding, policy), self.output)
 
     def _unfused_reason(self) -> str | None:
         """Why this call must run the original forward (see the module docstring), or None."""
@@ -269,14 +274,15 @@ class FusedBertFamilyLayer(NotScriptable):
                 return f"{path} is a {type(module).__name__}"
         return None
 
-    def _fused_block(self, x, attn_mask, padding, policy):
+    def _attention_mlp(self, x, attn_mask, padding, policy):
+        """(the MLP's output before its dropout, its input y): the layer but its last norm."""
         if "qkv" in policy and torch.is_grad_enabled():
             context = checkpoint(self._self_attention, x, attn_mask, padding, use_reentrant=False)
         else:
             context = self._self_attention(x, attn_mask, padding)
         out = self.attention.output
         y = self._add_norm(out.dense(context), x, out)
-        return self._add_norm(self._mlp(y, policy), y, self.output)
+        return self._mlp(y, policy), y
 
     def _mlp(self, y, policy):
         """fc2(act(fc1(y))): the fused MLP kernel for float Linears without hooks; else (``sf.quantize``'s

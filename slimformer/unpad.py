@@ -80,6 +80,9 @@ class PackedSequences:
         return self.indices.numel()
 
 
+# Run eagerly under torch.compile: the token count is a host sync, so the graph breaks
+# here anyway; this way it breaks once, at this call, rather than once in each frame.
+@torch.compiler.disable
 def pack_padding_mask(attention_mask: torch.Tensor) -> PackedSequences:
     """``PackedSequences`` of a (batch, seq) mask of 1 (token) and 0 (padding), bool,
     integer or float; any pattern of padding. Raises TypeError / ValueError for other

@@ -66,17 +66,20 @@ def compiled_pairs(bert, inputs):
     mp.undo()
 
 
-def _saved_bytes(model, parameters, inputs) -> int:
-    """Bytes of the distinct storages autograd saves in one forward, parameters left out."""
+def _saved_bytes(model, parameters, inputs, generator_states=True) -> int:
+    """Bytes of the distinct storages autograd saves in one forward, parameters (and CPU
+    generator states, unless ``generator_states``) left out."""
     storages = {}
+    state_bytes = torch.get_rng_state().numel()
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if generator_states or tensor.dtype != torch.uint8 or storage.nbytes() != state_bytes:
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with _hooks(pack):
-        out = model(**inputs).last_hidden_state
+        out = model(**inputs)
     skip = {p.untyped_storage().data_ptr() for p in parameters}
     del out
     return sum(n for ptr, n in storages.items() if ptr not in skip)
@@ -111,3 +114,33 @@ def test_compiled_step_matches_eager_with_dropout(compiled_pairs, inputs, policy
     torch.testing.assert_close(out_compiled, out, rtol=1e-5, atol=1e-5)
     for g_compiled, g in zip(grads_compiled, grads):
         torch.testing.assert_close(g_compiled, g, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bert", "transformer-post-ln"])
+def test_full_keeps_every_layer_input_under_compile(bert, inputs, kind, monkeypatch):
+    # `full` keeps each layer's input and recomputes one layer at a time. A checkpoint
+    # region ending in a multi-output op (the last norm) lost its saved boundary under the
+    # partitioner, which then kept only the first layer's input and recomputed every
+    # layer at the start of backward (compiled peak = the `none` policy's): two layers
+    # tell the two apart.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch.manual_seed(0)
+    if kind == "bert":
+        model = copy.deepcopy(bert)
+        model.encoder.layer.append(copy.deepcopy(model.encoder.layer[0]))
+        model.config.num_hidden_layers = 2
+    else:
+        layer = torch.nn.TransformerEncoderLayer(32, 2, 64, 0.1, batch_first=True)
+        model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).train()
+        inputs = {"src": torch.randn(BATCH, SEQ, 32)}
+    model = patch(model, recompute="full")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager_decomp_partition")
+    with _hooks():
+        compiled(**inputs)  # compiles
+    # compiled, each dropout seed drawn in the region is recomputed from a saved copy of
+    # the CPU generator's state (5 KiB; eager's checkpoint keeps one per region outside
+    # autograd's saved tensors): left out here, next to the layer inputs of a real size
+    parameters = list(model.parameters())
+    eager = _saved_bytes(model, parameters, inputs)
+    kept = _saved_bytes(compiled, parameters, inputs, generator_states=False)
+    assert 0.9 * eager <= kept <= 1.1 * eager, f"{kind}: compiled saves {kept} B, eager {eager} B"

@@ -447,7 +447,8 @@ def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, 
     kv_heads = k.shape[1]
     batch = cu_q.numel() - 1
     if q.numel() == 0 or batch == 0 or max_q == 0:
-        return torch.zeros_like(q), torch.full((heads, total_q), math.inf, dtype=torch.float32, device=q.device)
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return out, torch.full((heads, total_q), math.inf, dtype=torch.float32, device=q.device)
     # every row belongs to a sequence (checked), whose programs write all of its rows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
@@ -587,26 +588,89 @@ def _varlen_bwd_reference(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, 
     return dq, dk, dv
 
 
-class _VarlenAttention(torch.autograd.Function):
-    """Varlen attention; saves q, k, v, out, lse, the dropout seed and both cu_seqlens."""
+# The differentiable op: forward and backward ``torch.library`` ops joined by
+# ``register_autograd`` (as in ``slimformer.kernels.attention``), so that torch.compile
+# keeps exactly the tensors listed below and traces a packed batch without reading
+# cu_seqlens on the host: the token counts are the tensors' first dims, the longest
+# sequences int arguments, and the cu_seqlens value checks run inside the op.
 
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale):
-        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-        seed = new_dropout_seed(q.device) if dropout_p > 0.0 else None
-        fwd = _varlen_fwd if _runs_kernels(q) else _varlen_fwd_reference
-        out, lse = fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed)
-        ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k)
-        ctx.args = (max_q, max_k, dropout_p, is_causal, scale)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, seed, cu_q, cu_k = ctx.saved_tensors
-        bwd = _varlen_bwd if _runs_kernels(q) else _varlen_bwd_reference
-        dq, dk, dv = bwd(_last_dim_contiguous(grad_out), q, k, v, out, lse, seed, cu_q, cu_k, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None, None
+@torch.library.custom_op("slimformer::varlen_attention", mutates_args=())
+def _varlen_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    seed: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (total_q, heads, head_dim) contiguous, lse (heads, total_q)) of q, k, v with a
+    contiguous last dim."""
+    _check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q, "query")
+    _check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k, "key")
+    fwd = _varlen_fwd if _runs_kernels(q) else _varlen_fwd_reference
+    return fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed)
+
+
+@_varlen_op.register_fake
+def _(q, k, v, cu_q, cu_k, seed, max_q, max_k, dropout_p, is_causal, scale):
+    total_q, heads, _ = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty(heads, total_q, dtype=_reference_dtype(q), device=q.device)
+
+
+@torch.library.custom_op("slimformer::varlen_attention_backward", mutates_args=())
+def _varlen_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    seed: torch.Tensor | None,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), each shaped and strided like q, k, v (``empty_like``)."""
+    bwd = _varlen_bwd if _runs_kernels(q) else _varlen_bwd_reference
+    args = (seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale)
+    return bwd(_last_dim_contiguous(grad_out), q, k, v, out, lse, *args)
+
+
+@_varlen_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    """Saves q, k, v, out, lse, the dropout seed and both cu_seqlens."""
+    q, k, v, cu_q, cu_k, seed, *args = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.args = args
+
+
+def _varlen_grad(ctx, grad_out, _grad_lse):
+    if grad_out is None:  # the output got no gradient
+        return (None,) * 11
+    q, k, v, out, lse, seed, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _varlen_backward_op(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, *(None,) * 8
+
+
+_varlen_op.register_autograd(_varlen_grad, setup_context=_varlen_setup_context)
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, tensor_name: str) -> None:
@@ -710,7 +774,7 @@ def varlen_attention(
             raise TypeError(f"{name} must have query's dtype {query.dtype}, got {tensor.dtype}")
         if tensor.device != query.device:
             raise ValueError(f"{name} must be on query's device {query.device}, got {tensor.device}")
-    total_q, heads, head_dim = query.shape
+    _, heads, head_dim = query.shape
     if key.shape[-1] != head_dim:
         raise ValueError(f"key must have query's head_dim {head_dim}, got shape {tuple(key.shape)}")
     if value.shape != key.shape:
@@ -735,14 +799,14 @@ def varlen_attention(
         )
     _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q, "query")
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, key.shape[0], max_seqlen_k, "key")
     _check_dropout_p(dropout_p, 0, 0)  # 64-bit Philox counters here (dropout_keep_tile): none wrap
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    out, lse = _VarlenAttention.apply(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p),
+    query, key, value = _last_dim_contiguous(query), _last_dim_contiguous(key), _last_dim_contiguous(value)
+    seed = new_dropout_seed(query.device, query.detach(), "varlen_attention") if dropout_p > 0.0 else None
+    out, lse = _varlen_op(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, seed, max_seqlen_q, max_seqlen_k, float(dropout_p),
         bool(is_causal), scale,
     )  # fmt: skip
     return (out, lse) if return_lse else out

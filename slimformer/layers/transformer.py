@@ -10,7 +10,7 @@ attention keeps q, k, v, its output and the log-sum-exp (never the score matrix)
 norms keep their output (memory-efficient mode), the MLP keeps fc1's output, and every
 dropout mask is regenerated from a seed. The ``recompute`` policy
 (``slimformer.recompute``) drops more: ``qkv`` recomputes the QKV projection, ``mlp``
-fc1, ``full`` checkpoints the whole layer.
+fc1, ``full`` checkpoints the whole layer but its last op (see ``slimformer.recompute``).
 
 Inputs are (batch, seq, d_model) with ``batch_first=True``; sequence-first inputs are
 transposed to a batch-first copy on entry (one more activation kept for backward).
@@ -125,21 +125,37 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
             src_key_padding_mask = None if src_key_padding_mask is None else src_key_padding_mask.unsqueeze(0)
         attn_mask, padding = self.self_attn.kernel_masks(src_mask, src_key_padding_mask, x, x, is_causal)
         if self.recompute == "full" and torch.is_grad_enabled():
-            out = checkpoint(self._block, x, attn_mask, padding, is_causal, "none", use_reentrant=False)
+            # The last op (norm2, or the pre-LN residual add) runs outside the checkpoint:
+            # it keeps at most its output, the next layer's input that a checkpoint keeps
+            # anyway, and under torch.compile a region ending in a multi-output op would
+            # lose its saved boundary (the partitioner would recompute every layer at once).
+            branch, residual = checkpoint(self._body, x, attn_mask, padding, is_causal, "none", use_reentrant=False)
         else:
-            out = self._block(x, attn_mask, padding, is_causal, self.recompute)
+            branch, residual = self._body(x, attn_mask, padding, is_causal, self.recompute)
+        out = self._last_residual_add(branch, residual)
         if not batched:
             return out.squeeze(0)
         return out if batch_first else out.transpose(0, 1)
 
-    def _block(self, x, attn_mask, padding, is_causal, policy):
-        p = self.dropout.p if self.training else 0.0
+    # Each dropout's p is read from torch's module for it (dropout1 after the attention,
+    # dropout inside the MLP, dropout2 after it): under torch.compile a p that dynamo made
+    # dynamic must not be read both inside the checkpoint and after it.
+
+    def _body(self, x, attn_mask, padding, is_causal, policy):
+        """(the MLP's output, its residual): the layer up to its last residual add."""
+        p = self.dropout1.p if self.training else 0.0
         if self.norm_first:
             attended = self._attention(self.norm1(x), attn_mask, padding, is_causal, policy)
             y, h = self.norm2(attended, x, dropout_p=p, return_residual=True)
-            return dropout_add(self._mlp(y, policy), h, p, self.training)
+            return self._mlp(y, policy), h
         x = self.norm1(self._attention(x, attn_mask, padding, is_causal, policy), x, dropout_p=p)
-        return self.norm2(self._mlp(x, policy), x, dropout_p=p)
+        return self._mlp(x, policy), x
+
+    def _last_residual_add(self, branch, residual):
+        p = self.dropout2.p if self.training else 0.0
+        if self.norm_first:
+            return dropout_add(branch, residual, p, self.training)
+        return self.norm2(branch, residual, dropout_p=p)
 
     def _attention(self, x, attn_mask, padding, is_causal, policy):
         attn = self.self_attn

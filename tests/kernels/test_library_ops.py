@@ -14,6 +14,7 @@ from slimformer.kernels.dropout import _dropout_add_op
 from slimformer.kernels.linear_cross_entropy import _linear_cross_entropy_op
 from slimformer.kernels.norm import _norm_op
 from slimformer.kernels.philox import new_dropout_seed
+from slimformer.kernels.varlen_attention import _varlen_op
 
 DTYPES = [torch.float32, torch.bfloat16]
 # each op in fp32 without dropout and in bf16 with it (half the cross product's time)
@@ -103,6 +104,16 @@ def test_self_attention_recompute_qkv(dtype, dropout_p, with_bias):
     padding[0, 6:] = True
     args = (x, weight, bias, 4, None, padding, _seed(dropout_p), dropout_p, False, 0.5, dtype)
     _opcheck(_self_attention_op, args)
+
+
+@DTYPE_DROPOUT
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_varlen_attention(dtype, dropout_p, is_causal):
+    # lengths 5, 0, 7 and a GQA pair of heads; the max lengths are upper bounds
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    q = _randn(12, 4, 8, dtype=dtype)
+    k, v = (_randn(12, 2, 8, dtype=dtype) for _ in range(2))
+    _opcheck(_varlen_op, (q, k, v, cu, cu, _seed(dropout_p), 9, 9, dropout_p, is_causal, 0.3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

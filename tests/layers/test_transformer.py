@@ -200,6 +200,23 @@ def test_every_policy_compiles_fullgraph_with_dropout(policy, monkeypatch):
         torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_full_compiles_after_the_dropout_changes(norm_first, monkeypatch):
+    # a changed p makes dynamo recompile with p as a dynamic float: one read both inside
+    # the checkpoint and after it broke tracing (a node of the region used outside it)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    layer = sf.TransformerEncoderLayer(
+        D_MODEL, NHEAD, D_FF, 0.1, batch_first=True, norm_first=norm_first, recompute="full"
+    )
+    compiled = torch.compile(layer.train(), fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 9, D_MODEL)
+    for p in (0.1, 0.2):
+        for dropout in (layer.dropout, layer.dropout1, layer.dropout2):
+            dropout.p = p
+        compiled(x).sum().backward()
+    torch._dynamo.reset()
+
+
 # BERT-base layer dims, seq 512, dropout 0.1, fp32; bytes per token per hidden unit
 # (torch's own layer keeps 188 measured this way). Pre-LN may keep one more hidden-sized
 # tensor (norm1's output, the attention input): +4.
