@@ -218,6 +218,43 @@ def test_stride_unit_is_the_largest_dividing_every_row_stride(strides, unit):
     assert attention_module._stride_unit(*tensors) == unit
 
 
+def test_compute_capability_picks_the_block_config_table():
+    """sm_80 / 8.x devices take their own table (mma.sync, 163 KB of shared memory); CPU
+    tensors and everything else the sm_90 one; fp32 one config everywhere."""
+    assert attention_module._device_arch(torch.zeros(1)) == 90
+    for arch, table in ((80, attention_module._SM80_TENSOR_CORE_CONFIGS), (86, attention_module._SM80_TENSOR_CORE_CONFIGS),
+                        (90, attention_module._TENSOR_CORE_CONFIGS), (100, attention_module._TENSOR_CORE_CONFIGS)):  # fmt: skip
+        for kernel, rows in table.items():
+            # each row's largest head dim, and one just above the row before (d40: the d64 row)
+            for (largest, *configs), head_dim in itertools.product(rows, (0, 1)):
+                head_dim = largest if head_dim else max(16, largest // 2 + 8)
+                for kind, config in zip(attention_module._CONFIG_KINDS, configs):
+                    got = attention_module._block_config(head_dim, torch.bfloat16, kernel, kind, arch)
+                    assert (got["BLOCK_M"], got["BLOCK_N"], got["num_warps"], got["num_stages"]) == config
+                    fp32 = attention_module._block_config(head_dim, torch.float32, kernel, kind, arch)
+                    assert fp32 == attention_module._block_config(head_dim, torch.float32, kernel, kind)
+
+
+# sm_80's block configs run the same kernels on other tiles: interpreted, with the table
+# forced (CPU launches take sm_90's), they give the same results.
+SM80_CASES = [
+    Case(1, 2, 1, 150, 150, 64, causal=True),
+    Case(1, 1, 1, 150, 170, 128, masks=("padding", "bool")),
+    Case(1, 1, 1, 40, 70, 256, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", SM80_CASES, ids=str)
+def test_sm80_block_configs_match_reference(backend, monkeypatch, case):
+    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 80)
+    _check_case(case, torch.float16, 1.0, "cpu")
+
+
+def test_sm80_block_configs_dropout_match_reference(backend, monkeypatch):
+    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 80)
+    _check_dropout(Case(1, 2, 1, 97, 70, 64, causal=True), torch.float16, 1.0, "cpu")
+
+
 @pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, -1e5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_masked_by_large_finite_values_count_as_fully_masked(backend, dtype, fill):
