@@ -660,7 +660,8 @@ _MAX_PROGRAMS = 2**31 - 1
 # sm_90 configs' d256 dQ needs 168 KB there and would not launch), no register spills in
 # 16-bit launches (mma.sync keeps its accumulators in registers, so the sm_90 tiles spill
 # 4-384 B), at least two pipeline stages. Devices of compute capability 8.6 / 8.9 take it
-# too; their 99 KB of shared memory was not a constraint here.
+# too, but it was not chosen for their 99 KB of shared memory: the d256 forward and dQ
+# configs without masks need 100 KB.
 _SM80_TENSOR_CORE_CONFIGS = {
     "fwd": (
         (64, (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3)),
