@@ -221,18 +221,19 @@ def test_stride_unit_is_the_largest_dividing_every_row_stride(strides, unit):
 def test_compute_capability_picks_the_block_config_table():
     """sm_80 / 8.x devices take their own table (mma.sync, 163 KB of shared memory); CPU
     tensors and everything else the sm_90 one; fp32 one config everywhere."""
+    sm80, sm90 = attention_module._SM80_TENSOR_CORE_CONFIGS, attention_module._TENSOR_CORE_CONFIGS
+    block_config = attention_module._block_config
     assert attention_module._device_arch(torch.zeros(1)) == 90
-    for arch, table in ((80, attention_module._SM80_TENSOR_CORE_CONFIGS), (86, attention_module._SM80_TENSOR_CORE_CONFIGS),
-                        (90, attention_module._TENSOR_CORE_CONFIGS), (100, attention_module._TENSOR_CORE_CONFIGS)):  # fmt: skip
+    for arch, table in ((80, sm80), (86, sm80), (90, sm90), (100, sm90)):
         for kernel, rows in table.items():
-            # each row's largest head dim, and one just above the row before (d40: the d64 row)
-            for (largest, *configs), head_dim in itertools.product(rows, (0, 1)):
-                head_dim = largest if head_dim else max(16, largest // 2 + 8)
-                for kind, config in zip(attention_module._CONFIG_KINDS, configs):
-                    got = attention_module._block_config(head_dim, torch.bfloat16, kernel, kind, arch)
-                    assert (got["BLOCK_M"], got["BLOCK_N"], got["num_warps"], got["num_stages"]) == config
-                    fp32 = attention_module._block_config(head_dim, torch.float32, kernel, kind, arch)
-                    assert fp32 == attention_module._block_config(head_dim, torch.float32, kernel, kind)
+            for largest, *configs in rows:
+                # the row's largest head dim and one just above the row before (d40: the d64 row)
+                for head_dim in (largest, max(16, largest // 2 + 8)):
+                    for kind, config in zip(attention_module._CONFIG_KINDS, configs):
+                        got = block_config(head_dim, torch.bfloat16, kernel, kind, arch)
+                        assert (got["BLOCK_M"], got["BLOCK_N"], got["num_warps"], got["num_stages"]) == config
+                        fp32 = block_config(head_dim, torch.float32, kernel, kind, arch)
+                        assert fp32 == block_config(head_dim, torch.float32, kernel, kind)
 
 
 # sm_80's block configs run the same kernels on other tiles: interpreted, with the table
