@@ -41,6 +41,7 @@ and keeps only the input, o and lse.
 
 import math
 import numbers
+import os
 
 import torch
 import torch.nn.functional as F
@@ -677,9 +678,52 @@ _FP32_CONFIG = (32, 32, 8, 1)
 _MAX_PROGRAMS = 2**31 - 1
 
 
-def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str) -> dict:
+# ---- sm_80 (A100: compute capability 8.x, mma.sync) -------------------------------------
+# The same table for Ampere, picked by compiling the runtime specialisations for sm_80
+# (bench.compile_report --arch sm80, the worst of each kind: causal; causal with dropout;
+# causal, dropout, bool mask and key padding; varlen): shared memory within 163 KB (the
+# sm_90 configs' d256 dQ needs 168 KB there and would not launch), no register spills in
+# 16-bit launches (mma.sync keeps its accumulators in registers, so the sm_90 tiles spill
+# 4-384 B), at least two pipeline stages. Devices of compute capability 8.6 / 8.9 take it
+# too, but it was not chosen for their 99 KB of shared memory: the d256 forward and dQ
+# configs without masks need 100 KB.
+_SM80_TENSOR_CORE_CONFIGS = {
+    "fwd": (
+        (64, (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3)),
+        (128, (128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3)),
+        (256, (64, 32, 4, 3), (64, 32, 8, 2), (64, 32, 8, 3)),
+    ),
+    "dkdv": (
+        (64, (32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 2)),
+        (128, (32, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
+        (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
+    ),
+    "dq": (
+        (64, (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 2)),
+        (128, (128, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)),
+        (256, (64, 32, 8, 2), (64, 16, 8, 2), (64, 32, 8, 2)),
+    ),
+}
+
+
+def _device_arch(t: torch.Tensor) -> int:
+    """Compute capability of ``t``'s device as major * 10 + minor (80 = sm_80): 90 for CPU
+    tensors and interpreted launches, which keep the sm_90 table."""
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return 90
+    major, minor = torch.cuda.get_device_capability(t.device)
+    return major * 10 + minor
+
+
+def _tensor_core_configs(arch: int) -> dict:
+    """The block-config table for compute capability ``arch``: sm_80's for 8.x, else sm_90's."""
+    return _SM80_TENSOR_CORE_CONFIGS if arch // 10 == 8 else _TENSOR_CORE_CONFIGS
+
+
+def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str, arch: int = 90) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
-    one of "fwd", "dkdv", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``).
+    one of "fwd", "dkdv", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``);
+    ``arch``: the device's compute capability (``_device_arch``), which picks the table.
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
@@ -688,7 +732,7 @@ def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str) -> 
     if dtype == torch.float32:
         block_m, block_n, num_warps, num_stages = _FP32_CONFIG
     else:
-        _, *configs = next(row for row in _TENSOR_CORE_CONFIGS[kernel] if block_d <= row[0])
+        _, *configs = next(row for row in _tensor_core_configs(arch)[kernel] if block_d <= row[0])
         block_m, block_n, num_warps, num_stages = configs[_CONFIG_KINDS.index(kind)]
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages
@@ -824,7 +868,7 @@ def _attention_fwd(
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     kind = _config_kind(attn_mask, key_padding_mask, dropout_p)
-    config = _block_config(head_dim, q.dtype, "fwd", kind)
+    config = _block_config(head_dim, q.dtype, "fwd", kind, _device_arch(q))
     unit = _stride_unit(q, k, v, out)
     # Masked launches run small tiles (16 keys at d128), where TMA's barrier wait per tile
     # costs more than the cp.async addresses it saves (+5-14% warp-instructions per tile
@@ -871,7 +915,7 @@ def _attention_bwd(
         return
     delta = torch.empty_like(lse)
     kind = _config_kind(attn_mask, key_padding_mask, dropout_p)
-    dq_config = _block_config(head_dim, q.dtype, "dq", kind)
+    dq_config = _block_config(head_dim, q.dtype, "dq", kind, _device_arch(q))
     q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
     unit = _stride_unit(q, k, v, out, grad_out, dq, dk, dv)
     _attention_bwd_preprocess_kernel[_grid(q_blocks, heads, batch)](
@@ -882,7 +926,7 @@ def _attention_bwd(
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p)
     flags = dict(**mask_flags, **_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", kind)
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", kind, _device_arch(q))
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,

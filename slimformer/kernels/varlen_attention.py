@@ -34,6 +34,7 @@ from slimformer.kernels.attention import (
     _block_config,
     _check_dropout_p,
     _check_head_dim,
+    _device_arch,
     _dot,
     _kernel_flags,
     _last_dim_contiguous,
@@ -452,7 +453,7 @@ def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, 
     # every row belongs to a sequence (checked), whose programs write all of its rows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
-    config = _block_config(head_dim, q.dtype, "fwd", _config_kind(dropout_p))
+    config = _block_config(head_dim, q.dtype, "fwd", _config_kind(dropout_p), _device_arch(q))
     unit = _stride_unit(q, k, v, out)
     _varlen_fwd_kernel[_grid(max_q, config["BLOCK_M"], heads, batch)](
         q, k, v, out, lse, seed, cu_q, cu_k, *_strides(unit, q, k, v, out),
@@ -473,12 +474,12 @@ def _varlen_bwd(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dro
     delta = torch.linalg.vecdot(out.float(), grad_out.float()).T.contiguous()  # (heads, total_q)
     unit = _stride_unit(q, k, v, grad_out, dq, dk, dv)
     flags = dict(**_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", _config_kind(dropout_p))
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", _config_kind(dropout_p), _device_arch(q))
     _varlen_bwd_dkdv_kernel[_grid(max_k, dkdv_config["BLOCK_N"], kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dk, dv),
         total_q, heads, heads // kv_heads, max_k, scale, dropout_p, **flags, **dkdv_config,
     )  # fmt: skip
-    dq_config = _block_config(head_dim, q.dtype, "dq", _config_kind(dropout_p))
+    dq_config = _block_config(head_dim, q.dtype, "dq", _config_kind(dropout_p), _device_arch(q))
     _varlen_bwd_dq_kernel[_grid(max_q, dq_config["BLOCK_M"], heads, batch)](
         q, k, v, grad_out, lse, delta, dq, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dq),
         total_q, heads, heads // kv_heads, max_q, max_k, scale, dropout_p, **flags, **dq_config,

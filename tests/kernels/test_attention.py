@@ -257,6 +257,44 @@ def test_stride_unit_is_the_largest_dividing_every_row_stride(strides, unit):
     assert attention_module._stride_unit(*tensors) == unit
 
 
+def test_compute_capability_picks_the_block_config_table():
+    """sm_80 / 8.x devices take their own table (mma.sync, 163 KB of shared memory); CPU
+    tensors and everything else the sm_90 one; fp32 one config everywhere."""
+    sm80, sm90 = attention_module._SM80_TENSOR_CORE_CONFIGS, attention_module._TENSOR_CORE_CONFIGS
+    block_config = attention_module._block_config
+    assert attention_module._device_arch(torch.zeros(1)) == 90
+    for arch, table in ((80, sm80), (86, sm80), (90, sm90), (100, sm90)):
+        for kernel, rows in table.items():
+            for largest, *configs in rows:
+                # the row's largest head dim and one just above the row before (d40: the d64 row)
+                for head_dim in (largest, max(16, largest // 2 + 8)):
+                    for kind, config in zip(attention_module._CONFIG_KINDS, configs):
+                        got = block_config(head_dim, torch.bfloat16, kernel, kind, arch)
+                        assert (got["BLOCK_M"], got["BLOCK_N"], got["num_warps"], got["num_stages"]) == config
+                        fp32 = block_config(head_dim, torch.float32, kernel, kind, arch)
+                        assert fp32 == block_config(head_dim, torch.float32, kernel, kind)
+
+
+# sm_80's block configs run the same kernels on other tiles: interpreted, with the table
+# forced (CPU launches take sm_90's), they give the same results.
+SM80_CASES = [
+    Case(1, 2, 1, 150, 150, 64, causal=True),
+    Case(1, 1, 1, 150, 170, 128, masks=("padding", "bool")),
+    Case(1, 1, 1, 40, 70, 256, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", SM80_CASES, ids=str)
+def test_sm80_block_configs_match_reference(backend, monkeypatch, case):
+    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 80)
+    _check_case(case, torch.float16, 1.0, "cpu")
+
+
+def test_sm80_block_configs_dropout_match_reference(backend, monkeypatch):
+    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 80)
+    _check_dropout(Case(1, 2, 1, 97, 70, 64, causal=True), torch.float16, 1.0, "cpu")
+
+
 @pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, -1e5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_rows_masked_by_large_finite_values_count_as_fully_masked(backend, dtype, fill):

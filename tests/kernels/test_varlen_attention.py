@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimformer.kernels import varlen_attention as varlen_module
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold
 from slimformer.kernels.varlen_attention import varlen_attention
 from tests.helpers import assert_within_reference_error
@@ -69,6 +70,19 @@ def test_matches_sdpa_per_sequence(backend, lengths, heads, kv_heads, head_dim, 
         assert a.dtype == dtype
         assert_within_reference_error(name, a, t, e, ulps=ulps, scale=4.0)
     assert lse.shape == (heads, sum(lengths)) and lse.dtype == torch.float32
+
+
+def test_sm80_block_configs_match_sdpa(backend, monkeypatch):
+    """sm_80's block configs (forced: CPU launches take sm_90's) give the same results."""
+    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: 80)
+    lengths = (1, 17, 150)
+    q, k, v, do = _inputs(lengths, 2, 1, 64, torch.float16)
+    cu = _cu_seqlens(lengths)
+    actual, _ = _varlen(q, k, v, do, cu, max(lengths), True)
+    same_dtype = _per_sequence_sdpa(q, k, v, do, cu, True)
+    exact = _per_sequence_sdpa(q.double(), k.double(), v.double(), do.double(), cu, True)
+    for name, a, t, e in zip(("out", "dq", "dk", "dv"), actual, same_dtype, exact):
+        assert_within_reference_error(name, a, t, e, ulps=1.0, scale=4.0)
 
 
 def test_lse_is_log_sum_exp_per_sequence(backend):
