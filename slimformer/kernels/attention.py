@@ -678,7 +678,7 @@ _TENSOR_CORE_CONFIGS = {
     # BLOCK_M x BLOCK_D fp32 dQ tile.
     "dkdv_dq": (
         (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
-        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 2)),
         (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
     "dq": (
@@ -688,6 +688,13 @@ _TENSOR_CORE_CONFIGS = {
     ),
 }
 _CONFIG_KINDS = ("plain", "masked", "dropout")
+# Plain GQA launches of the dK/dV kernels ("grouped"): the loop over the group's query
+# heads around the query blocks keeps more live, and the plain configs spilled there
+# (44 / 68 B at d64 / d128 on sm_90); the same tiles with fewer query rows do not.
+_GROUPED_CONFIGS = {
+    "dkdv": ((64, (32, 128, 8, 2)), (128, (16, 128, 8, 2)), (256, (32, 32, 8, 2))),
+    "dkdv_dq": ((64, (16, 128, 8, 2)), (128, (16, 128, 8, 2)), (256, (32, 32, 8, 2))),
+}
 # fp32 dots run in exact ("ieee") precision on CUDA cores, whose operands live in
 # registers: small tiles at every head dim.
 _FP32_CONFIG = (32, 32, 8, 1)
@@ -697,7 +704,8 @@ _MAX_PROGRAMS = 2**31 - 1
 
 def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
-    one of "fwd", "dkdv", "dkdv_dq", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``).
+    one of "fwd", "dkdv", "dkdv_dq", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``),
+    or "grouped" for the dK/dV kernels' plain GQA launches.
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
@@ -705,6 +713,10 @@ def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str) -> 
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
         block_m, block_n, num_warps, num_stages = _FP32_CONFIG
+    elif kind == "grouped":
+        _, (block_m, block_n, num_warps, num_stages) = next(
+            row for row in _GROUPED_CONFIGS[kernel] if block_d <= row[0]
+        )
     else:
         _, *configs = next(row for row in _TENSOR_CORE_CONFIGS[kernel] if block_d <= row[0])
         block_m, block_n, num_warps, num_stages = configs[_CONFIG_KINDS.index(kind)]
@@ -880,7 +892,8 @@ def _attention_bwd(
     # The atomic path adds dQ / scale into a zeroed fp32 buffer, in whatever order the
     # key blocks' programs reach it, then scales and casts it in one pass.
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", kind)
+    dkdv_kind = "grouped" if kind == "plain" and heads != kv_heads else kind
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", dkdv_kind)
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, dq_acc, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
