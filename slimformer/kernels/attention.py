@@ -17,7 +17,9 @@ uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
 
 in two passes without races: one program per key block accumulates dK and dV over
 every query block of every query head sharing that key/value head (GQA), and one
-program per query block accumulates dQ.
+program per query block accumulates dQ. With ``deterministic=False`` the first pass
+also adds each tile's dS K into an fp32 dQ buffer with atomics (5 GEMMs per tile pair
+instead of 7, in an order that varies from run to run).
 
 A key is not allowed where a bool mask is False, the key is padding, it lies in the
 causal future, or its additive mask value is at most ``MASKED_BIAS`` (−inf, finfo.min,
@@ -384,9 +386,9 @@ def _attention_bwd_dkdv_tile(
     this key block's share of the query block's dQ / scale, added into ``dq_head``.
 
     Tiles are (key, query), so dK and dV accumulate without transposing register tiles.
-    Keys past seq_k need no mask: their rows of dk and dv are never stored, and their k
-    rows load as zeros, so they add nothing to dQ. Queries past seq_q load lse = +inf, so
-    their p is 0.
+    Keys past seq_k need no mask: their rows of dk and dv are never stored (for dQ the
+    kernel runs a partial key block's tiles as EDGE tiles, which mask them). Queries past
+    seq_q load lse = +inf, so their p is 0.
     """
     offs_m = start_m + tile_m
     first_row = tl.cast(start_m, tl.int64)
