@@ -51,7 +51,7 @@ def _attention_inputs(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, lay
 
 def attention_case(
     head_dim, dtype="bf16", *, seq=512, batch=16, heads=None, kv_heads=None, causal=False, dropout=0.0,
-    mask=None, key_padding=False, layout="fused-qkv", ci=False,
+    mask=None, key_padding=False, layout="fused-qkv", deterministic=True, ci=False,
 ) -> Case:  # fmt: skip
     from slimformer.kernels.attention import attention
 
@@ -62,7 +62,7 @@ def attention_case(
         f"d{head_dim}", dtype, f"s{seq}", layout,
         "causal" if causal else "", f"dropout{dropout:g}" if dropout else "",
         f"{mask}-mask" if mask else "", "key-padding" if key_padding else "",
-        f"gqa{heads}/{kv_heads}" if kv_heads != heads else "",
+        f"gqa{heads}/{kv_heads}" if kv_heads != heads else "", "" if deterministic else "atomic-dq",
     ]  # fmt: skip
     name = "attn " + " ".join(f for f in flags if f)
 
@@ -75,13 +75,15 @@ def attention_case(
             attn_mask = torch.zeros(batch, 1, 1, seq, dtype=DTYPES[dtype])
         padding = torch.zeros(batch, seq, dtype=torch.bool) if key_padding else None
         out = attention(
-            q, k, v, attn_mask, dropout, causal, enable_gqa=kv_heads != heads, key_padding_mask=padding
+            q, k, v, attn_mask, dropout, causal, enable_gqa=kv_heads != heads, key_padding_mask=padding,
+            deterministic=deterministic,
         )
         return lambda: out.backward(torch.zeros_like(out))
 
     params = dict(
         head_dim=head_dim, dtype=dtype, batch=batch, heads=heads, kv_heads=kv_heads, seq_q=seq, seq_k=seq,
         causal=causal, dropout=dropout, mask=mask, key_padding=key_padding, layout=layout,
+        deterministic=deterministic,
     )  # fmt: skip
     return Case(name, "attention", run, params, ci)
 
@@ -111,6 +113,17 @@ def attention_cases() -> list[Case]:
             attention_case(head_dim, causal=True, dropout=0.1, mask="bool", key_padding=True, ci=head_dim == 256)
         )
     cases.append(attention_case(72, layout="bhsd"))
+    # the backward's one-pass dQ (deterministic=False)
+    for head_dim in (64, 128, 256):
+        cases.append(attention_case(head_dim, deterministic=False, ci=head_dim == 128))
+    for head_dim in (64, 128):
+        cases += [
+            attention_case(head_dim, causal=True, deterministic=False),
+            attention_case(head_dim, dropout=0.1, deterministic=False),
+            attention_case(head_dim, mask="additive", deterministic=False),
+            attention_case(head_dim, heads=32, kv_heads=8, deterministic=False),
+        ]
+    cases.append(attention_case(64, "fp32", deterministic=False))
     return cases
 
 

@@ -193,7 +193,7 @@ def attention_section(collection: Collection) -> list[str]:
         s = r.stats
         tile = fig.tile_instructions(r.launch, s)
         rows.append(
-            [r.case.name, r.launch.kernel.removeprefix("_attention_").removesuffix("_kernel")] + _kernel_columns(r)
+            [r.case.name, _attention_kernel_label(r.launch)] + _kernel_columns(r)
             + [_loads(s.hot_loop_loads), s.hot_loop.instructions if s.hot_loop else "–",
                f"{tile:.0f}" if tile else "–"]
         )  # fmt: skip
@@ -239,6 +239,13 @@ def attention_section(collection: Collection) -> list[str]:
     lines += _table(header, rows) + [""]
     lines += dropout_section(records)
     return lines
+
+
+def _attention_kernel_label(launch) -> str:
+    """The kernel's name without the family's affixes; "bwd_dkdv+dq" where the dK/dV kernel
+    also adds dQ with atomics (``deterministic=False``)."""
+    label = launch.kernel.removeprefix("_attention_").removesuffix("_kernel")
+    return label + "+dq" if launch.named_constexprs().get("DQ_ATOMIC") else label
 
 
 def dropout_section(records) -> list[str]:

@@ -17,7 +17,9 @@ uses ``delta_i = Σ_d dO_id O_id = Σ_j dP_ij P_ij`` and
 
 in two passes without races: one program per key block accumulates dK and dV over
 every query block of every query head sharing that key/value head (GQA), and one
-program per query block accumulates dQ.
+program per query block accumulates dQ. With ``deterministic=False`` the first pass
+also adds each tile's dS K into an fp32 dQ buffer with atomics (5 GEMMs per tile pair
+instead of 7, in an order that varies from run to run).
 
 A key is not allowed where a bool mask is False, the key is padding, it lies in the
 causal future, or its additive mask value is at most ``MASKED_BIAS`` (−inf, finfo.min,
@@ -125,6 +127,22 @@ def _store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: 
         tl.store(ptrs, x, mask=rows[:, None] < n_rows)
     else:
         tl.store(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _atomic_add_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     CHECK_ROWS: tl.constexpr):  # fmt: skip
+    """Add a (rows, BLOCK_D) fp32 tile into memory with atomics, as ``_store_rows`` masks."""
+    if CHECK_ROWS:
+        if HEAD_DIM == BLOCK_D:
+            tl.atomic_add(ptrs, x, mask=rows[:, None] < n_rows, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, x, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+    else:
+        if HEAD_DIM == BLOCK_D:
+            tl.atomic_add(ptrs, x, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, x, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
 
 
 @triton.jit
@@ -379,17 +397,19 @@ def _attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_tile(
-    dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+    dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
     off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
     MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
     MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
     EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr,
 ):
-    """One query block's share of dK and dV: the updated (dk, dv).
+    """One query block's share of dK and dV: the updated (dk, dv). With DQ_ATOMIC, also
+    this key block's share of the query block's dQ / scale, added into ``dq_head``.
 
     Tiles are (key, query), so dK and dV accumulate without transposing register tiles.
-    Keys past seq_k need no mask: their rows of dk and dv are never stored. Queries past
+    Keys past seq_k need no mask: their rows of dk and dv are never stored (for dQ the
+    kernel runs a partial key block's tiles as EDGE tiles, which mask them). Queries past
     seq_q load lse = +inf, so their p is 0.
     """
     offs_m = start_m + tile_m
@@ -424,7 +444,14 @@ def _attention_bwd_dkdv_tile(
     else:
         dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
-    dk = _dot(ds_t.to(q.dtype), q, dk, PRECISION, UPCAST)
+    ds_t = ds_t.to(q.dtype)
+    dk = _dot(ds_t, q, dk, PRECISION, UPCAST)
+    if DQ_ATOMIC:
+        dq = _dot(tl.trans(ds_t), k, None, PRECISION, UPCAST)
+        _atomic_add_rows(
+            dq_head + first_row * HEAD_DIM + tile_m[:, None] * HEAD_DIM + offs_d[None, :], dq, offs_m, seq_q, offs_d,
+            HEAD_DIM, BLOCK_D, EDGE,
+        )
     return dk, dv
 
 
@@ -434,6 +461,7 @@ def _attention_bwd_dkdv_kernel(
     DO,  # (batch, heads, seq_q, head_dim), strided, last dim contiguous
     LSE, DELTA,  # (batch, heads, seq_q) fp32, contiguous
     DK, DV,  # (batch, kv_heads, seq_k, head_dim) outputs, strided, last dim contiguous
+    DQ_ACC,  # (batch, heads, seq_q, head_dim) fp32, contiguous, zeroed: dQ / scale (DQ_ATOMIC only)
     SEED, MASK, KPM,  # as in the forward
     # strides of q, k, v, do, dk, dv in units of STRIDE_UNIT elements
     stride_qb, stride_qh, stride_qs,
@@ -451,6 +479,7 @@ def _attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,  # also add each tile's dQ into DQ_ACC (one pass, not deterministic)
 ):
     stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
     stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
@@ -486,6 +515,10 @@ def _attention_bwd_dkdv_kernel(
     if IS_CAUSAL:
         lo = start_n // BLOCK_M * BLOCK_M
         edge_hi = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, seq_q)
+    if DQ_ATOMIC:
+        # Keys past seq_k score q·0 outside edge tiles, a p that dK and dV never store but
+        # dQ would add: a partial key block takes every query block as an edge block.
+        edge_hi = tl.where(start_n + BLOCK_N > seq_k, seq_q, edge_hi)
     full_hi = seq_q // BLOCK_M * BLOCK_M
     for g in range(group_size):
         off_h = off_hk * group_size + g
@@ -494,26 +527,32 @@ def _attention_bwd_dkdv_kernel(
         do_head = DO + off_b * stride_dob + off_h * stride_doh
         lse_head = LSE + off_bh * seq_q
         delta_head = DELTA + off_bh * seq_q
+        dq_head = DQ_ACC
+        if DQ_ATOMIC:
+            dq_head += off_bh * seq_q * HEAD_DIM
         for start_m in range(lo, edge_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
                 MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+                DQ_ATOMIC,
             )
         for start_m in range(tl.maximum(lo, edge_hi), full_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
                 MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+                DQ_ATOMIC,
             )
         for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), seq_q, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, start_m, start_n, tile_m, offs_n, offs_d,
+                dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
                 off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
                 MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
                 MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
+                DQ_ATOMIC,
             )
 
     _store_rows(DK + tile_n[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
@@ -664,6 +703,13 @@ _TENSOR_CORE_CONFIGS = {
         (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3)),
         (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
+    # dK/dV with dQ's atomics (deterministic=False): the dkdv tiles plus a transient
+    # BLOCK_M x BLOCK_D fp32 dQ tile.
+    "dkdv_dq": (
+        (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 2)),
+        (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
+    ),
     "dq": (
         (64, (128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 2)),
         (128, (128, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2)),
@@ -671,6 +717,13 @@ _TENSOR_CORE_CONFIGS = {
     ),
 }
 _CONFIG_KINDS = ("plain", "masked", "dropout")
+# Plain GQA launches of the dK/dV kernels ("grouped"): the loop over the group's query
+# heads around the query blocks keeps more live, and the plain configs spilled there
+# (44 / 68 B at d64 / d128 on sm_90); the same tiles with fewer query rows do not.
+_GROUPED_CONFIGS = {
+    "dkdv": ((64, (32, 128, 8, 2)), (128, (16, 128, 8, 2)), (256, (32, 32, 8, 2))),
+    "dkdv_dq": ((64, (16, 128, 8, 2)), (128, (16, 128, 8, 2)), (256, (32, 32, 8, 2))),
+}
 # fp32 dots run in exact ("ieee") precision on CUDA cores, whose operands live in
 # registers: small tiles at every head dim.
 _FP32_CONFIG = (32, 32, 8, 1)
@@ -694,6 +747,13 @@ _SM80_TENSOR_CORE_CONFIGS = {
         (256, (64, 32, 4, 3), (64, 32, 8, 2), (64, 32, 8, 3)),
     ),
     "dkdv": (
+        (64, (32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 2)),
+        (128, (32, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
+        (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
+    ),
+    # dK/dV with dQ's atomics (deterministic=False): sm_80's dK/dV tiles (not swept for the
+    # transient fp32 dQ tile; its shared memory stays far below 163 KB).
+    "dkdv_dq": (
         (64, (32, 128, 8, 2), (16, 128, 8, 2), (16, 128, 8, 2)),
         (128, (32, 64, 8, 2), (32, 64, 8, 2), (32, 64, 8, 2)),
         (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
@@ -722,8 +782,9 @@ def _tensor_core_configs(arch: int) -> dict:
 
 def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str, arch: int = 90) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
-    one of "fwd", "dkdv", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``);
-    ``arch``: the device's compute capability (``_device_arch``), which picks the table.
+    one of "fwd", "dkdv", "dkdv_dq", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``),
+    or "grouped" for the dK/dV kernels' plain GQA launches; ``arch``: the device's compute
+    capability (``_device_arch``), which picks the table.
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
@@ -731,9 +792,14 @@ def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str, arc
     block_d = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
         block_m, block_n, num_warps, num_stages = _FP32_CONFIG
+    elif kind == "grouped" and arch // 10 != 8:
+        _, (block_m, block_n, num_warps, num_stages) = next(
+            row for row in _GROUPED_CONFIGS[kernel] if block_d <= row[0]
+        )
     else:
         _, *configs = next(row for row in _tensor_core_configs(arch)[kernel] if block_d <= row[0])
-        block_m, block_n, num_warps, num_stages = configs[_CONFIG_KINDS.index(kind)]
+        # sm_80's plain dK/dV tiles do not spill with GQA: it has no "grouped" configs
+        block_m, block_n, num_warps, num_stages = configs[_CONFIG_KINDS.index("plain" if kind == "grouped" else kind)]
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages
     )
@@ -899,6 +965,7 @@ def _attention_bwd(
     dropout_p: float,
     is_causal: bool,
     scale: float,
+    deterministic: bool,
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
@@ -906,6 +973,8 @@ def _attention_bwd(
     """Launch the backward kernels (delta, then dK/dV and dQ), writing into dq, dk, dv.
 
     Every (batch, heads, seq, head_dim) tensor may be strided with a contiguous last dim.
+    ``deterministic=False`` computes dQ in the dK/dV kernel with fp32 atomics (5 GEMMs per
+    tile pair rather than 7; the order of the additions, so dQ's rounding, varies by run).
     """
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
@@ -926,11 +995,19 @@ def _attention_bwd(
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, scale, dropout_p)
     flags = dict(**mask_flags, **_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", kind, _device_arch(q))
+    # The atomic path adds dQ / scale into a zeroed fp32 buffer, in whatever order the
+    # key blocks' programs reach it, then scales and casts it in one pass.
+    dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkdv_kind = "grouped" if kind == "plain" and heads != kv_heads else kind
+    dkdv_config = _block_config(head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", dkdv_kind, _device_arch(q))
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
-        q, k, v, grad_out, lse, delta, dk, dv, seed, *masks,
+        q, k, v, grad_out, lse, delta, dk, dv, dq_acc, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
+        DQ_ATOMIC=not deterministic,
     )
+    if not deterministic:
+        torch.mul(dq_acc, scale, out=dq)
+        return
     _attention_bwd_dq_kernel[_grid(q_blocks, heads, batch)](
         q, k, v, grad_out, lse, delta, dq, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dq), *scalars, **flags, **dq_config,
@@ -1073,13 +1150,15 @@ def _attention_bwd_reference(
     dropout_p: float,
     is_causal: bool,
     scale: float,
+    deterministic: bool,
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
 ) -> None:
     """What ``_attention_bwd`` computes, in fp32 PyTorch over blocks of query rows (dK and
     dV accumulate over the blocks), written into dq, dk, dv. ``out`` is not read: each
-    block holds whole rows of P and dP, from which it takes delta."""
+    block holds whole rows of P and dP, from which it takes delta. Always deterministic:
+    ``deterministic`` only chooses the kernels' dQ pass."""
     if q.numel() == 0 or k.numel() == 0:
         for grad in (dq, dk, dv):
             grad.zero_()
@@ -1154,9 +1233,10 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causa
 
 
 def _attention_backward(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale,
-                        dq, dk, dv):  # fmt: skip
+                        deterministic, dq, dk, dv):  # fmt: skip
     bwd = _attention_bwd if _runs_kernels(q) else _attention_bwd_reference
-    bwd(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv)
+    bwd(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, deterministic,
+        dq, dk, dv)  # fmt: skip
 
 
 def _fake_out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1174,13 +1254,15 @@ def _attention_op(
     dropout_p: float,
     is_causal: bool,
     scale: float,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of (batch, heads, seq, head_dim) q, k, v with a contiguous last dim."""
+    """(out, lse) of (batch, heads, seq, head_dim) q, k, v with a contiguous last dim;
+    ``deterministic`` is the backward's (see ``_attention_bwd``)."""
     return _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
 
 
 @_attention_op.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale):
+def _(q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic):
     return _fake_out_and_lse(q)
 
 
@@ -1198,39 +1280,41 @@ def _attention_backward_op(
     dropout_p: float,
     is_causal: bool,
     scale: float,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), each shaped and strided like q, k, v (``empty_like``)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _attention_backward(
         _last_dim_contiguous(grad_out), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
-        dropout_p, is_causal, scale, dq, dk, dv,
+        dropout_p, is_causal, scale, deterministic, dq, dk, dv,
     )  # fmt: skip
     return dq, dk, dv
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale):
+def _(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_setup_context(ctx, inputs, output):
     """Saves q, k, v, out, lse and the dropout seed (plus the caller's masks)."""
-    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale = inputs
+    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
-    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+    ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.deterministic = dropout_p, is_causal, scale, deterministic
 
 
 def _attention_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
-        return (None,) * 9
+        return (None,) * 10
     q, k, v, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
     dq, dk, dv = _attention_backward_op(
-        grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, ctx.dropout_p, ctx.is_causal, ctx.scale
-    )
-    return dq, dk, dv, None, None, None, None, None, None
+        grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, ctx.dropout_p, ctx.is_causal, ctx.scale,
+        ctx.deterministic,
+    )  # fmt: skip
+    return dq, dk, dv, *(None,) * 7
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup_context)
@@ -1249,6 +1333,7 @@ def _self_attention_op(
     is_causal: bool,
     scale: float,
     dtype: torch.dtype,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse): attention of q, k, v = split(x Wᵀ + b) with the projection in ``dtype``
     (autocast's, or x's); out is (batch, heads, seq, head_dim) stored as (batch, seq, heads,
@@ -1260,7 +1345,8 @@ def _self_attention_op(
 
 
 @_self_attention_op.register_fake
-def _(x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, dtype):
+def _(x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, dtype,
+      deterministic):  # fmt: skip
     batch, seq, embed = x.shape
     q = x.new_empty((batch, num_heads, seq, embed // num_heads), dtype=dtype)
     return _fake_out_and_lse(q)
@@ -1281,6 +1367,7 @@ def _self_attention_backward_op(
     dropout_p: float,
     is_causal: bool,
     scale: float,
+    deterministic: bool,
     needs_input_grad: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias) for grad_out (batch, heads, seq, head_dim); each an empty
@@ -1295,7 +1382,7 @@ def _self_attention_backward_op(
     dq, dk, dv = _split_heads(dqkv, num_heads)
     _attention_backward(
         _last_dim_contiguous(grad_out.to(dtype)), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
-        dropout_p, is_causal, scale, dq, dk, dv,
+        dropout_p, is_causal, scale, deterministic, dq, dk, dv,
     )  # fmt: skip
     needs_x, needs_weight, needs_bias = needs_input_grad
     dx = (dqkv @ weight_).to(x.dtype) if needs_x else absent_output(x.device)
@@ -1306,7 +1393,7 @@ def _self_attention_backward_op(
 
 @_self_attention_backward_op.register_fake
 def _(grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask, num_heads, dropout_p, is_causal,
-      scale, needs_input_grad):  # fmt: skip
+      scale, deterministic, needs_input_grad):  # fmt: skip
     needs_x, needs_weight, needs_bias = needs_input_grad
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x else absent_output(x.device),
@@ -1316,25 +1403,26 @@ def _(grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask, nu
 
 
 def _self_attention_setup_context(ctx, inputs, output):
-    x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, _ = inputs
+    x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, _, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(x, weight, bias, out, lse, seed, attn_mask, key_padding_mask)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale = num_heads, dropout_p, is_causal, scale
+    ctx.deterministic = deterministic
 
 
 def _self_attention_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
-        return (None,) * 11
+        return (None,) * 12
     x, weight, bias, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
     dx, dweight, dbias = _self_attention_backward_op(
         grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask,
-        ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale, needs,
+        ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.deterministic, needs,
     )  # fmt: skip
     grads = [grad if need else None for grad, need in zip((dx, dweight, dbias), needs)]
-    return *grads, *(None,) * 8
+    return *grads, *(None,) * 9
 
 
 _self_attention_op.register_autograd(_self_attention_grad, setup_context=_self_attention_setup_context)
@@ -1394,6 +1482,12 @@ def _check_dropout_p(dropout_p: float, seq_q: int, seq_k: int) -> None:
         )
 
 
+def _check_deterministic(deterministic: bool) -> bool:
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__} {deterministic!r}")
+    return deterministic
+
+
 def _check_head_dim(head_dim: int) -> None:
     if not 1 <= head_dim <= _MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {_MAX_HEAD_DIM}], got {head_dim}")
@@ -1444,6 +1538,7 @@ def attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> torch.Tensor:
     """Scaled dot-product attention that never materialises the score matrix.
 
@@ -1472,6 +1567,12 @@ def attention(
         enable_gqa: allow fewer kv heads than query heads.
         key_padding_mask: bool (..., seq_k) with query's leading dims, True = padding (as
             in ``nn.MultiheadAttention``).
+        deterministic: the backward's dQ pass. True (default): a second kernel walks the
+            key blocks of each query block, so gradients are bitwise reproducible (7 GEMMs
+            per tile pair). False: the dK/dV kernel adds dQ with fp32 atomics (5 GEMMs, a
+            transient fp32 dQ buffer); the order of the additions varies from run to run,
+            so dQ's last bits may too (as flash-attn's ``deterministic=False``). The forward
+            and the PyTorch reference path are deterministic either way.
 
     Returns:
         (..., heads, seq_q, head_dim) in query's dtype (under autocast q, k and v are
@@ -1545,8 +1646,9 @@ def attention(
     query, key, value = _last_dim_contiguous(query), _last_dim_contiguous(key), _last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
     out, _ = _attention_op(
-        query, key, value, attn_mask, key_padding_mask, seed, float(dropout_p), bool(is_causal), scale
-    )
+        query, key, value, attn_mask, key_padding_mask, seed, float(dropout_p), bool(is_causal), scale,
+        _check_deterministic(deterministic),
+    )  # fmt: skip
     return out.view(*batch_shape, heads, seq_q, head_dim)
 
 
@@ -1560,6 +1662,7 @@ def self_attention(
     is_causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     recompute_qkv: bool = False,
+    deterministic: bool = True,
 ) -> torch.Tensor:
     """Multi-head self-attention of ``x`` with a fused QKV projection, before the output projection.
 
@@ -1575,7 +1678,7 @@ def self_attention(
             ``nn.MultiheadAttention.in_proj_weight``; x's dtype and device.
         qkv_bias: (3 · embed,) or None.
         num_heads: divides embed; embed / num_heads is at most 256.
-        attn_mask, dropout_p, is_causal, key_padding_mask: as in ``attention``.
+        attn_mask, dropout_p, is_causal, key_padding_mask, deterministic: as in ``attention``.
 
     Raises:
         TypeError: x not float16/bfloat16/float32, weights of another dtype (outside
@@ -1612,7 +1715,9 @@ def self_attention(
     _check_masks(attn_mask, key_padding_mask, x.device, (batch,), num_heads, seq, seq)
     if not recompute_qkv:
         q, k, v = _split_heads(F.linear(x, qkv_weight, qkv_bias), num_heads)
-        out = attention(q, k, v, attn_mask, dropout_p, is_causal, key_padding_mask=key_padding_mask)
+        out = attention(
+            q, k, v, attn_mask, dropout_p, is_causal, key_padding_mask=key_padding_mask, deterministic=deterministic
+        )
         return rearrange(out, "b h s d -> b s (h d)")
     scale = 1.0 / math.sqrt(embed // num_heads)
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
@@ -1620,6 +1725,6 @@ def self_attention(
     with torch.autocast(x.device.type, enabled=False):
         out, _ = _self_attention_op(
             x, qkv_weight, qkv_bias, num_heads, attn_mask, key_padding_mask, seed,
-            float(dropout_p), bool(is_causal), scale, dtype,
+            float(dropout_p), bool(is_causal), scale, dtype, _check_deterministic(deterministic),
         )  # fmt: skip
     return rearrange(out, "b h s d -> b s (h d)")

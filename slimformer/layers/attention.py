@@ -22,7 +22,8 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
     """``torch.nn.MultiheadAttention`` on ``slimformer.attention``.
 
     Same constructor, parameters, ``state_dict`` and ``forward`` signature, plus the
-    keyword-only ``recompute_qkv`` (used when query, key and value are the same tensor).
+    keyword-only ``recompute_qkv`` (used when query, key and value are the same tensor)
+    and ``deterministic`` (the backward's dQ pass, see ``slimformer.attention``).
 
     With ``need_weights=False`` the attention runs in the fused kernel. With
     ``need_weights=True`` (torch's default) the call goes to torch's own implementation,
@@ -56,17 +57,20 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
         dtype=None,
         *,
         recompute_qkv: bool = False,
+        deterministic: bool = True,
     ):
         super().__init__(
             embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim, batch_first, device, dtype
         )
         self.recompute_qkv = recompute_qkv
+        self.deterministic = deterministic
 
     @classmethod
-    def from_torch(cls, module: nn.MultiheadAttention, *, recompute_qkv: bool = False):
+    def from_torch(cls, module: nn.MultiheadAttention, *, recompute_qkv: bool = False, deterministic: bool = True):
         """The slimformer layer for ``module``, sharing its Parameters (no copies)."""
         layer = share_parameters(cls, module, nn.MultiheadAttention, cls._copied_attributes)
         layer.recompute_qkv = recompute_qkv
+        layer.deterministic = deterministic
         return layer
 
     def forward(
@@ -99,7 +103,7 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
         if self_attending and self._qkv_same_embed_dim:
             out = self_attention(
                 query, self.in_proj_weight, self.in_proj_bias, self.num_heads, attn_mask, dropout_p, is_causal,
-                key_padding_mask, recompute_qkv=self.recompute_qkv,
+                key_padding_mask, recompute_qkv=self.recompute_qkv, deterministic=self.deterministic,
             )  # fmt: skip
         else:
             q, k, v = (
@@ -107,7 +111,10 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
                 for x, w, b in zip((query, key, value), self._projection_weights(), self._projection_biases())
             )
             out = rearrange(
-                attention(q, k, v, attn_mask, dropout_p, is_causal, key_padding_mask=key_padding_mask),
+                attention(
+                    q, k, v, attn_mask, dropout_p, is_causal, key_padding_mask=key_padding_mask,
+                    deterministic=self.deterministic,
+                ),
                 "n h l d -> n l (h d)",
             )
         out = F.linear(out, self.out_proj.weight, self.out_proj.bias)
@@ -178,7 +185,7 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
         return attn_mask, key_padding_mask
 
     def extra_repr(self) -> str:
-        return f"recompute_qkv={self.recompute_qkv}"
+        return f"recompute_qkv={self.recompute_qkv}, deterministic={self.deterministic}"
 
 
 class SelfAttention(NotScriptable, nn.Module):
@@ -188,6 +195,8 @@ class SelfAttention(NotScriptable, nn.Module):
     embed. ``dropout`` is the attention dropout, applied in training only. With
     ``recompute_qkv`` backward recomputes q, k, v from the input: the block then keeps
     only its attention output and the fp32 log-sum-exp (plus a dropout seed).
+    ``deterministic=False`` takes the backward's one-pass dQ with atomics (see
+    ``slimformer.attention``).
 
     ``forward(x, key_padding_mask=None, attn_mask=None, is_causal=False)`` takes masks
     as ``slimformer.attention`` does: ``key_padding_mask`` (batch, seq) with True =
@@ -203,12 +212,14 @@ class SelfAttention(NotScriptable, nn.Module):
         recompute_qkv: bool = False,
         device=None,
         dtype=None,
+        *,
+        deterministic: bool = True,
     ):
         super().__init__()
         if embed_dim % num_heads != 0:
             raise ValueError(f"num_heads must divide embed_dim {embed_dim}, got {num_heads}")
         self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
-        self.recompute_qkv = recompute_qkv
+        self.recompute_qkv, self.deterministic = recompute_qkv, deterministic
         self.qkv_proj = nn.Linear(embed_dim, 3 * embed_dim, bias=bias, device=device, dtype=dtype)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
 
@@ -216,13 +227,14 @@ class SelfAttention(NotScriptable, nn.Module):
         out = self_attention(
             x, self.qkv_proj.weight, self.qkv_proj.bias, self.num_heads, attn_mask,
             self.dropout if self.training else 0.0, is_causal, key_padding_mask, recompute_qkv=self.recompute_qkv,
+            deterministic=self.deterministic,
         )  # fmt: skip
         return self.out_proj(out)
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
-            f"recompute_qkv={self.recompute_qkv}"
+            f"recompute_qkv={self.recompute_qkv}, deterministic={self.deterministic}"
         )
 
 

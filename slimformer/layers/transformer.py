@@ -162,6 +162,7 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
         out = self_attention(
             x, attn.in_proj_weight, attn.in_proj_bias, attn.num_heads, attn_mask,
             attn.dropout if self.training else 0.0, is_causal, padding, recompute_qkv="qkv" in policy,
+            deterministic=attn.deterministic,
         )  # fmt: skip
         return F.linear(out, attn.out_proj.weight, attn.out_proj.bias)
 

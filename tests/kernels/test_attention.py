@@ -145,13 +145,13 @@ def _forward_backward(fn, q, k, v, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _check_case(case: Case, dtype: torch.dtype, ulps: float, device: str) -> None:
+def _check_case(case: Case, dtype: torch.dtype, ulps: float, device: str, deterministic: bool = True) -> None:
     q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, dtype, device)
     bias = _bias(case, attn_mask, key_padding_mask, device)
     got = _forward_backward(
         lambda q, k, v: attention(
             q, k, v, attn_mask=attn_mask, is_causal=case.causal, enable_gqa=True,
-            key_padding_mask=key_padding_mask,
+            key_padding_mask=key_padding_mask, deterministic=deterministic,
         ),
         q, k, v, grad,
     )
@@ -189,6 +189,52 @@ BLOCK_SPLIT_CASES = [
 @pytest.mark.parametrize("case", BLOCK_SPLIT_CASES, ids=str)
 def test_unmasked_and_edge_blocks_match_reference(backend, case):
     _check_case(case, torch.float16, 1.0, "cpu")
+
+
+# deterministic=False: dQ added with atomics by the dK/dV kernel. Odd sizes, GQA, causal,
+# every mask kind; the 16-bit cases run several key blocks per query block (the 16-bit
+# blocks' sizes), so several programs add into each dQ row.
+ATOMIC_DQ_CASES = [
+    Case(2, 4, 2, 17, 97, 64, causal=True),
+    Case(1, 3, 1, 97, 17, 40, causal=True, masks=("padding",)),
+    Case(2, 2, 2, 1, 200, 80, masks=("bool",)),
+    Case(1, 2, 1, 33, 40, 256, masks=("padding", "bool")),
+    Case(1, 2, 2, 150, 270, 64, masks=("additive",)),
+    Case(1, 2, 1, 300, 300, 64, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", ATOMIC_DQ_CASES, ids=str)
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_atomic_dq_matches_reference(backend, dtype, ulps, case):
+    _check_case(case, dtype, ulps, "cpu", deterministic=False)
+
+
+@pytest.mark.parametrize("dtype, ulps", DTYPES)
+def test_atomic_dq_with_dropout_uses_the_same_mask(backend, dtype, ulps):
+    _check_dropout(Case(2, 2, 1, 97, 70, 40, causal=True, masks=("padding",)), dtype, ulps, "cpu", deterministic=False)
+
+
+def test_atomic_dq_skips_the_dq_kernel(backend, monkeypatch):
+    """deterministic=False computes dQ without the second pass (its kernel is never launched)."""
+    monkeypatch.setattr(attention_module, "_attention_bwd_dq_kernel", None)
+    q, k, v, grad, _, _ = _inputs(Case(1, 2, 2, 40, 40, 16), torch.float32)
+    got = _forward_backward(lambda q, k, v: attention(q, k, v, deterministic=False), q, k, v, grad)
+    exact = _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, grad)
+    for name, actual, reference in zip(("out", "dq", "dk", "dv"), got, exact):
+        torch.testing.assert_close(actual, reference, msg=name)
+
+
+def test_self_attention_atomic_dq_matches_deterministic(backend):
+    x, weight = torch.randn(2, 37, 64), torch.randn(192, 64) / 8
+    grads = []
+    for deterministic, recompute_qkv in ((True, False), (False, False), (False, True)):
+        x_ = x.clone().requires_grad_()
+        self_attention(x_, weight, None, 4, is_causal=True, recompute_qkv=recompute_qkv,
+                       deterministic=deterministic).sum().backward()  # fmt: skip
+        grads.append(x_.grad)
+    for grad in grads[1:]:
+        torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-5)
 
 
 def test_negative_scale_matches_sdpa(backend):
@@ -348,14 +394,16 @@ def _keep(shape, p, device) -> torch.Tensor:
     return dropout_keep_mma_block(seed, batch_heads, 0, seq_q, seq_k, seq_k, p).view(shape)
 
 
-def _check_dropout(case: Case, dtype: torch.dtype, ulps: float, device: str, p: float = 0.25) -> None:
+def _check_dropout(
+    case: Case, dtype: torch.dtype, ulps: float, device: str, p: float = 0.25, deterministic: bool = True
+) -> None:
     q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, dtype, device)
     bias = _bias(case, attn_mask, key_padding_mask, device)
     torch.manual_seed(1234)
     got = _forward_backward(
         lambda q, k, v: attention(
             q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=case.causal, enable_gqa=True,
-            key_padding_mask=key_padding_mask,
+            key_padding_mask=key_padding_mask, deterministic=deterministic,
         ),
         q, k, v, grad,
     )
@@ -666,6 +714,7 @@ BAD_INPUTS = [
      "attn_mask must be on q's device"),
     (_small(), {"key_padding_mask": torch.zeros(2, 9)}, TypeError, "key_padding_mask must be bool"),
     (_small(), {"key_padding_mask": torch.zeros(2, 8, dtype=torch.bool)}, ValueError, "(batch, seq_k) = (2, 9)"),
+    (_small(), {"deterministic": 0}, TypeError, "deterministic must be a bool, got int 0"),
 ]
 
 

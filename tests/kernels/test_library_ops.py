@@ -84,25 +84,28 @@ def test_fused_mlp(dtype, dropout_p, recompute_fc1, activation):
 
 @DTYPE_DROPOUT
 @pytest.mark.parametrize("masks", ["none", "padding+causal", "additive"])
-def test_attention(dtype, dropout_p, masks):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_attention(dtype, dropout_p, masks, deterministic):
     q, k, v = (_randn(2, 3, 11, 8, dtype=dtype) for _ in range(3))
     padding = torch.zeros(2, 11, dtype=torch.bool)
     padding[1, 8:] = True
     attn_mask = torch.randn(11, 11, dtype=dtype) if masks == "additive" else None
     key_padding_mask = padding if masks == "padding+causal" else None
-    args = (q, k, v, attn_mask, key_padding_mask, _seed(dropout_p), dropout_p, masks == "padding+causal", 0.3)
+    args = (q, k, v, attn_mask, key_padding_mask, _seed(dropout_p), dropout_p, masks == "padding+causal", 0.3,
+            deterministic)  # fmt: skip
     _opcheck(_attention_op, args)
 
 
 @DTYPE_DROPOUT
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_self_attention_recompute_qkv(dtype, dropout_p, with_bias):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_self_attention_recompute_qkv(dtype, dropout_p, with_bias, deterministic):
     x = _randn(2, 9, 16, dtype=dtype)
     weight = _randn(48, 16, dtype=dtype)
     bias = _randn(48, dtype=dtype) if with_bias else None
     padding = torch.zeros(2, 9, dtype=torch.bool)
     padding[0, 6:] = True
-    args = (x, weight, bias, 4, None, padding, _seed(dropout_p), dropout_p, False, 0.5, dtype)
+    args = (x, weight, bias, 4, None, padding, _seed(dropout_p), dropout_p, False, 0.5, dtype, deterministic)
     _opcheck(_self_attention_op, args)
 
 
@@ -128,7 +131,7 @@ def test_linear_cross_entropy(dtype, reduction):
 def test_self_attention_recompute_qkv_under_autocast_keeps_fp32_weights():
     # the projection runs in the dtype passed (autocast's), the saved x and weights stay fp32
     x, weight = _randn(2, 9, 16, dtype=torch.float32), _randn(48, 16, dtype=torch.float32)
-    args = (x, weight, None, 4, None, None, None, 0.0, True, 0.5, torch.bfloat16)
+    args = (x, weight, None, 4, None, None, None, 0.0, True, 0.5, torch.bfloat16, True)
     out, lse = _self_attention_op(*args)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     _opcheck(_self_attention_op, args)

@@ -355,3 +355,19 @@ def test_fused_path_validates_shapes_like_torch(shapes, message):
 def test_torch_jit_script_says_to_use_torch_compile(build):
     with pytest.raises(RuntimeError, match="is not scriptable with torch.jit.script.*use torch.compile"):
         torch.jit.script(build())
+
+
+def test_deterministic_false_gives_the_default_layers_gradients(backend):
+    # the layers hand ``deterministic`` to the kernels (atomic dQ); fp32 results agree closely
+    torch.manual_seed(0)
+    x = torch.randn(2, 37, 64)
+    grads = []
+    for deterministic in (True, False):
+        torch.manual_seed(0)
+        mha = MultiheadAttention(64, 4, batch_first=True, deterministic=deterministic)
+        block = SelfAttention(64, 4, deterministic=deterministic)
+        x_ = x.clone().requires_grad_()
+        (mha(x_, x_, x_, need_weights=False)[0] + block(x_, is_causal=True)).sum().backward()
+        grads.append(x_.grad)
+        assert f"deterministic={deterministic}" in repr(mha) and f"deterministic={deterministic}" in repr(block)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
