@@ -421,13 +421,7 @@ def _norm_fwd_wide_apply_kernel(
             h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
                              DROPOUT_AFTER, BLOCK_N)  # fmt: skip
         y = h * rstd if IS_RMS else (h - mean) * rstd
-        if W is not None:
-            y *= tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if B is not None:
-            y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        if DROPOUT_AFTER:
-            y *= _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N)
-        tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+        _store_row_part(y, W, B, Y, SEED, rows, col_start, mask, offsets, N, dropout_p, DROPOUT_AFTER, BLOCK_N)
 
 
 @triton.jit
