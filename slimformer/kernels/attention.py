@@ -879,7 +879,7 @@ def _stride_unit(*tensors: torch.Tensor) -> int:
 
 def _tma_supported(x: torch.Tensor) -> bool:
     """Whether ``x``'s device has the Tensor Memory Accelerator (sm_90 and later)."""
-    return x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.is_cuda and _device_arch(x) >= 90
 
 
 def _tma_descriptors(tensors, rows: tuple[int, ...], block_d: int) -> list[TensorDescriptor] | None:
