@@ -152,9 +152,12 @@ def varlen_attention_case(head_dim, dtype="bf16", *, seq=512, batch=16, causal=F
 
 
 def varlen_attention_cases() -> list[Case]:
-    cases = [varlen_attention_case(head_dim) for head_dim in (64, 72, 128)]
+    cases = [varlen_attention_case(head_dim) for head_dim in (64, 72, 128, 256)]
     cases.append(varlen_attention_case(64, causal=True, dropout=0.1, ci=True))
     cases.append(varlen_attention_case(128, causal=True))
+    cases.append(varlen_attention_case(128, "fp16", causal=True))
+    cases.append(varlen_attention_case(128, dropout=0.1))
+    cases.append(varlen_attention_case(256, causal=True, dropout=0.1))
     return cases
 
 

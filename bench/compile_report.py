@@ -579,7 +579,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", dest="pattern", help="only cases whose name contains every word of this")
     parser.add_argument("--family", choices=["attention", "norm", "dropout", "activation", "loss", "gemm"], nargs="+")
-    parser.add_argument("--arch", nargs="+", default=["sm90", "sm80"], choices=["sm90", "sm80"])
+    parser.add_argument("--arch", nargs="+", default=["sm90", "sm80"], choices=["sm90", "sm80", "sm86"])
     parser.add_argument("--ci", action="store_true", help="only the CI's representative cases")
     parser.add_argument("-j", "--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) - 1)))
     parser.add_argument("--no-cache", action="store_true", help="recompile everything")

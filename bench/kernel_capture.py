@@ -56,6 +56,7 @@ class Device:
     dense_16bit_tflops: float  # published fp16/bf16 tensor-core peak (dense)
     hbm_tbytes_per_s: float  # published memory bandwidth
     registers_per_sm: int = 65536
+    l2_cache_mib: int = 40
 
     @property
     def target(self) -> GPUTarget:
@@ -66,9 +67,11 @@ class Device:
         return f"sm{self.arch}"
 
 
-H100 = Device("NVIDIA H100 80GB HBM3", 90, 132, 227 * 1024, 1.755, 989.0, 3.35)
+H100 = Device("NVIDIA H100 80GB HBM3", 90, 132, 227 * 1024, 1.755, 989.0, 3.35, l2_cache_mib=50)
 A100 = Device("NVIDIA A100-SXM4-80GB", 80, 108, 163 * 1024, 1.410, 312.0, 2.039)
-DEVICES = {"sm90": H100, "sm80": A100}
+# compute capability 8.6 (8.9 has the same 99 KB per block): RTX 30xx/40xx, A10, L4
+A10 = Device("NVIDIA A10", 86, 72, 99 * 1024, 1.695, 125.0, 0.6, l2_cache_mib=6)
+DEVICES = {"sm90": H100, "sm80": A100, "sm86": A10}
 
 
 @dataclass
@@ -187,7 +190,7 @@ def _fake_properties(device: Device) -> SimpleNamespace:
         regs_per_multiprocessor=device.registers_per_sm,
         warp_size=32,
         total_memory=80 * 2**30,
-        L2_cache_size=50 * 2**20 if device.arch == 90 else 40 * 2**20,
+        L2_cache_size=device.l2_cache_mib * 2**20,
     )
 
 

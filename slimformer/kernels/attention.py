@@ -725,8 +725,8 @@ _GROUPED_CONFIGS = {
     "dkdv_dq": ((64, (16, 128, 8, 2)), (128, (16, 128, 8, 2)), (256, (32, 32, 8, 2))),
 }
 # fp32 dots run in exact ("ieee") precision on CUDA cores, whose operands live in
-# registers: small tiles at every head dim.
-_FP32_CONFIG = (32, 32, 8, 1)
+# registers: small tiles at every head dim, as (largest BLOCK_D, config) rows.
+_FP32_CONFIGS = ((256, (32, 32, 8, 1)),)
 # CUDA's limit on grid axis 0
 _MAX_PROGRAMS = 2**31 - 1
 
@@ -737,9 +737,7 @@ _MAX_PROGRAMS = 2**31 - 1
 # causal, dropout, bool mask and key padding; varlen): shared memory within 163 KB (the
 # sm_90 configs' d256 dQ needs 168 KB there and would not launch), no register spills in
 # 16-bit launches (mma.sync keeps its accumulators in registers, so the sm_90 tiles spill
-# 4-384 B), at least two pipeline stages. Devices of compute capability 8.6 / 8.9 take it
-# too, but it was not chosen for their 99 KB of shared memory: the d256 forward and dQ
-# configs without masks need 100 KB.
+# 4-384 B), at least two pipeline stages.
 _SM80_TENSOR_CORE_CONFIGS = {
     "fwd": (
         (64, (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3)),
@@ -766,6 +764,23 @@ _SM80_TENSOR_CORE_CONFIGS = {
 }
 
 
+# ---- 99 KB of shared memory per block (compute capability 8.6 / 8.9: RTX 30xx / 40xx, A10, L4)
+# sm_80's table, except where it needs more than 99 KB (101376 B): the d256 forward and dQ
+# without masks (100 KB) and fp32 at d256 (dK/dV 132 KB, dQ 128 KB). Picked by compiling
+# for sm_86 (bench.compile_report --arch sm86): 32 query rows on 4 warps at 82 / 66 KB,
+# without spills (64 x 32 on 4 warps, sm_80's forward with 2 stages, spills 68-180 B),
+# and fp32 16 x 16 tiles (65 KB for dK/dV).
+_SMALL_SHARED_TENSOR_CORE_CONFIGS = {
+    **_SM80_TENSOR_CORE_CONFIGS,
+    "fwd": _SM80_TENSOR_CORE_CONFIGS["fwd"][:2] + ((256, (32, 32, 4, 3), (64, 32, 8, 2), (32, 32, 4, 3)),),
+    "dq": _SM80_TENSOR_CORE_CONFIGS["dq"][:2] + ((256, (32, 32, 4, 2), (64, 16, 8, 2), (32, 32, 4, 2)),),
+}
+_SMALL_SHARED_FP32_CONFIGS = ((128, (32, 32, 8, 1)), (256, (16, 16, 4, 1)))
+# opt-in shared memory per block of sm_90 and sm_80
+_SM90_SHARED_BYTES = 227 * 1024
+_SM80_SHARED_BYTES = 163 * 1024
+
+
 def _device_arch(t: torch.Tensor) -> int:
     """Compute capability of ``t``'s device as major * 10 + minor (80 = sm_80): 90 for CPU
     tensors and interpreted launches, which keep the sm_90 table."""
@@ -775,30 +790,47 @@ def _device_arch(t: torch.Tensor) -> int:
     return major * 10 + minor
 
 
-def _tensor_core_configs(arch: int) -> dict:
-    """The block-config table for compute capability ``arch``: sm_80's for 8.x, else sm_90's."""
+def _device_shared_bytes(t: torch.Tensor) -> int:
+    """Shared memory a block of ``t``'s device may opt in to, in bytes: sm_90's 227 KB for
+    CPU tensors and interpreted launches, like ``_device_arch``."""
+    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return _SM90_SHARED_BYTES
+    return torch.cuda.get_device_properties(t.device).shared_memory_per_block_optin
+
+
+def _tensor_core_configs(arch: int, shared_bytes: int = _SM90_SHARED_BYTES) -> dict:
+    """The block-config table for compute capability ``arch`` with ``shared_bytes`` of shared
+    memory per block: the 99 KB one below sm_80's 163 KB (8.6, 8.9), else sm_80's for 8.x and
+    sm_90's for the rest."""
+    if shared_bytes < _SM80_SHARED_BYTES:
+        return _SMALL_SHARED_TENSOR_CORE_CONFIGS
     return _SM80_TENSOR_CORE_CONFIGS if arch // 10 == 8 else _TENSOR_CORE_CONFIGS
 
 
-def _block_config(head_dim: int, dtype: torch.dtype, kernel: str, kind: str, arch: int = 90) -> dict:
+def _block_config(
+    head_dim: int, dtype: torch.dtype, kernel: str, kind: str, arch: int = 90, shared_bytes: int = _SM90_SHARED_BYTES
+) -> dict:
     """Launch options (BLOCK_M, BLOCK_N, BLOCK_D, num_warps, num_stages) of ``kernel``,
     one of "fwd", "dkdv", "dkdv_dq", "dq"; ``kind``: one of ``_CONFIG_KINDS`` (see ``_config_kind``),
-    or "grouped" for the dK/dV kernels' plain GQA launches; ``arch``: the device's compute
-    capability (``_device_arch``), which picks the table.
+    or "grouped" for the dK/dV kernels' plain GQA launches; ``arch`` and ``shared_bytes``:
+    the device's compute capability and shared memory per block (``_device_arch``,
+    ``_device_shared_bytes``), which pick the table.
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
     need; the padding lanes load as zeros.
     """
     block_d = max(16, triton.next_power_of_2(head_dim))
+    table = _tensor_core_configs(arch, shared_bytes)
     if dtype == torch.float32:
-        block_m, block_n, num_warps, num_stages = _FP32_CONFIG
-    elif kind == "grouped" and arch // 10 != 8:
+        fp32_configs = _SMALL_SHARED_FP32_CONFIGS if shared_bytes < _SM80_SHARED_BYTES else _FP32_CONFIGS
+        _, (block_m, block_n, num_warps, num_stages) = next(row for row in fp32_configs if block_d <= row[0])
+    elif kind == "grouped" and table is _TENSOR_CORE_CONFIGS:
         _, (block_m, block_n, num_warps, num_stages) = next(
             row for row in _GROUPED_CONFIGS[kernel] if block_d <= row[0]
         )
     else:
-        _, *configs = next(row for row in _tensor_core_configs(arch)[kernel] if block_d <= row[0])
-        # sm_80's plain dK/dV tiles do not spill with GQA: it has no "grouped" configs
+        _, *configs = next(row for row in table[kernel] if block_d <= row[0])
+        # mma.sync's plain dK/dV tiles do not spill with GQA: its tables have no "grouped" configs
         block_m, block_n, num_warps, num_stages = configs[_CONFIG_KINDS.index("plain" if kind == "grouped" else kind)]
     return dict(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=num_warps, num_stages=num_stages
@@ -934,7 +966,7 @@ def _attention_fwd(
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     masks, mask_strides, mask_flags = _mask_args(attn_mask, key_padding_mask, q, seq_k)
     kind = _config_kind(attn_mask, key_padding_mask, dropout_p)
-    config = _block_config(head_dim, q.dtype, "fwd", kind, _device_arch(q))
+    config = _block_config(head_dim, q.dtype, "fwd", kind, _device_arch(q), _device_shared_bytes(q))
     unit = _stride_unit(q, k, v, out)
     # Masked launches run small tiles (16 keys at d128), where TMA's barrier wait per tile
     # costs more than the cp.async addresses it saves (+5-14% warp-instructions per tile
@@ -984,7 +1016,7 @@ def _attention_bwd(
         return
     delta = torch.empty_like(lse)
     kind = _config_kind(attn_mask, key_padding_mask, dropout_p)
-    dq_config = _block_config(head_dim, q.dtype, "dq", kind, _device_arch(q))
+    dq_config = _block_config(head_dim, q.dtype, "dq", kind, _device_arch(q), _device_shared_bytes(q))
     q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
     unit = _stride_unit(q, k, v, out, grad_out, dq, dk, dv)
     _attention_bwd_preprocess_kernel[_grid(q_blocks, heads, batch)](
@@ -999,7 +1031,9 @@ def _attention_bwd(
     # key blocks' programs reach it, then scales and casts it in one pass.
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkdv_kind = "grouped" if kind == "plain" and heads != kv_heads else kind
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", dkdv_kind, _device_arch(q))
+    dkdv_config = _block_config(
+        head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", dkdv_kind, _device_arch(q), _device_shared_bytes(q)
+    )
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, dq_acc, seed, *masks,
         *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,

@@ -31,10 +31,14 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels.attention import (
+    _SM80_TENSOR_CORE_CONFIGS,
+    _SMALL_SHARED_TENSOR_CORE_CONFIGS,
+    _TENSOR_CORE_CONFIGS,
     _block_config,
     _check_dropout_p,
     _check_head_dim,
     _device_arch,
+    _device_shared_bytes,
     _dot,
     _kernel_flags,
     _last_dim_contiguous,
@@ -43,6 +47,7 @@ from slimformer.kernels.attention import (
     _runs_kernels,
     _store_rows,
     _stride_unit,
+    _tensor_core_configs,
 )
 from slimformer.kernels.dispatch import reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
@@ -430,11 +435,34 @@ def _grid(max_seqlen: int, block: int, heads: int, batch: int) -> tuple[int]:
     return (programs,)
 
 
-def _config_kind(dropout_p: float) -> str:
-    """The dense kernels' config kind a varlen launch takes: its dropout draws the per-row
-    Philox tiles (``dropout_keep_tile``), for which the "masked" configs were chosen; the
-    dense "dropout" configs fit the 4x4-block scheme only."""
-    return "masked" if dropout_p > 0.0 else "plain"
+# The varlen kernels' own 16-bit configs where the dense table's spill in them (their
+# per-sequence bounds keep more live), as (table, kernel, BLOCK_D, kind, (BLOCK_M, BLOCK_N,
+# num_warps, num_stages)). Picked by compiling every varlen case of bench.compile_cases for
+# sm_90, sm_80 and sm_86: the dense tables' configs spilled 8 / 12 B (sm_90 forward, causal,
+# 255 registers: 2 stages fit), 20 / 16 B (sm_80 dK/dV; 64 query rows also take 37% fewer
+# warp-instructions per tile) and 28 / 20 B (sm_80 dQ with dropout; sm_86 takes it too).
+_VARLEN_CONFIGS = (
+    (_TENSOR_CORE_CONFIGS, "fwd", 128, "plain", (128, 128, 8, 2)),
+    (_SM80_TENSOR_CORE_CONFIGS, "dkdv", 256, "plain", (64, 32, 8, 2)),
+    (_SM80_TENSOR_CORE_CONFIGS, "dq", 128, "masked", (64, 32, 4, 2)),
+    (_SMALL_SHARED_TENSOR_CORE_CONFIGS, "dq", 128, "masked", (64, 32, 4, 2)),
+)
+
+
+def _varlen_block_config(q: torch.Tensor, kernel: str, dropout_p: float) -> dict:
+    """Launch options of ``kernel`` ("fwd", "dkdv", "dq") for q's device: the dense kernels'
+    (``_block_config``), of kind "masked" with dropout, since it draws the per-row Philox
+    tiles (``dropout_keep_tile``) for which those were chosen (the dense "dropout" configs fit
+    the 4x4-block scheme only), else "plain"; ``_VARLEN_CONFIGS`` where they spill."""
+    arch, shared_bytes = _device_arch(q), _device_shared_bytes(q)
+    kind = "masked" if dropout_p > 0.0 else "plain"
+    config = _block_config(q.shape[-1], q.dtype, kernel, kind, arch, shared_bytes)
+    if q.dtype != torch.float32:
+        table = _tensor_core_configs(arch, shared_bytes)
+        for row_table, row_kernel, block_d, row_kind, own in _VARLEN_CONFIGS:
+            if row_table is table and (row_kernel, block_d, row_kind) == (kernel, config["BLOCK_D"], kind):
+                config.update(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), own))
+    return config
 
 
 def _strides(unit: int, *tensors: torch.Tensor) -> list[int]:
@@ -444,7 +472,7 @@ def _strides(unit: int, *tensors: torch.Tensor) -> list[int]:
 
 def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed):
     """Launch the forward kernel: (out (total_q, heads, head_dim), lse (heads, total_q) fp32)."""
-    total_q, heads, head_dim = q.shape
+    total_q, heads, _ = q.shape
     kv_heads = k.shape[1]
     batch = cu_q.numel() - 1
     if q.numel() == 0 or batch == 0 or max_q == 0:
@@ -453,7 +481,7 @@ def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, 
     # every row belongs to a sequence (checked), whose programs write all of its rows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
-    config = _block_config(head_dim, q.dtype, "fwd", _config_kind(dropout_p), _device_arch(q))
+    config = _varlen_block_config(q, "fwd", dropout_p)
     unit = _stride_unit(q, k, v, out)
     _varlen_fwd_kernel[_grid(max_q, config["BLOCK_M"], heads, batch)](
         q, k, v, out, lse, seed, cu_q, cu_k, *_strides(unit, q, k, v, out),
@@ -465,7 +493,7 @@ def _varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, 
 
 def _varlen_bwd(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale):
     """Launch the backward kernels: (dq, dk, dv)."""
-    total_q, heads, head_dim = q.shape
+    total_q, heads, _ = q.shape
     kv_heads = k.shape[1]
     batch = cu_q.numel() - 1
     if q.numel() == 0 or k.numel() == 0 or batch == 0:
@@ -474,12 +502,12 @@ def _varlen_bwd(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dro
     delta = torch.linalg.vecdot(out.float(), grad_out.float()).T.contiguous()  # (heads, total_q)
     unit = _stride_unit(q, k, v, grad_out, dq, dk, dv)
     flags = dict(**_kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit)
-    dkdv_config = _block_config(head_dim, q.dtype, "dkdv", _config_kind(dropout_p), _device_arch(q))
+    dkdv_config = _varlen_block_config(q, "dkdv", dropout_p)
     _varlen_bwd_dkdv_kernel[_grid(max_k, dkdv_config["BLOCK_N"], kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dk, dv),
         total_q, heads, heads // kv_heads, max_k, scale, dropout_p, **flags, **dkdv_config,
     )  # fmt: skip
-    dq_config = _block_config(head_dim, q.dtype, "dq", _config_kind(dropout_p), _device_arch(q))
+    dq_config = _varlen_block_config(q, "dq", dropout_p)
     _varlen_bwd_dq_kernel[_grid(max_q, dq_config["BLOCK_M"], heads, batch)](
         q, k, v, grad_out, lse, delta, dq, seed, cu_q, cu_k, *_strides(unit, q, k, v, grad_out, dq),
         total_q, heads, heads // kv_heads, max_q, max_k, scale, dropout_p, **flags, **dq_config,

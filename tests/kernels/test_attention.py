@@ -9,6 +9,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -303,22 +304,76 @@ def test_stride_unit_is_the_largest_dividing_every_row_stride(strides, unit):
     assert attention_module._stride_unit(*tensors) == unit
 
 
+SM90_SHARED, SM80_SHARED, SM86_SHARED = 227 * 1024, 163 * 1024, 99 * 1024
+
+
 def test_compute_capability_picks_the_block_config_table():
-    """sm_80 / 8.x devices take their own table (mma.sync, 163 KB of shared memory); CPU
-    tensors and everything else the sm_90 one; fp32 one config everywhere."""
+    """sm_80 / 8.x devices with 163 KB of shared memory take their own table (mma.sync),
+    devices with 99 KB (8.6, 8.9) the 99 KB one; CPU tensors and everything else the sm_90
+    one; fp32 one config everywhere but at d256 with 99 KB."""
     sm80, sm90 = attention_module._SM80_TENSOR_CORE_CONFIGS, attention_module._TENSOR_CORE_CONFIGS
+    small = attention_module._SMALL_SHARED_TENSOR_CORE_CONFIGS
     block_config = attention_module._block_config
     assert attention_module._device_arch(torch.zeros(1)) == 90
-    for arch, table in ((80, sm80), (86, sm80), (90, sm90), (100, sm90)):
+    assert attention_module._device_shared_bytes(torch.zeros(1)) == SM90_SHARED
+    devices = ((80, SM80_SHARED, sm80), (87, SM80_SHARED, sm80), (86, SM86_SHARED, small), (89, SM86_SHARED, small),
+               (90, SM90_SHARED, sm90), (100, SM90_SHARED, sm90))  # fmt: skip
+    for arch, shared, table in devices:
         for kernel, rows in table.items():
             for largest, *configs in rows:
                 # the row's largest head dim and one just above the row before (d40: the d64 row)
                 for head_dim in (largest, max(16, largest // 2 + 8)):
                     for kind, config in zip(attention_module._CONFIG_KINDS, configs):
-                        got = block_config(head_dim, torch.bfloat16, kernel, kind, arch)
+                        got = block_config(head_dim, torch.bfloat16, kernel, kind, arch, shared)
                         assert (got["BLOCK_M"], got["BLOCK_N"], got["num_warps"], got["num_stages"]) == config
-                        fp32 = block_config(head_dim, torch.float32, kernel, kind, arch)
-                        assert fp32 == block_config(head_dim, torch.float32, kernel, kind)
+                        fp32 = block_config(head_dim, torch.float32, kernel, kind, arch, shared)
+                        if shared >= SM80_SHARED or largest < 256:
+                            assert fp32 == block_config(head_dim, torch.float32, kernel, kind)
+                        else:
+                            assert (fp32["BLOCK_M"], fp32["BLOCK_N"], fp32["num_warps"]) == (16, 16, 4)
+
+
+def test_99kb_table_changes_only_what_exceeds_99kb():
+    """The 99 KB table is sm_80's but for the d256 forward and dQ without masks, whose
+    sm_80 configs need 100 KB there (bench.compile_report --arch sm86)."""
+    sm80, small = attention_module._SM80_TENSOR_CORE_CONFIGS, attention_module._SMALL_SHARED_TENSOR_CORE_CONFIGS
+    assert small.keys() == sm80.keys()
+    changed = {
+        (kernel, row[0], kind)
+        for kernel in sm80
+        for row, sm80_row in zip(small[kernel], sm80[kernel], strict=True)
+        for kind, config, sm80_config in zip(attention_module._CONFIG_KINDS, row[1:], sm80_row[1:])
+        if config != sm80_config
+    }
+    assert changed == {("fwd", 256, "plain"), ("fwd", 256, "dropout"), ("dq", 256, "plain"), ("dq", 256, "dropout")}
+
+
+def _fake_cuda_tensor(monkeypatch, capability: tuple[int, int], shared_bytes: int):
+    """A stand-in for a CUDA tensor on a device of ``capability`` with ``shared_bytes`` per
+    block, as far as the launchers' device queries see it (no GPU needed)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    properties = SimpleNamespace(shared_memory_per_block_optin=shared_bytes, major=capability[0], minor=capability[1])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+    return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize(
+    "capability, shared_bytes, table",
+    [((8, 0), SM80_SHARED, "_SM80_TENSOR_CORE_CONFIGS"), ((8, 6), SM86_SHARED, "_SMALL_SHARED_TENSOR_CORE_CONFIGS"),
+     ((8, 9), SM86_SHARED, "_SMALL_SHARED_TENSOR_CORE_CONFIGS"), ((9, 0), SM90_SHARED, "_TENSOR_CORE_CONFIGS")],
+    ids=["sm80", "sm86", "sm89", "sm90"],
+)  # fmt: skip
+def test_device_queries_pick_the_table(monkeypatch, capability, shared_bytes, table):
+    """The launchers' device queries (capability and opt-in shared memory per block) pick the
+    table, here for devices faked through torch.cuda's own queries."""
+    x = _fake_cuda_tensor(monkeypatch, capability, shared_bytes)
+    arch, shared = attention_module._device_arch(x), attention_module._device_shared_bytes(x)
+    assert (arch, shared) == (capability[0] * 10 + capability[1], shared_bytes)
+    assert attention_module._tensor_core_configs(arch, shared) is getattr(attention_module, table)
+    if shared_bytes < SM80_SHARED:
+        config = attention_module._block_config(256, torch.bfloat16, "fwd", "plain", arch, shared)
+        assert (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"]) == (32, 32, 4, 3)
 
 
 # sm_80's block configs run the same kernels on other tiles: interpreted, with the table
@@ -339,6 +394,21 @@ def test_sm80_block_configs_match_reference(backend, monkeypatch, case):
 def test_sm80_block_configs_dropout_match_reference(backend, monkeypatch):
     monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 80)
     _check_dropout(Case(1, 2, 1, 97, 70, 64, causal=True), torch.float16, 1.0, "cpu")
+
+
+# The 99 KB table's own configs (d256 forward and dQ, fp32 at d256), interpreted with the
+# table forced, give the same results.
+@pytest.mark.parametrize("dtype, ulps", [DTYPES[0], DTYPES[1]])
+def test_99kb_block_configs_match_reference(backend, monkeypatch, dtype, ulps):
+    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 86)
+    monkeypatch.setattr(attention_module, "_device_shared_bytes", lambda _tensor: SM86_SHARED)
+    _check_case(Case(1, 1, 1, 40, 70, 256, causal=True), dtype, ulps, "cpu")
+
+
+def test_99kb_block_configs_dropout_match_reference(backend, monkeypatch):
+    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 86)
+    monkeypatch.setattr(attention_module, "_device_shared_bytes", lambda _tensor: SM86_SHARED)
+    _check_dropout(Case(1, 1, 1, 40, 70, 256), torch.float16, 1.0, "cpu")
 
 
 @pytest.mark.parametrize("fill", [torch.finfo(torch.float32).min, -1e9, -1e5])

@@ -67,3 +67,26 @@ def sm80_problems():
 @pytest.mark.parametrize("case", matching_case_names("attention", SM80_PATTERN))
 def test_attention_compiles_for_sm80_within_limits(sm80_problems, case):
     assert sm80_problems[case] == []
+
+
+# Compute capability 8.6 / 8.9 (RTX 30xx / 40xx, A10, L4) has 99 KB of shared memory per
+# block and takes the 99 KB table (``_SMALL_SHARED_TENSOR_CORE_CONFIGS``): sm_80's configs
+# needed 100 KB for the d256 forward and dQ (with or without dropout), and 128-132 KB for
+# fp32's backward at d256. Compiled for sm_86, whose limit is 101376 B.
+SM86_PATTERNS = (SM80_PATTERN, "attn d256 fp32")
+
+
+@pytest.fixture(scope="module")
+def sm86_problems():
+    problems = {}
+    for pattern in SM86_PATTERNS:
+        problems.update(compile_ci_cases("attention", "sm86", pattern))
+    return problems
+
+
+SM86_CASES = [name for pattern in SM86_PATTERNS for name in matching_case_names("attention", pattern)]
+
+
+@pytest.mark.parametrize("case", SM86_CASES)
+def test_attention_compiles_for_sm86_within_limits(sm86_problems, case):
+    assert sm86_problems[case] == []

@@ -1,10 +1,13 @@
 """slimformer.varlen_attention vs SDPA run on each sequence alone (float64 exact, and in the
 tensor's dtype for PyTorch's own error), through the interpreted kernels and the reference."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from slimformer.kernels import attention as attention_module
 from slimformer.kernels import varlen_attention as varlen_module
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold
 from slimformer.kernels.varlen_attention import varlen_attention
@@ -83,6 +86,69 @@ def test_sm80_block_configs_match_sdpa(backend, monkeypatch):
     exact = _per_sequence_sdpa(q.double(), k.double(), v.double(), do.double(), cu, True)
     for name, a, t, e in zip(("out", "dq", "dk", "dv"), actual, same_dtype, exact):
         assert_within_reference_error(name, a, t, e, ulps=1.0, scale=4.0)
+
+
+def test_99kb_block_configs_match_sdpa(backend, monkeypatch):
+    """The 99 KB table's own d256 configs (compute capability 8.6 / 8.9; forced) give the same results."""
+    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: 86)
+    monkeypatch.setattr(varlen_module, "_device_shared_bytes", lambda _tensor: 99 * 1024)
+    lengths = (1, 17, 70)
+    q, k, v, do = _inputs(lengths, 1, 1, 256, torch.float16)
+    cu = _cu_seqlens(lengths)
+    actual, _ = _varlen(q, k, v, do, cu, max(lengths), True)
+    same_dtype = _per_sequence_sdpa(q, k, v, do, cu, True)
+    exact = _per_sequence_sdpa(q.double(), k.double(), v.double(), do.double(), cu, True)
+    for name, a, t, e in zip(("out", "dq", "dk", "dv"), actual, same_dtype, exact):
+        assert_within_reference_error(name, a, t, e, ulps=1.0, scale=4.0)
+
+
+DEVICES = {"sm90": (90, 227 * 1024), "sm80": (80, 163 * 1024), "sm86": (86, 99 * 1024)}
+# configs of the varlen launches that differ from the dense table's, which spill there
+OWN_CONFIGS = {
+    "sm90": {("fwd", 128, 0.0): (128, 128, 8, 2)},
+    "sm80": {("dkdv", 256, 0.0): (64, 32, 8, 2), ("dq", 128, 0.1): (64, 32, 4, 2)},
+    "sm86": {("dq", 128, 0.1): (64, 32, 4, 2)},
+}
+
+
+def _force_device(monkeypatch, device):
+    arch, shared_bytes = DEVICES[device]
+    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: arch)
+    monkeypatch.setattr(varlen_module, "_device_shared_bytes", lambda _tensor: shared_bytes)
+    return arch, shared_bytes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_configs_are_the_dense_ones_but_where_those_spill(monkeypatch, device):
+    arch, shared_bytes = _force_device(monkeypatch, device)
+    for kernel, head_dim, dropout_p, dtype in itertools.product(
+        ("fwd", "dkdv", "dq"), (64, 96, 256), (0.0, 0.1), (torch.bfloat16, torch.float32)
+    ):
+        config = varlen_module._varlen_block_config(torch.empty(0, 1, head_dim, dtype=dtype), kernel, dropout_p)
+        dense = attention_module._block_config(head_dim, dtype, kernel, "masked" if dropout_p else "plain", arch,
+                                               shared_bytes)  # fmt: skip
+        own = OWN_CONFIGS[device].get((kernel, dense["BLOCK_D"], dropout_p)) if dtype != torch.float32 else None
+        if own is not None:
+            dense.update(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), own))
+        assert config == dense, (kernel, head_dim, dropout_p, dtype)
+
+
+@pytest.mark.parametrize("device", ["sm80", "sm86"])
+def test_mma_sync_own_configs_match_reference(monkeypatch, device):
+    """Interpreted, the varlen launches' own configs on mma.sync devices (dQ at d128 with
+    dropout; sm_80's dK/dV at d256) give the reference's results with its dropout mask."""
+    _force_device(monkeypatch, device)
+    lengths = (1, 17, 70)
+    for head_dim, p in ((96, 0.25), (256, 0.0)):
+        q, k, v, do = _inputs(lengths, 2, 2, head_dim, torch.float16)
+        cu = _cu_seqlens(lengths)
+        results = []
+        for interpret, dtype in (("1", torch.float16), ("0", torch.float16), ("0", torch.float64)):
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+            torch.manual_seed(3)
+            results.append(_varlen(*(t.to(dtype) for t in (q, k, v, do)), cu, 70, True, dropout_p=p)[0])
+        for name, *tensors in zip(("out", "dq", "dk", "dv"), *results):
+            assert_within_reference_error(f"d{head_dim} {name}", *tensors, ulps=1.0, scale=4.0)
 
 
 def test_lse_is_log_sum_exp_per_sequence(backend):
