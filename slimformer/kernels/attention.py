@@ -765,15 +765,25 @@ _SM80_TENSOR_CORE_CONFIGS = {
 
 
 # ---- 99 KB of shared memory per block (compute capability 8.6 / 8.9: RTX 30xx / 40xx, A10, L4)
-# sm_80's table, except where it needs more than 99 KB (101376 B): the d256 forward and dQ
-# without masks (100 KB) and fp32 at d256 (dK/dV 132 KB, dQ 128 KB). Picked by compiling
-# for sm_86 (bench.compile_report --arch sm86): 32 query rows on 4 warps at 82 / 66 KB,
-# without spills (64 x 32 on 4 warps, sm_80's forward with 2 stages, spills 68-180 B),
-# and fp32 16 x 16 tiles (65 KB for dK/dV).
+# sm_80's table where it fits, picked by compiling for sm_86 (bench.compile_report --arch
+# sm86) as above. sm_80's d256 forward and dQ without masks need 100 KB (> 101376 B): 32
+# query rows on 4 warps take 82 / 66 KB without spills (64 x 32 on 4 warps with 2 stages
+# spills 68-180 B), and its dQ issues fewer instructions per tile there too. ptxas for
+# sm_86 spills 4-24 B where sm_80 does not in the d72-d128 forward with dropout (128 x 32
+# tiles: no spill, 20% fewer instructions per tile) and the d64 dQ with dropout (128 x 16).
+# fp32 at d256 needs 128-132 KB for its backward on 32 x 32 tiles: 16 x 16 take 65 KB.
 _SMALL_SHARED_TENSOR_CORE_CONFIGS = {
     **_SM80_TENSOR_CORE_CONFIGS,
-    "fwd": _SM80_TENSOR_CORE_CONFIGS["fwd"][:2] + ((256, (32, 32, 4, 3), (64, 32, 8, 2), (32, 32, 4, 3)),),
-    "dq": _SM80_TENSOR_CORE_CONFIGS["dq"][:2] + ((256, (32, 32, 4, 2), (64, 16, 8, 2), (32, 32, 4, 2)),),
+    "fwd": (
+        (64, (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3)),
+        (128, (128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3)),
+        (256, (32, 32, 4, 3), (64, 32, 8, 2), (32, 32, 4, 3)),
+    ),
+    "dq": (
+        (64, (128, 64, 8, 2), (128, 32, 8, 2), (128, 16, 8, 2)),
+        (128, (128, 32, 8, 2), (128, 32, 8, 2), (64, 64, 8, 2)),
+        (256, (32, 32, 4, 2), (64, 16, 8, 2), (32, 32, 4, 2)),
+    ),
 }
 _SMALL_SHARED_FP32_CONFIGS = ((128, (32, 32, 8, 1)), (256, (16, 16, 4, 1)))
 # opt-in shared memory per block of sm_90 and sm_80
