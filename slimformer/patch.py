@@ -96,6 +96,7 @@ from torch.utils.checkpoint import checkpoint
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
+from slimformer.kernels.projection import projections
 from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.linear import Linear8bit, Linear16bit
@@ -300,18 +301,24 @@ class FusedBertFamilyLayer(NotScriptable):
         a ``PackedSequences`` (x is then (1, total, hidden): every real token, packed)."""
         attn = self.attention.self
         dropout_p = attn.dropout.p if attn.training else 0.0
+        qkv = self._qkv(x)
         if isinstance(attn_mask, PackedSequences):
-            q, k, v = (rearrange(proj(x), "1 t (h d) -> t h d", h=attn.num_attention_heads)
-                       for proj in (attn.query, attn.key, attn.value))  # fmt: skip
+            q, k, v = (rearrange(t, "1 t (h d) -> t h d", h=attn.num_attention_heads) for t in qkv)
             cu, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
             out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=attn.scaling)
             return rearrange(out, "t h d -> 1 t (h d)")
-        q, k, v = (
-            rearrange(proj(x), "b s (h d) -> b h s d", h=attn.num_attention_heads)
-            for proj in (attn.query, attn.key, attn.value)
-        )
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", h=attn.num_attention_heads) for t in qkv)
         out = attention(q, k, v, attn_mask, dropout_p, scale=attn.scaling, key_padding_mask=padding)
         return rearrange(out, "b h s d -> b s (h d)")
+
+    def _qkv(self, x):
+        """The query, key and value projections of x: one op with one input gradient for float
+        Linears without hooks (see ``slimformer.kernels.projection``); else the Linears are called."""
+        attn = self.attention.self
+        linears = (attn.query, attn.key, attn.value)
+        if all(type(fc) is nn.Linear and not _has_user_hooks(fc) for fc in linears):
+            return projections(x, [fc.weight for fc in linears], [fc.bias for fc in linears])
+        return [fc(x) for fc in linears]
 
     @staticmethod
     def _add_norm(branch, residual, block):
