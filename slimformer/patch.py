@@ -98,7 +98,7 @@ from slimformer.kernels.attention import attention
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
 from slimformer.kernels.projection import projections
 from slimformer.kernels.varlen_attention import varlen_attention
-from slimformer.layers.attention import MultiheadAttention
+from slimformer.layers.attention import MultiheadAttention, register_transformers_attention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.norm import LayerNorm, RMSNorm, fuse_with_dropout
 from slimformer.layers.sharing import NotScriptable
@@ -642,6 +642,9 @@ class PatchSummary:
     nested_tensor_off: tuple[nn.Module, ...] = ()
     patched: bool = True
     class_swaps: tuple[ClassSwap, ...] = ()
+    # the model's attn_implementation before patch switched it to slimformer's registered
+    # one (see ``_switch_attention``); None where it was left
+    attn_implementation_before: str | None = None
 
     def title(self) -> str:
         call = f"slimformer.patch({self.model_type}, recompute={self.recompute!r})"
@@ -742,6 +745,32 @@ def _plan_unpad(root: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
     return swaps, left
 
 
+def _switch_attention(root: nn.Module, swaps) -> str | None:
+    """Switch a HuggingFace BERT-family encoder whose layers were fused from the "eager" or
+    "sdpa" attention implementation to slimformer's registered one; returns the
+    implementation switched from, or None where nothing was switched.
+
+    transformers builds eager's and sdpa's (batch, 1, seq, seq) mask whenever it cannot
+    look at the mask's values, which includes every torch.compile'd forward (4 MiB at
+    batch 4, seq 512 in fp32, kept for backward); slimformer's mask function passes the
+    (batch, seq) padding mask. The fused layers read either. Calls that ask for the
+    attention weights run the original layer forward, whose attention call then forms them
+    in PyTorch (``register_transformers_attention``). Decoders and cross-attention are left
+    (their layers are not fused)."""
+    config = getattr(root, "config", None)
+    if (
+        not any(isinstance(swap.replacement, FusedBertFamilyLayer) for swap in swaps)
+        or not hasattr(root, "set_attn_implementation")
+        or getattr(config, "_attn_implementation", None) not in ("eager", "sdpa")
+        or getattr(config, "is_decoder", False)
+        or getattr(config, "add_cross_attention", False)
+    ):
+        return None
+    before = config._attn_implementation
+    root.set_attn_implementation(register_transformers_attention())
+    return before
+
+
 def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
@@ -819,8 +848,9 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
         class_swaps += unpad_swaps
         left += unpad_left
     summary = PatchSummary(
-        model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps)
-    )
+        model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps),
+        attn_implementation_before=_switch_attention(root, swaps),
+    )  # fmt: skip
     setattr(root, _RECORD, summary)
     # Decide the norms' memory modes now (one host sync): a model compiled before its first
     # eager step would otherwise trace the safe mode, keeping each norm's input too.
@@ -882,6 +912,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         encoder.use_nested_tensor = True
     for class_swap in summary.class_swaps:
         class_swap.module.__class__ = class_swap.original_class
+    if summary.attn_implementation_before is not None:
+        model.set_attn_implementation(summary.attn_implementation_before)
     delattr(model, _RECORD)
     swapped_self = summary.swapped and summary.swapped[0].parent is None
     return summary.swapped[0].original if swapped_self else model
