@@ -101,7 +101,7 @@ from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention, register_transformers_attention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.norm import LayerNorm, RMSNorm, fuse_with_dropout
-from slimformer.layers.sharing import NotScriptable
+from slimformer.layers.sharing import NotScriptable, has_user_hooks as _has_user_hooks
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
 from slimformer.recompute import check_policy
@@ -508,15 +508,6 @@ def _fuse_bert_layer(layer: nn.Module) -> nn.Module:
     for norm in (fused.attention.output.LayerNorm, fused.output.LayerNorm):
         MEMORY_MODES.track(norm)
     return fused
-
-
-def _has_user_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or backward hooks, other than transformers' output
-    capturing hooks (inactive unless outputs such as attentions are asked for)."""
-    hooks = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
-    return any(
-        "output_capturing_hook" not in getattr(hook, "__qualname__", "") for table in hooks for hook in table.values()
-    )
 
 
 _EMBEDDINGS_SOURCE_PROBLEM: dict[type, str | None] = {}

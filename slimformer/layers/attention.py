@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from slimformer.kernels.attention import attention, self_attention
-from slimformer.layers.sharing import NotScriptable, share_parameters
+from slimformer.layers.sharing import NotScriptable, has_user_hooks, share_parameters
 
 
 class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
@@ -281,8 +281,9 @@ def register_transformers_attention(name: str = "slimformer") -> str:
     sliding windows, packed sequences, custom mask functions) is built as transformers'
     boolean sdpa mask and read through its broadcast strides. Returns ``name``.
 
-    A call with ``output_attentions`` (the model was asked for its attention weights) runs
-    the attention in PyTorch instead, as transformers' eager attention does, and returns the
+    A call with ``output_attentions`` (the model was asked for its attention weights), or
+    on an attention module with hooks of a user (which may read them), runs the attention
+    in PyTorch instead, as transformers' eager attention does, and returns the
     probabilities with it. The registered function raises NotImplementedError for a model
     that asks for logit soft-capping or attention sinks.
 
@@ -310,7 +311,7 @@ def register_transformers_attention(name: str = "slimformer") -> str:
                 f"use another attn_implementation for {type(module).__name__}"
             )
         is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-        if kwargs.get("output_attentions"):
+        if kwargs.get("output_attentions") or has_user_hooks(module):  # someone reads the weights
             return _attention_with_weights(query, key, value, attention_mask, dropout, scaling, is_causal)
         key_padding_mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
