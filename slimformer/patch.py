@@ -74,7 +74,12 @@ relu are left; ``chunk_size_feed_forward`` is not needed (the fused MLP keeps le
 than a chunked one) and is ignored. The attention mask transformers builds for the
 model's ``attn_implementation`` is read as it is: eager's and sdpa's (batch, 1, seq,
 seq) masks are shared by all layers, "slimformer"'s (see
-``register_transformers_attention``) is only (batch, seq).
+``register_transformers_attention``) is only (batch, seq). A BERT-family encoder
+model with fused layers is switched from "eager" or "sdpa" to "slimformer" (transformers
+builds the full mask under ``torch.compile`` even without padding); its calls that ask
+for the attention weights, or whose attention module has hooks, form them in PyTorch,
+as eager does. ``patch_summary(model).attn_implementation_before`` says what it was,
+and ``unpatch`` switches it back.
 
 Patch before wrapping the model (DDP, FSDP, ``torch.compile``). Hooks registered on a
 swapped module before the patch move to its replacement; hooks added afterwards are
