@@ -752,7 +752,8 @@ def _switch_attention(root: nn.Module, swaps) -> str | None:
     (batch, seq) padding mask. The fused layers read either. Calls that ask for the
     attention weights run the original layer forward, whose attention call then forms them
     in PyTorch (``register_transformers_attention``). Decoders and cross-attention are left
-    (their layers are not fused)."""
+    (their layers are not fused), and so are models whose class does not take a
+    registered implementation."""
     config = getattr(root, "config", None)
     if (
         not any(isinstance(swap.replacement, FusedBertFamilyLayer) for swap in swaps)
@@ -762,9 +763,12 @@ def _switch_attention(root: nn.Module, swaps) -> str | None:
         or getattr(config, "add_cross_attention", False)
     ):
         return None
-    before = config._attn_implementation
-    root.set_attn_implementation(register_transformers_attention())
-    return before
+    before, name = config._attn_implementation, register_transformers_attention()
+    try:
+        root.set_attn_implementation(name)
+    except ValueError:  # a model class that refuses registered implementations keeps its own
+        return None
+    return before if config._attn_implementation == name else None
 
 
 def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
