@@ -7,13 +7,13 @@ output's parameters zero gradients where eager mode gives none), forward + backw
 optimizer: its update would set every column's peak alike), as
 
 * ``slimformer (POLICY)``: a ``slimformer.patch``ed copy under each recompute policy, in
-  eager mode and under ``torch.compile(model, fullgraph=True)`` (inductor), with
-  ``set_attn_implementation(slimformer.register_transformers_attention())`` so that its
-  layers get the (batch, seq) padding mask. With the eager (or sdpa) implementation,
-  transformers builds a (batch, 1, seq, seq) fp32 mask under torch.compile (it cannot
-  look at the mask's values to see that nothing is padded) where eager mode passes None:
-  4 MiB at batch 4, seq 512, kept for backward; the column ``..., eager's mask``
-  measures that;
+  eager mode and under ``torch.compile(model, fullgraph=True)`` (inductor). ``patch``
+  switches the model to slimformer's registered attention, so that its layers get the
+  (batch, seq) padding mask. With the eager (or sdpa) implementation, transformers
+  builds a (batch, 1, seq, seq) fp32 mask under torch.compile (it cannot look at the
+  mask's values to see that nothing is padded) where eager mode passes None: 4 MiB at
+  batch 4, seq 512, kept for backward; the column ``..., eager's mask`` (switched back
+  to "eager" after the patch) measures that;
 * ``HF eager``, and HF compiled with the default partitioner and with
   ``torch._functorch.config.activation_memory_budget`` 0.5 / 0.1: the peers a user who
   compiles would pick instead.
@@ -46,7 +46,6 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from slimformer.layers.attention import register_transformers_attention
 from slimformer.memory.report import bert_config, bert_inputs, build_bert
 from slimformer.patch import patch
 from slimformer.recompute import POLICIES
@@ -141,16 +140,17 @@ def columns(layers: int, seq: int) -> dict[str, Callable[[], nn.Module]]:
         built[f"slimformer ({policy}), eager"] = lambda p=policy: _patched(base, p)
         built[f"slimformer ({policy}), compiled"] = lambda p=policy: _compiled(_patched(base, p))
     built[f"slimformer ({EAGER_MASK_POLICY}), compiled, eager's mask"] = lambda: _compiled(
-        patch(copy.deepcopy(base), recompute=EAGER_MASK_POLICY)
+        _patched(base, EAGER_MASK_POLICY, attn_implementation="eager")
     )
     return built
 
 
-def _patched(base: nn.Module, policy: str) -> nn.Module:
-    """A patched copy of ``base`` whose layers get a (batch, seq) padding mask (see the
-    module docstring)."""
+def _patched(base: nn.Module, policy: str, attn_implementation: str | None = None) -> nn.Module:
+    """A patched copy of ``base`` (whose layers get a (batch, seq) padding mask, see the
+    module docstring), switched to ``attn_implementation`` if given."""
     model = patch(copy.deepcopy(base), recompute=policy)
-    model.set_attn_implementation(register_transformers_attention())
+    if attn_implementation is not None:
+        model.set_attn_implementation(attn_implementation)
     return model
 
 

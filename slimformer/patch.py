@@ -74,7 +74,12 @@ relu are left; ``chunk_size_feed_forward`` is not needed (the fused MLP keeps le
 than a chunked one) and is ignored. The attention mask transformers builds for the
 model's ``attn_implementation`` is read as it is: eager's and sdpa's (batch, 1, seq,
 seq) masks are shared by all layers, "slimformer"'s (see
-``register_transformers_attention``) is only (batch, seq).
+``register_transformers_attention``) is only (batch, seq). A BERT-family encoder
+model with fused layers is switched from "eager" or "sdpa" to "slimformer" (transformers
+builds the full mask under ``torch.compile`` even without padding); its calls that ask
+for the attention weights, or whose attention module has hooks, form them in PyTorch,
+as eager does. ``patch_summary(model).attn_implementation_before`` says what it was,
+and ``unpatch`` switches it back.
 
 Patch before wrapping the model (DDP, FSDP, ``torch.compile``). Hooks registered on a
 swapped module before the patch move to its replacement; hooks added afterwards are
@@ -96,11 +101,12 @@ from torch.utils.checkpoint import checkpoint
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
+from slimformer.kernels.projection import projections
 from slimformer.kernels.varlen_attention import varlen_attention
-from slimformer.layers.attention import MultiheadAttention
+from slimformer.layers.attention import MultiheadAttention, register_transformers_attention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.norm import LayerNorm, RMSNorm, fuse_with_dropout
-from slimformer.layers.sharing import NotScriptable
+from slimformer.layers.sharing import NotScriptable, has_user_hooks as _has_user_hooks
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
 from slimformer.recompute import check_policy
@@ -300,18 +306,24 @@ class FusedBertFamilyLayer(NotScriptable):
         a ``PackedSequences`` (x is then (1, total, hidden): every real token, packed)."""
         attn = self.attention.self
         dropout_p = attn.dropout.p if attn.training else 0.0
+        qkv = self._qkv(x)
         if isinstance(attn_mask, PackedSequences):
-            q, k, v = (rearrange(proj(x), "1 t (h d) -> t h d", h=attn.num_attention_heads)
-                       for proj in (attn.query, attn.key, attn.value))  # fmt: skip
+            q, k, v = (rearrange(t, "1 t (h d) -> t h d", h=attn.num_attention_heads) for t in qkv)
             cu, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
             out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=attn.scaling)
             return rearrange(out, "t h d -> 1 t (h d)")
-        q, k, v = (
-            rearrange(proj(x), "b s (h d) -> b h s d", h=attn.num_attention_heads)
-            for proj in (attn.query, attn.key, attn.value)
-        )
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", h=attn.num_attention_heads) for t in qkv)
         out = attention(q, k, v, attn_mask, dropout_p, scale=attn.scaling, key_padding_mask=padding)
         return rearrange(out, "b h s d -> b s (h d)")
+
+    def _qkv(self, x):
+        """The query, key and value projections of x: one op with one input gradient for float
+        Linears without hooks (see ``slimformer.kernels.projection``); else the Linears are called."""
+        attn = self.attention.self
+        linears = (attn.query, attn.key, attn.value)
+        if all(type(fc) is nn.Linear and not _has_user_hooks(fc) for fc in linears):
+            return projections(x, [fc.weight for fc in linears], [fc.bias for fc in linears])
+        return [fc(x) for fc in linears]
 
     @staticmethod
     def _add_norm(branch, residual, block):
@@ -503,15 +515,6 @@ def _fuse_bert_layer(layer: nn.Module) -> nn.Module:
     return fused
 
 
-def _has_user_hooks(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or backward hooks, other than transformers' output
-    capturing hooks (inactive unless outputs such as attentions are asked for)."""
-    hooks = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
-    return any(
-        "output_capturing_hook" not in getattr(hook, "__qualname__", "") for table in hooks for hook in table.values()
-    )
-
-
 _EMBEDDINGS_SOURCE_PROBLEM: dict[type, str | None] = {}
 
 
@@ -635,6 +638,9 @@ class PatchSummary:
     nested_tensor_off: tuple[nn.Module, ...] = ()
     patched: bool = True
     class_swaps: tuple[ClassSwap, ...] = ()
+    # the model's attn_implementation before patch switched it to slimformer's registered
+    # one (see ``_switch_attention``); None where it was left
+    attn_implementation_before: str | None = None
 
     def title(self) -> str:
         call = f"slimformer.patch({self.model_type}, recompute={self.recompute!r})"
@@ -735,6 +741,36 @@ def _plan_unpad(root: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
     return swaps, left
 
 
+def _switch_attention(root: nn.Module, swaps) -> str | None:
+    """Switch a HuggingFace BERT-family encoder whose layers were fused from the "eager" or
+    "sdpa" attention implementation to slimformer's registered one; returns the
+    implementation switched from, or None where nothing was switched.
+
+    transformers builds eager's and sdpa's (batch, 1, seq, seq) mask whenever it cannot
+    look at the mask's values, which includes every torch.compile'd forward (4 MiB at
+    batch 4, seq 512 in fp32, kept for backward); slimformer's mask function passes the
+    (batch, seq) padding mask. The fused layers read either. Calls that ask for the
+    attention weights run the original layer forward, whose attention call then forms them
+    in PyTorch (``register_transformers_attention``). Decoders and cross-attention are left
+    (their layers are not fused), and so are models whose class does not take a
+    registered implementation."""
+    config = getattr(root, "config", None)
+    if (
+        not any(isinstance(swap.replacement, FusedBertFamilyLayer) for swap in swaps)
+        or not hasattr(root, "set_attn_implementation")
+        or getattr(config, "_attn_implementation", None) not in ("eager", "sdpa")
+        or getattr(config, "is_decoder", False)
+        or getattr(config, "add_cross_attention", False)
+    ):
+        return None
+    before, name = config._attn_implementation, register_transformers_attention()
+    try:
+        root.set_attn_implementation(name)
+    except ValueError:  # a model class that refuses registered implementations keeps its own
+        return None
+    return before if config._attn_implementation == name else None
+
+
 def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
@@ -812,8 +848,9 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
         class_swaps += unpad_swaps
         left += unpad_left
     summary = PatchSummary(
-        model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps)
-    )
+        model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps),
+        attn_implementation_before=_switch_attention(root, swaps),
+    )  # fmt: skip
     setattr(root, _RECORD, summary)
     # Decide the norms' memory modes now (one host sync): a model compiled before its first
     # eager step would otherwise trace the safe mode, keeping each norm's input too.
@@ -875,6 +912,8 @@ def unpatch(model: nn.Module) -> nn.Module:
         encoder.use_nested_tensor = True
     for class_swap in summary.class_swaps:
         class_swap.module.__class__ = class_swap.original_class
+    if summary.attn_implementation_before is not None:
+        model.set_attn_implementation(summary.attn_implementation_before)
     delattr(model, _RECORD)
     swapped_self = summary.swapped and summary.swapped[0].parent is None
     return summary.swapped[0].original if swapped_self else model

@@ -451,6 +451,28 @@ def test_hooks_registered_before_patching_still_run(torch_path):
     assert calls == ["LayerNorm", "BertLayer", "TransformerEncoderLayer", "LayerNorm"]
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_patch_switches_to_slimformers_attention_and_unpatch_switches_back(torch_path, attn):
+    # the layers then get the (batch, seq) padding mask, never a (batch, 1, seq, seq) one
+    model = patch(_model("BertForMaskedLM", dropout=0.0, attn=attn))
+    assert model.config._attn_implementation == "slimformer"
+    assert patch_summary(model).attn_implementation_before == attn
+    masks = []
+    model.bert.encoder.layer[1].register_forward_pre_hook(
+        lambda module, args, kwargs: masks.append(tuple(kwargs.get("attention_mask", args[1]).shape)), with_kwargs=True
+    )
+    ids, mask = _batch(model.config)
+    model(ids, attention_mask=mask)
+    assert masks == [tuple(ids.shape)]
+    assert unpatch(model).config._attn_implementation == attn
+
+
+def test_decoder_keeps_its_attention_implementation(torch_path):
+    model = patch(_model("BertModel", is_decoder=True), recompute="qkv")
+    assert patch_summary(model).attn_implementation_before is None
+    assert model.config._attn_implementation == "eager"
+
+
 def test_output_attentions_runs_the_original_path_for_that_call(torch_path):
     reference = _model("BertModel", dropout=0.0).eval()
     model = patch(copy.deepcopy(reference))

@@ -284,11 +284,11 @@ def _mlp_fwd_reference(x, w1, b1, w2, b2, seed, activation, dropout_p, keep_h):
     return out, h
 
 
-def _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p):
-    """(dx, dw1, db1, dw2) of the MLP on the PyTorch path, in blocks of rows: a block of h
-    (recomputed from x when not kept), of the activation, of its gradient and of dh is
-    all that is alive besides the gradients; dW1, db1 and dW2 accumulate in fp32."""
-    dx = torch.empty_like(x)
+def _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p, dx):
+    """(dw1, db1, dw2) of the MLP on the PyTorch path, dx written into ``dx``, in blocks
+    of rows: a block of h (recomputed from x when not kept), of the activation, of its
+    gradient and of dh is all that is alive besides the gradients; dW1, db1 and dW2
+    accumulate in fp32."""
     dw1 = torch.zeros(w1.shape, dtype=torch.float32, device=x.device)
     dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
     db1 = None if b1 is None else torch.zeros(w1.shape[0], dtype=torch.float32, device=x.device)
@@ -302,7 +302,7 @@ def _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p):
         dw1.addmm_(dh.t().float(), x_rows.float())
         if db1 is not None:
             db1 += dh.sum(0, dtype=torch.float32)
-    return dx, dw1.to(w1.dtype), None if db1 is None else db1.to(b1.dtype), dw2.to(w2.dtype)
+    return dw1.to(w1.dtype), None if db1 is None else db1.to(b1.dtype), dw2.to(w2.dtype)
 
 
 def _activation(h, seed, activation, dropout_p):
@@ -347,7 +347,7 @@ def _(x, w1, b1, w2, b2, seed, activation, dropout_p, recompute_fc1):
     return out, absent_output(x.device) if recompute_fc1 else x.new_empty((x.shape[0], w1.shape[0]))
 
 
-@torch.library.custom_op("slimformer::fused_mlp_backward", mutates_args=())
+@torch.library.custom_op("slimformer::fused_mlp_backward", mutates_args=("dx",))
 def _mlp_backward_op(
     dout: torch.Tensor,
     x: torch.Tensor,
@@ -359,32 +359,33 @@ def _mlp_backward_op(
     activation: str,
     dropout_p: float,
     has_b2: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dw1, db1, dw2, db2), h recomputed from x when None; db1 / db2 are empty
-    placeholders without biases."""
+    dx: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dw1, db1, dw2, db2), the input gradient written into ``dx`` (x's shape), h
+    recomputed from x when None; db1 / db2 are empty placeholders without biases."""
     dout = dout.contiguous()
     db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else absent_output(x.device)
     if not use_triton(x):
         with torch.autocast(x.device.type, enabled=False):  # as in the forward
-            dx, dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p)
-        return dx, dw1, absent_output(x.device) if db1 is None else db1, dw2, db2
+            dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p, dx)
+        return dw1, absent_output(x.device) if db1 is None else db1, dw2, db2
     if h is None:
         h = torch.nn.functional.linear(x, w1, b1)
     a = _activation(h, seed, activation, dropout_p)
     dw2 = dout.t() @ a
     del a
     dh = _activation_grad(dout @ w2, h, seed, activation, dropout_p)
-    dx = dh @ w1
+    torch.mm(dh, w1, out=dx)
     dw1 = dh.t() @ x
     db1 = absent_output(x.device) if b1 is None else dh.sum(0, dtype=torch.float32).to(b1.dtype)
-    return dx, dw1, db1, dw2, db2
+    return dw1, db1, dw2, db2
 
 
 @_mlp_backward_op.register_fake
-def _(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2):
+def _(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2, dx):
     db1 = absent_output(x.device) if b1 is None else torch.empty_like(b1)
     db2 = dout.new_empty(dout.shape[1]) if has_b2 else absent_output(x.device)
-    return torch.empty_like(x), torch.empty_like(w1), db1, torch.empty_like(w2), db2
+    return torch.empty_like(w1), db1, torch.empty_like(w2), db2
 
 
 def _mlp_setup_context(ctx, inputs, output):
@@ -400,7 +401,12 @@ def _mlp_backward(ctx, dout, _dh):
         return (None,) * 9
     x, w1, b1, w2, seed, h = ctx.saved_tensors
     activation, dropout_p, has_b2 = ctx.config
-    dx, dw1, db1, dw2, db2 = _mlp_backward_op(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2)
+    # dx is allocated here, not inside the op: under torch.compile it is then inductor's
+    # buffer, which can take the storage of a gradient that died just before (inductor
+    # keeps a dead buffer for its next allocation of that size, and sees none inside a
+    # custom op: with dx allocated in the op, that dead buffer outlives the op).
+    dx = torch.empty_like(x)
+    dw1, db1, dw2, db2 = _mlp_backward_op(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2, dx)
     return dx, dw1, db1 if b1 is not None else None, dw2, db2 if has_b2 else None, None, None, None, None
 
 

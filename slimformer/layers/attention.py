@@ -15,7 +15,7 @@ from einops import rearrange
 from torch import nn
 
 from slimformer.kernels.attention import attention, self_attention
-from slimformer.layers.sharing import NotScriptable, share_parameters
+from slimformer.layers.sharing import NotScriptable, has_user_hooks, share_parameters
 
 
 class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
@@ -243,6 +243,32 @@ class SelfAttention(NotScriptable, nn.Module):
 _UNSUPPORTED_HF_ARGUMENTS = {"softcap": "logit soft-capping", "s_aux": "attention sinks"}
 
 
+def _attention_with_weights(query, key, value, attention_mask, dropout, scaling, is_causal):
+    """(output (batch, q_len, heads, d), probabilities (batch, heads, q_len, kv_len)), formed
+    as transformers' eager attention forms them, for a call that asks for the weights.
+    ``attention_mask``: None, (batch, kv_len) or a broadcastable 4-d mask, bool (True =
+    attend) or additive."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    groups = query.shape[1] // key.shape[1]
+    key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None and attention_mask.dim() == 2:  # (batch, kv_len) padding, True = token
+        attention_mask = attention_mask[:, None, None, :]
+    elif attention_mask is not None:
+        is_causal = False  # a built mask already holds the causal pattern
+    if is_causal:  # aligned bottom-right, as transformers does when the lengths differ
+        q_len, kv_len = scores.shape[-2:]
+        causal = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+        attention_mask = causal if attention_mask is None else attention_mask & causal
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    elif attention_mask is not None:
+        scores = scores + attention_mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
 def register_transformers_attention(name: str = "slimformer") -> str:
     """Register ``slimformer.attention`` with HuggingFace transformers (>= 5) as ``name``.
 
@@ -255,8 +281,11 @@ def register_transformers_attention(name: str = "slimformer") -> str:
     sliding windows, packed sequences, custom mask functions) is built as transformers'
     boolean sdpa mask and read through its broadcast strides. Returns ``name``.
 
-    The registered function raises NotImplementedError for a model that asks for logit
-    soft-capping or attention sinks.
+    A call with ``output_attentions`` (the model was asked for its attention weights), or
+    on an attention module with hooks of a user (which may read them), runs the attention
+    in PyTorch instead, as transformers' eager attention does, and returns the
+    probabilities with it. The registered function raises NotImplementedError for a model
+    that asks for logit soft-capping or attention sinks.
 
     Raises:
         ImportError: transformers is not installed.
@@ -282,6 +311,8 @@ def register_transformers_attention(name: str = "slimformer") -> str:
                 f"use another attn_implementation for {type(module).__name__}"
             )
         is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
+        if kwargs.get("output_attentions") or has_user_hooks(module):  # someone reads the weights
+            return _attention_with_weights(query, key, value, attention_mask, dropout, scaling, is_causal)
         key_padding_mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask, key_padding_mask = None, ~attention_mask

@@ -42,6 +42,15 @@ def has_call_hooks(module: nn.Module) -> bool:
     return any(getattr(module, name) for name in _CALL_HOOKS)
 
 
+def has_user_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks, other than transformers' output
+    capturing hooks (inactive unless outputs such as attentions are asked for)."""
+    hooks = (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks)
+    return any(
+        "output_capturing_hook" not in getattr(hook, "__qualname__", "") for table in hooks for hook in table.values()
+    )
+
+
 class NotScriptable:
     """Mixin: ``torch.jit.script`` of the module (or of a model holding it) says why it
     cannot work, instead of failing somewhere inside TorchScript's compiler."""

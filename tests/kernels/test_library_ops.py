@@ -8,12 +8,13 @@ small shapes, fp32 and bf16, with and without dropout.
 import pytest
 import torch
 
-from slimformer.kernels.activation import _mlp_op
+from slimformer.kernels.activation import _mlp_backward_op, _mlp_op
 from slimformer.kernels.attention import _attention_op, _self_attention_op
 from slimformer.kernels.dropout import _dropout_add_op
 from slimformer.kernels.linear_cross_entropy import _linear_cross_entropy_op
 from slimformer.kernels.norm import _norm_op
 from slimformer.kernels.philox import new_dropout_seed
+from slimformer.kernels.projection import _projections_backward_op, _projections_op
 from slimformer.kernels.varlen_attention import _varlen_op
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -80,6 +81,24 @@ def test_fused_mlp(dtype, dropout_p, recompute_fc1, activation):
     w2 = _randn(12, 20, dtype=dtype)
     b2 = _randn(12, dtype=dtype) if activation == "gelu" else None
     _opcheck(_mlp_op, (x, w1, b1, w2, b2, _seed(dropout_p), activation, dropout_p, recompute_fc1))
+    # the backward op on its own: it writes dx into the tensor passed (a declared mutation)
+    h = None if recompute_fc1 else torch.randn(9, fc1_rows, dtype=dtype)
+    dx = torch.empty(9, 12, dtype=dtype)
+    args = (torch.randn(9, 12, dtype=dtype), x.detach(), w1.detach(), b1.detach(), w2.detach(), h,
+            _seed(dropout_p), activation, dropout_p, b2 is not None, dx)  # fmt: skip
+    _opcheck(_mlp_backward_op, args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("biases", [(True, True, True), (True, False, True)], ids=["biases", "no-key-bias"])
+def test_projections(dtype, biases):
+    x = _randn(9, 12, dtype=dtype)
+    weights = [_randn(rows, 12, dtype=dtype) for rows in (12, 12, 7)]
+    bias_list = [_randn(w.shape[0], dtype=dtype) if b else None for w, b in zip(weights, biases)]
+    _opcheck(_projections_op, (x, *(t for pair in zip(weights, bias_list) for t in pair)))
+    grads = [torch.randn(9, w.shape[0], dtype=dtype) for w in weights]
+    detached = [w.detach() for w in weights]
+    _opcheck(_projections_backward_op, (*grads, x.detach(), *detached, list(biases), torch.empty(9, 12, dtype=dtype)))
 
 
 @DTYPE_DROPOUT

@@ -312,6 +312,31 @@ def test_transformers_decoder_with_cache_and_gqa(backend):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_transformers_output_attentions_forms_eager_weights():
+    # causal, GQA and left padding: the weights (and outputs) eager attention gives
+    transformers = pytest.importorskip("transformers", minversion="5")
+    from slimformer.layers.attention import register_transformers_attention
+
+    name = register_transformers_attention()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.LlamaModel(config).eval()
+    input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0
+    results = {}
+    for implementation in ("eager", name):
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            out = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        results[implementation] = (out.attentions[0], out.last_hidden_state[attention_mask.bool()])
+    for actual, expected in zip(results[name], results["eager"]):
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("argument", ["softcap", "s_aux"])
 def test_transformers_arguments_the_kernel_lacks_raise(argument):
     transformers = pytest.importorskip("transformers", minversion="5")
