@@ -269,8 +269,8 @@ def _attention_fwd_tile(
                         offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, EDGE, TMA)  # fmt: skip
     p = p.to(v.dtype)
     if HAS_DROPOUT:
-        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
-        p = dropout_mma_apply(p, words, byte, dropout_threshold_and_scale(dropout_p)[0])
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
+        p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
     acc = _dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
     return acc, l_i, m_new
 
@@ -437,10 +437,10 @@ def _attention_bwd_dkdv_tile(
     dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True)
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True)
         # r applied to dv at the end
-        dv = _dot(dropout_mma_apply(p_t.to(do.dtype), words, byte, threshold), do, dv, PRECISION, UPCAST)
-        ds_t = p_t * (dropout_mma_apply(dp_t, words, byte, threshold) * scale - delta[None, :])
+        dv = _dot(dropout_mma_apply(p_t.to(do.dtype), words0, words1, byte, threshold), do, dv, PRECISION, UPCAST)
+        ds_t = p_t * (dropout_mma_apply(dp_t, words0, words1, byte, threshold) * scale - delta[None, :])
     else:
         dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -596,8 +596,8 @@ def _attention_bwd_dq_tile(
     dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
-        ds = p * (dropout_mma_apply(dp, words, byte, threshold) * scale - delta[:, None])
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
+        ds = p * (dropout_mma_apply(dp, words0, words1, byte, threshold) * scale - delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
     return _dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)

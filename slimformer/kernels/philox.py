@@ -180,33 +180,70 @@ def _philox_zero_high(seed, c0, c1):
 
 
 @triton.jit
-def _copies22(word):
-    """[..., 2, 2] copies of ``word``."""
+def _copies222(word):
+    """[..., 2, 2, 2] copies of ``word``."""
     pair = tl.join(word, word)
-    return tl.join(pair, pair)
+    quad = tl.join(pair, pair)
+    return tl.join(quad, quad)
+
+
+# Compiled, the words a lane hands its partner (lane ^ 4: the one holding the other row,
+# or key, parity of the same 4 × 4 groups) move with one SHFL each. Right only where the
+# exchanged dimension is lane bit 2, which ``tests/kernels/test_philox_layout.py`` checks
+# in the compiled attention kernels' TTGIR; the interpreter swaps the dimension instead.
+_SWAP_LANE4: tl.constexpr = tl.constexpr("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;")
+_PERMUTE: tl.constexpr = tl.constexpr("prmt.b32 $0, $1, $2, $3;")
+
+
+@triton.jit
+def _swap_pairs(x):
+    """x [A, B, 2, C, D] with its dimension 2 swapped: the partner's values."""
+    if _INLINE_PTX:
+        return tl.inline_asm_elementwise(_SWAP_LANE4, "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        low, high = tl.split(tl.permute(x, (0, 1, 3, 4, 2)))
+        return tl.permute(tl.join(high, low), (0, 1, 4, 2, 3))
+
+
+@triton.jit
+def _byte_pairs(low, high, half):
+    """Bytes 2 · half and 2 · half + 1 of ``low`` then of ``high``, as one word."""
+    if _INLINE_PTX:
+        selector = tl.where(half == 0, 0x5410, 0x7632).to(tl.uint32)
+        return tl.inline_asm_elementwise(_PERMUTE, "=r,r,r,r", [low, high, selector], dtype=tl.uint32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        shift = (16 * half).to(tl.uint32)
+        return ((low >> shift) & 0xFFFF) | (((high >> shift) & 0xFFFF) << 16)
 
 
 @triton.jit
 def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
-    """(words, byte), uint32 [BLOCK_R, BLOCK_C]: the Philox word that decides each element of
-    rows ``row_start + arange(BLOCK_R)`` and columns ``col_start + arange(BLOCK_C)`` of
-    stream ``stream``'s dropout matrix (``n_cols`` columns), and which of its bytes (0..3);
-    with TRANSPOSED both are [BLOCK_C, BLOCK_R], the transpose. The attention scheme of the
-    module docstring; ``dropout_mma_apply`` drops with them. row_start, col_start, BLOCK_R,
-    BLOCK_C: multiples of 16.
+    """(words0, words1, byte), uint32 [BLOCK_R, BLOCK_C]: what decides each element of rows
+    ``row_start + arange(BLOCK_R)`` and columns ``col_start + arange(BLOCK_C)`` of stream
+    ``stream``'s dropout matrix (``n_cols`` columns): byte ``byte`` (0..7) of the 8 bytes of
+    (words0, words1); with TRANSPOSED all three are [BLOCK_C, BLOCK_R], the transpose. The
+    attention scheme of the module docstring; ``dropout_mma_apply`` drops with them.
+    row_start, col_start, BLOCK_R, BLOCK_C: multiples of 16, and row_start (TRANSPOSED) or
+    col_start (else) a multiple of 32 when that block size is.
 
-    The words are built as [x // 16, x % 16 // 8, x % 8 // 2, x % 2, y // 16, y % 16 // 8,
-    y % 8 // 2, y % 2] (x, y: the tile's first and second index) and reshaped, which is the
-    order of the accumulator layout's lanes and registers; the bytes come from the tile's
-    own index bits.
+    x, y: the tile's first and second index. Each lane pair (lane, lane ^ 4: x % 2 = 0, 1)
+    holds half of the same 4 × 4 group in each 16 × 16 block; over two blocks along y
+    (when BLOCK_Y >= 32) each lane computes one of the two groups, keeps its own half and
+    swaps the other with its partner. Everything is built on [x // 16, x % 8 // 2, x % 2,
+    y // 32, y % 8 // 2]-shaped tensors and reshaped, which is the order of the accumulator
+    layout's lanes and registers; the bytes come from the tile's own index bits.
     """
     BLOCK_X: tl.constexpr = BLOCK_C if TRANSPOSED else BLOCK_R
     BLOCK_Y: tl.constexpr = BLOCK_R if TRANSPOSED else BLOCK_C
-    x_blocks = tl.arange(0, BLOCK_X // 16)[:, None, None, None]
-    x_pairs = tl.arange(0, 4)[None, :, None, None]
-    y_blocks = tl.arange(0, BLOCK_Y // 16)[None, None, :, None]
-    y_pairs = tl.arange(0, 4)[None, None, None, :]
+    PAIRED: tl.constexpr = BLOCK_Y >= 32
+    HALVES: tl.constexpr = 2 if PAIRED else 1  # the y blocks one lane pair shares out
+    x_blocks = tl.arange(0, BLOCK_X // 16)[:, None, None, None, None]
+    x_pairs = tl.arange(0, 4)[None, :, None, None, None]
+    half = tl.arange(0, HALVES)[None, None, :, None, None]  # = x % 2 of the lane that computes it
+    y_blocks = (2 * tl.arange(0, BLOCK_Y // 32 if PAIRED else 1))[None, None, None, :, None] + half
+    y_pairs = tl.arange(0, 4)[None, None, None, None, :]
     col_blocks = (n_cols + 15) // 16
     if TRANSPOSED:
         block = (row_start // 16 + y_blocks) * col_blocks + col_start // 16 + x_blocks
@@ -216,88 +253,107 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
         group = 4 * x_pairs + y_pairs
     counters = (block * 16 + group).to(tl.uint32)
     w0, w1, w2, w3 = _philox_zero_high(seed, counters, stream.to(tl.uint32))
-    w0, w1, w2, w3 = w0[:, :, None, :, :], w1[:, :, None, :, :], w2[:, :, None, :, :], w3[:, :, None, :, :]
-    x_odd = tl.arange(0, 2)[None, None, :, None, None]  # x % 2
+    x = tl.arange(0, BLOCK_X)[:, None]
+    y = tl.arange(0, BLOCK_Y)[None, :]
     if TRANSPOSED:
-        # x holds columns, y rows: y's bits pick the word (2 · (y % 16 // 8) + y % 2), x's the byte
-        shape: tl.constexpr = (BLOCK_X // 16, 4, 2, BLOCK_Y // 16, 4)  # x % 2 takes no part
-        w0, w1, w2, w3 = tl.broadcast_to(w0, shape), tl.broadcast_to(w1, shape), tl.broadcast_to(w2, shape), \
-            tl.broadcast_to(w3, shape)
-        k0 = tl.join(tl.join(w0, w2), tl.join(w1, w3))
-        k1 = k0
-        x = tl.arange(0, BLOCK_X)[:, None]
-        byte = 2 * (x % 16 // 8) + x % 2 + tl.zeros([BLOCK_X, BLOCK_Y], tl.int32)
+        # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8)
+        word_bit = y % 2 ^ (col_start // 16 + x // 16) % 2
+        if PAIRED:
+            # the lane of key parity `half` uses bytes 2 · half, 2 · half + 1 of every word: packed
+            a0, a1 = _byte_pairs(w0, w2, half), _byte_pairs(w1, w3, half)
+            b0, b1 = _swap_pairs(_byte_pairs(w0, w2, 1 - half)), _swap_pairs(_byte_pairs(w1, w3, 1 - half))
+            partners = (row_start // 16 + y // 16) % 2 ^ x % 2  # the query block the partner computed
+            byte = 2 * word_bit + x % 16 // 8 + 4 * partners
+            # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, y % 16 // 8, y % 32 // 16, x % 16 // 8, y % 2]
+            order: tl.constexpr = (0, 7, 1, 2, 3, 6, 5, 4, 8)
+        else:
+            a0, a1, b0, b1 = w0, w1, w2, w3
+            byte = 4 * word_bit + 2 * (x % 2) + x % 16 // 8
+            # [x // 16, x % 8 // 2, -, -, y % 8 // 2, y % 16 // 8, x % 16 // 8, x % 2, y % 2]
+            order: tl.constexpr = (0, 6, 1, 7, 2, 3, 5, 4, 8)
     else:
-        # x holds rows: x's bits pick the word (2 · (x % 16 // 8) + x % 2), y's the byte
-        k0 = _copies22(tl.where(x_odd == 0, w0, w1))
-        k1 = _copies22(tl.where(x_odd == 0, w2, w3))
-        y = tl.arange(0, BLOCK_Y)[None, :]
-        byte = 2 * (y % 16 // 8) + y % 2 + tl.zeros([BLOCK_X, BLOCK_Y], tl.int32)
-    # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8]
-    words = tl.join(k0, k1)
-    words = tl.permute(words, (0, 7, 1, 2, 3, 5, 4, 6))
-    return tl.reshape(words, (BLOCK_X, BLOCK_Y)), byte.to(tl.uint32)
+        # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
+        word_bit = x % 2 ^ (col_start // 16 + y // 16) % 2
+        a0, a1 = w0, w1
+        if PAIRED:
+            b0, b1 = _swap_pairs(w2), _swap_pairs(w3)
+            # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, x % 16 // 8, y % 32 // 16, y % 16 // 8, y % 2]
+            order: tl.constexpr = (0, 5, 1, 2, 3, 6, 7, 4, 8)
+        else:
+            b0, b1 = w2, w3
+            # [x // 16, x % 8 // 2, -, -, y % 8 // 2, x % 16 // 8, x % 2, y % 16 // 8, y % 2]
+            order: tl.constexpr = (0, 5, 1, 6, 2, 3, 7, 4, 8)
+        byte = 4 * word_bit + 2 * (y % 2) + y % 16 // 8
+    words0 = tl.reshape(tl.permute(_copies222(tl.join(a0, a1)), order), (BLOCK_X, BLOCK_Y))
+    words1 = tl.reshape(tl.permute(_copies222(tl.join(b0, b1)), order), (BLOCK_X, BLOCK_Y))
+    return words0, words1, byte.to(tl.uint32)
 
 
 # Inline PTX of ``dropout_mma_apply``, one element per 32-bit lane of x or two per 16-bit
-# pair. f = the byte-wise x >= t of word w and t4 = t in every byte, in bit 7 of each byte:
-# d = (w | 0x80808080) − (t4 & 0x7F7F7F7F) carries no borrow between bytes and its bit 7 is
-# (low 7 bits of w's byte) >= (t's), so w >= t is (w7 & ~t7) | (~(w7 ^ t7) & d7), one
-# lop3 (0xB2); prmt with a sign-replicating selector (8 | byte) copies an element's bit 7
-# to all its bytes, the mask that x is and-ed with.
+# pair (which share their two words: adjacent columns of one group, or of the two groups
+# of a lane pair). f = the byte-wise w >= t of a word w, t4 = t in every byte, in bit 7
+# of each byte: d = (w | 0x80808080) − (t4 & 0x7F7F7F7F) carries no borrow between bytes
+# and its bit 7 is (low 7 bits of w's byte) >= (t's), so w >= t is (w7 & ~t7) |
+# (~(w7 ^ t7) & d7), one lop3 (0xB2); prmt with a sign-replicating selector (8 | byte)
+# copies an element's bit 7, from f of words0 or of words1, to all its bytes: the mask
+# that x is and-ed with.
 _APPLY_16: tl.constexpr = tl.constexpr("""{
 .reg .b32 d, m, f0, f1, s0, s1;
-and.b32 m, $6, 0x7F7F7F7F;
+and.b32 m, $8, 0x7F7F7F7F;
 or.b32 d, $2, 0x80808080;
 sub.u32 d, d, m;
-lop3.b32 f0, $2, $6, d, 0xB2;
-and.b32 m, $7, 0x7F7F7F7F;
-or.b32 d, $3, 0x80808080;
+lop3.b32 f0, $2, $8, d, 0xB2;
+or.b32 d, $4, 0x80808080;
 sub.u32 d, d, m;
-lop3.b32 f1, $3, $7, d, 0xB2;
-or.b32 s0, $4, 8;
+lop3.b32 f1, $4, $8, d, 0xB2;
+or.b32 s0, $6, 8;
 mul.lo.u32 s0, s0, 0x11;
-or.b32 s1, $5, 12;
+or.b32 s1, $7, 8;
 mul.lo.u32 s1, s1, 0x1100;
 or.b32 s0, s0, s1;
 prmt.b32 m, f0, f1, s0;
 and.b32 $0, $1, m;
 }""")
 _APPLY_32: tl.constexpr = tl.constexpr("""{
-.reg .b32 d, m, f, s;
-and.b32 m, $4, 0x7F7F7F7F;
+.reg .b32 d, m, f0, f1, s;
+and.b32 m, $5, 0x7F7F7F7F;
 or.b32 d, $2, 0x80808080;
 sub.u32 d, d, m;
-lop3.b32 f, $2, $4, d, 0xB2;
-or.b32 s, $3, 8;
+lop3.b32 f0, $2, $5, d, 0xB2;
+or.b32 d, $3, 0x80808080;
+sub.u32 d, d, m;
+lop3.b32 f1, $3, $5, d, 0xB2;
+or.b32 s, $4, 8;
 mul.lo.u32 s, s, 0x1111;
-prmt.b32 m, f, f, s;
+prmt.b32 m, f0, f1, s;
 and.b32 $0, $1, m;
 }""")
 
 
 @triton.jit
-def dropout_mma_apply(x, words, byte, threshold):
-    """``x`` where byte ``byte`` of ``words`` (``dropout_mma_words``) is >= ``threshold``
-    (``dropout_threshold_and_scale``), else 0; x: 16- or 32-bit floats of the words' shape.
+def dropout_mma_apply(x, words0, words1, byte, threshold):
+    """``x`` where byte ``byte`` of (``words0``, ``words1``) (``dropout_mma_words``: bytes 0..3
+    of words0, then of words1) is >= ``threshold`` (``dropout_threshold_and_scale``), else 0;
+    x: 16- or 32-bit floats of the words' shape.
 
-    Compiled, four decisions are made by three instructions on the packed word and applied
-    with a byte permute and an and per element (16-bit: per pair); the interpreter (and
-    other element sizes) compares byte by byte, with the same result.
+    Compiled, a word's four decisions are made by three instructions and applied with a
+    byte permute and an and per element (16-bit: per pair, whose words are the same); the
+    interpreter (and other element sizes) compares byte by byte, with the same result.
     """
     BITS: tl.constexpr = x.dtype.primitive_bitwidth
     if _INLINE_PTX and (BITS == 16 or BITS == 32):
         t4 = threshold * 0x01010101
         if BITS == 16:
-            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True), words,
-                                             byte, t4], dtype=tl.uint16, is_pure=True, pack=2)  # fmt: skip
+            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True),
+                                             words0, words1, byte, t4], dtype=tl.uint16, is_pure=True, pack=2)  # fmt: skip
             return bits.to(x.dtype, bitcast=True)
         else:
-            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words, byte,
-                                             t4], dtype=tl.uint32, is_pure=True, pack=1)  # fmt: skip
+            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words0,
+                                             words1, byte, t4], dtype=tl.uint32, is_pure=True, pack=1)  # fmt: skip
             return bits.to(x.dtype, bitcast=True)
     else:
-        return tl.where((words >> (8 * byte)) & 0xFF >= threshold, x, 0.0)
+        words = tl.where(byte < 4, words0, words1)
+        return tl.where((words >> (8 * (byte % 4))) & 0xFF >= threshold, x, 0.0)
 
 
 # An opaque op, so that torch.compile draws the seed from torch's generator exactly as
@@ -413,10 +469,14 @@ def dropout_keep_mma_block(
     blocks = row_blocks * (-(-n_cols // 16)) + torch.arange(col_blocks, device=device)[None, None, :, None]
     groups = blocks * 16 + 4 * pairs[None, :, None, None] + pairs[None, None, None, :]
     counters = groups + (torch.arange(streams, device=device) << 32).view(-1, 1, 1, 1, 1)
-    # [stream, i // 16, i % 8 // 2, j // 16, j % 8 // 2, i % 16 // 8, i % 2, j % 16 // 8, j % 2]
+    # [stream, i // 16, i % 8 // 2, j // 16, j % 8 // 2, word // 2, i % 16 // 8, j % 2, j % 16 // 8]
     decision_bytes = _philox4x32(seed, counters, ATTENTION_PHILOX_ROUNDS).view(torch.uint8)
     decision_bytes = decision_bytes.view(*counters.shape, 2, 2, 2, 2)
+    # word // 2 = i % 2 ^ (j // 16) % 2
+    odd_blocks = (torch.arange(col_blocks, device=device) % 2 == 1).view(1, 1, 1, -1, 1, 1, 1, 1)
+    low, high = decision_bytes[..., 0, :, :, :], decision_bytes[..., 1, :, :, :]
+    by_row_parity = torch.stack((torch.where(odd_blocks, high, low), torch.where(odd_blocks, low, high)), dim=-1)
     # -> [stream, i // 16, i % 16 // 8, i % 8 // 2, i % 2, j // 16, j % 16 // 8, j % 8 // 2, j % 2]
-    rows = rearrange(decision_bytes, "s ib ip jb jp ih io jh jo -> s (ib ih ip io) (jb jh jp jo)")
+    rows = rearrange(by_row_parity, "s ib ip jb jp ih jo jh io -> s (ib ih ip io) (jb jh jp jo)")
     start = row_start - first_block * 16
     return rows[:, start : start + row_stop - row_start, :n_block_cols] >= threshold
