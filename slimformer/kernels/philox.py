@@ -265,12 +265,14 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
             partners = (row_start // 16 + y // 16) % 2 ^ x % 2  # the query block the partner computed
             byte = 2 * word_bit + x % 16 // 8 + 4 * partners
             # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, y % 16 // 8, y % 32 // 16, x % 16 // 8, y % 2]
-            order: tl.constexpr = (0, 7, 1, 2, 3, 6, 5, 4, 8)
+            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
+            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
         else:
             a0, a1, b0, b1 = w0, w1, w2, w3
             byte = 4 * word_bit + 2 * (x % 2) + x % 16 // 8
             # [x // 16, x % 8 // 2, -, -, y % 8 // 2, y % 16 // 8, x % 16 // 8, x % 2, y % 2]
-            order: tl.constexpr = (0, 6, 1, 7, 2, 3, 5, 4, 8)
+            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 6, 1, 7, 2, 3, 5, 4, 8))
+            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 6, 1, 7, 2, 3, 5, 4, 8))
     else:
         # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
         word_bit = x % 2 ^ (col_start // 16 + y // 16) % 2
@@ -278,15 +280,15 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
         if PAIRED:
             b0, b1 = _swap_pairs(w2), _swap_pairs(w3)
             # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, x % 16 // 8, y % 32 // 16, y % 16 // 8, y % 2]
-            order: tl.constexpr = (0, 5, 1, 2, 3, 6, 7, 4, 8)
+            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 5, 1, 2, 3, 6, 7, 4, 8))
+            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 5, 1, 2, 3, 6, 7, 4, 8))
         else:
             b0, b1 = w2, w3
             # [x // 16, x % 8 // 2, -, -, y % 8 // 2, x % 16 // 8, x % 2, y % 16 // 8, y % 2]
-            order: tl.constexpr = (0, 5, 1, 6, 2, 3, 7, 4, 8)
+            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 5, 1, 6, 2, 3, 7, 4, 8))
+            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 5, 1, 6, 2, 3, 7, 4, 8))
         byte = 4 * word_bit + 2 * (y % 2) + y % 16 // 8
-    words0 = tl.reshape(tl.permute(_copies222(tl.join(a0, a1)), order), (BLOCK_X, BLOCK_Y))
-    words1 = tl.reshape(tl.permute(_copies222(tl.join(b0, b1)), order), (BLOCK_X, BLOCK_Y))
-    return words0, words1, byte.to(tl.uint32)
+    return tl.reshape(words0, (BLOCK_X, BLOCK_Y)), tl.reshape(words1, (BLOCK_X, BLOCK_Y)), byte.to(tl.uint32)
 
 
 # Inline PTX of ``dropout_mma_apply``, one element per 32-bit lane of x or two per 16-bit
