@@ -203,13 +203,15 @@ def _masked_scores(
 
 @triton.jit
 def _dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   KEYS_FIRST: tl.constexpr):  # fmt: skip
+                   KEYS_FIRST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     """The words and bytes that decide z for queries start_m .. start_m + BLOCK_M and keys
     start_n .. start_n + BLOCK_N ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST):
     stream ``off_bh`` = batch · heads + head of ``philox.py``'s attention scheme, drawn in
-    the tile's register layout, for ``dropout_mma_apply``. The kernels apply
-    r = 1 / (1 − p) outside the loops where it is linear, else in an existing multiply-add."""
-    return dropout_mma_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, KEYS_FIRST)
+    the tile's register layout, for ``dropout_mma_apply``; lane pairs share out their
+    Philox calls where the tile is a tensor-core accumulator (fp32 "ieee" dots run on CUDA
+    cores, in another layout). The kernels apply r = 1 / (1 − p) outside the loops where
+    it is linear, else in an existing multiply-add."""
+    return dropout_mma_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, KEYS_FIRST, PRECISION != "ieee")
 
 
 @triton.jit
@@ -269,7 +271,8 @@ def _attention_fwd_tile(
                         offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, EDGE, TMA)  # fmt: skip
     p = p.to(v.dtype)
     if HAS_DROPOUT:
-        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
+                                              PRECISION)
         p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
     acc = _dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
     return acc, l_i, m_new
@@ -437,7 +440,8 @@ def _attention_bwd_dkdv_tile(
     dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True)
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True,
+                                              PRECISION)
         # r applied to dv at the end
         dv = _dot(dropout_mma_apply(p_t.to(do.dtype), words0, words1, byte, threshold), do, dv, PRECISION, UPCAST)
         ds_t = p_t * (dropout_mma_apply(dp_t, words0, words1, byte, threshold) * scale - delta[None, :])
@@ -596,7 +600,8 @@ def _attention_bwd_dq_tile(
     dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
+                                              PRECISION)
         ds = p * (dropout_mma_apply(dp, words0, words1, byte, threshold) * scale - delta[:, None])
     else:
         ds = p * (dp - delta[:, None])

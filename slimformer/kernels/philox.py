@@ -218,15 +218,16 @@ def _byte_pairs(low, high, half):
 
 
 @triton.jit
-def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      TRANSPOSED: tl.constexpr, LANE_PAIRS: tl.constexpr):  # fmt: skip
     """(words0, words1, byte), uint32 [BLOCK_R, BLOCK_C]: what decides each element of rows
     ``row_start + arange(BLOCK_R)`` and columns ``col_start + arange(BLOCK_C)`` of stream
     ``stream``'s dropout matrix (``n_cols`` columns): byte ``byte`` (0..7) of the 8 bytes of
     (words0, words1); with TRANSPOSED all three are [BLOCK_C, BLOCK_R], the transpose. The
     attention scheme of the module docstring; ``dropout_mma_apply`` drops with them.
-    row_start, col_start, BLOCK_R, BLOCK_C: multiples of 16, and row_start (TRANSPOSED) or
-    col_start (else) a multiple of 32 when that block size is.
+    row_start, col_start, BLOCK_R, BLOCK_C: multiples of 16, and row_start (col_start) a
+    multiple of 32 where BLOCK_R (BLOCK_C) is. LANE_PAIRS: the tile is a
+    tensor-core accumulator (wgmma or mma.sync), the only layout the lane swap is right in.
 
     x, y: the tile's first and second index. Each lane pair (lane, lane ^ 4: x % 2 = 0, 1)
     holds half of the same 4 × 4 group in each 16 × 16 block; over two blocks along y
@@ -237,12 +238,15 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
     """
     BLOCK_X: tl.constexpr = BLOCK_C if TRANSPOSED else BLOCK_R
     BLOCK_Y: tl.constexpr = BLOCK_R if TRANSPOSED else BLOCK_C
-    PAIRED: tl.constexpr = BLOCK_Y >= 32
+    PAIRED: tl.constexpr = LANE_PAIRS and BLOCK_Y >= 32
     HALVES: tl.constexpr = 2 if PAIRED else 1  # the y blocks one lane pair shares out
     x_blocks = tl.arange(0, BLOCK_X // 16)[:, None, None, None, None]
     x_pairs = tl.arange(0, 4)[None, :, None, None, None]
     half = tl.arange(0, HALVES)[None, None, :, None, None]  # = x % 2 of the lane that computes it
-    y_blocks = (2 * tl.arange(0, BLOCK_Y // 32 if PAIRED else 1))[None, None, None, :, None] + half
+    if PAIRED:
+        y_blocks = 2 * tl.arange(0, BLOCK_Y // 32)[None, None, None, :, None] + half
+    else:
+        y_blocks = tl.arange(0, BLOCK_Y // 16)[None, None, None, :, None]
     y_pairs = tl.arange(0, 4)[None, None, None, None, :]
     col_blocks = (n_cols + 15) // 16
     if TRANSPOSED:
@@ -255,14 +259,23 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
     w0, w1, w2, w3 = _philox_zero_high(seed, counters, stream.to(tl.uint32))
     x = tl.arange(0, BLOCK_X)[:, None]
     y = tl.arange(0, BLOCK_Y)[None, :]
+    # The key block's parity: from the tile's own index bits (so that every byte index is a
+    # constant of the register), or for a tile of one key block by relabelling the words.
+    BLOCK_KEYS: tl.constexpr = BLOCK_X if TRANSPOSED else BLOCK_Y
+    if BLOCK_KEYS >= 32:
+        key_parity = (x if TRANSPOSED else y) // 16 % 2
+    else:
+        odd = (col_start // 16) % 2 == 1
+        w0, w1, w2, w3 = tl.where(odd, w2, w0), tl.where(odd, w3, w1), tl.where(odd, w0, w2), tl.where(odd, w1, w3)
+        key_parity = 0
     if TRANSPOSED:
         # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8)
-        word_bit = y % 2 ^ (col_start // 16 + x // 16) % 2
+        word_bit = y % 2 ^ key_parity
         if PAIRED:
             # the lane of key parity `half` uses bytes 2 · half, 2 · half + 1 of every word: packed
             a0, a1 = _byte_pairs(w0, w2, half), _byte_pairs(w1, w3, half)
             b0, b1 = _swap_pairs(_byte_pairs(w0, w2, 1 - half)), _swap_pairs(_byte_pairs(w1, w3, 1 - half))
-            partners = (row_start // 16 + y // 16) % 2 ^ x % 2  # the query block the partner computed
+            partners = y // 16 % 2 ^ x % 2  # the query block the partner computed
             byte = 2 * word_bit + x % 16 // 8 + 4 * partners
             # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, y % 16 // 8, y % 32 // 16, x % 16 // 8, y % 2]
             words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
@@ -275,7 +288,7 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
             words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 6, 1, 7, 2, 3, 5, 4, 8))
     else:
         # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
-        word_bit = x % 2 ^ (col_start // 16 + y // 16) % 2
+        word_bit = x % 2 ^ key_parity
         a0, a1 = w0, w1
         if PAIRED:
             b0, b1 = _swap_pairs(w2), _swap_pairs(w3)

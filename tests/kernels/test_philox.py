@@ -77,12 +77,12 @@ def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols, keys_first):
 
 @triton.jit
 def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+                          BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr, LANE_PAIRS: tl.constexpr):  # fmt: skip
     tile_r = tl.arange(0, BLOCK_R)
     tile_c = tl.arange(0, BLOCK_C)
     threshold, _ = dropout_threshold_and_scale(tl.load(P))
     words0, words1, byte = dropout_mma_words(tl.load(SEED), stream, row_start, col_start, n_cols, BLOCK_R, BLOCK_C,
-                                             TRANSPOSED)  # fmt: skip
+                                             TRANSPOSED, LANE_PAIRS)  # fmt: skip
     if TRANSPOSED:
         ptrs = OUT + tile_c[:, None] + tile_r[None, :] * BLOCK_C
     else:
@@ -95,21 +95,21 @@ def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BL
 DROP_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
+@pytest.mark.parametrize("lane_pairs", [True, False], ids=["lane-pairs", "no-lane-pairs"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["queries-first", "keys-first"])
 @pytest.mark.parametrize("block_r, block_c", [(16, 32), (32, 16)])
-def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c):
+def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c, lane_pairs):
     seed = torch.tensor(0x5EED_1234_ABCD, dtype=torch.int64)
     p = 0.3
     n_rows, n_cols, streams = 70, 97, 3
     whole = dropout_keep_mma_block(seed, streams, 0, 80, 112, n_cols, p)
-    # a lane pair shares out two 16-blocks along the tile's second index when it has them: aligned to 32
-    paired = (block_r if transposed else block_c) >= 32
-    last = (1, 32, 64) if paired else (1, 48, 80)
+    # tiles of 32 start at multiples of 32; those of 16 also at odd blocks
+    last = (1, 48 if block_r == 16 else 32, 80 if block_c == 16 else 64)
     for (stream, row_start, col_start), dtype in zip([(0, 0, 0), (2, 32, 96), last], DROP_DTYPES):
         out = torch.empty(block_r, block_c, dtype=dtype, device=DEVICE)
         p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
         _keep_mma_tile_kernel[(1,)](seed.to(DEVICE), out, p32, stream, row_start, col_start, n_cols, BLOCK_R=block_r,
-                                    BLOCK_C=block_c, TRANSPOSED=transposed)  # fmt: skip
+                                    BLOCK_C=block_c, TRANSPOSED=transposed, LANE_PAIRS=lane_pairs)  # fmt: skip
         expected = whole[stream, row_start : row_start + block_r, col_start : col_start + block_c]
         got = out.cpu()[: expected.shape[0], : expected.shape[1]]
         assert torch.all((got == 0) | (got == 1))
