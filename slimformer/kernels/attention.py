@@ -203,15 +203,14 @@ def _masked_scores(
 
 @triton.jit
 def _dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   KEYS_FIRST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                   KEYS_FIRST: tl.constexpr, HAS_DROPOUT: tl.constexpr):  # fmt: skip
     """The words and bytes that decide z for queries start_m .. start_m + BLOCK_M and keys
     start_n .. start_n + BLOCK_N ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST):
     stream ``off_bh`` = batch · heads + head of ``philox.py``'s attention scheme, drawn in
     the tile's register layout, for ``dropout_mma_apply``; lane pairs share out their
-    Philox calls where the tile is a tensor-core accumulator (fp32 "ieee" dots run on CUDA
-    cores, in another layout). The kernels apply r = 1 / (1 − p) outside the loops where
-    it is linear, else in an existing multiply-add."""
-    return dropout_mma_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, KEYS_FIRST, PRECISION != "ieee")
+    Philox calls where HAS_DROPOUT is 2 (``_kernel_flags``). The kernels apply
+    r = 1 / (1 − p) outside the loops where it is linear, else in an existing multiply-add."""
+    return dropout_mma_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, KEYS_FIRST, HAS_DROPOUT == 2)
 
 
 @triton.jit
@@ -272,7 +271,7 @@ def _attention_fwd_tile(
     p = p.to(v.dtype)
     if HAS_DROPOUT:
         words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
-                                              PRECISION)
+                                              HAS_DROPOUT)
         p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
     acc = _dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
     return acc, l_i, m_new
@@ -441,7 +440,7 @@ def _attention_bwd_dkdv_tile(
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
         words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True,
-                                              PRECISION)
+                                              HAS_DROPOUT)
         # r applied to dv at the end
         dv = _dot(dropout_mma_apply(p_t.to(do.dtype), words0, words1, byte, threshold), do, dv, PRECISION, UPCAST)
         ds_t = p_t * (dropout_mma_apply(dp_t, words0, words1, byte, threshold) * scale - delta[None, :])
@@ -601,7 +600,7 @@ def _attention_bwd_dq_tile(
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
         words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
-                                              PRECISION)
+                                              HAS_DROPOUT)
         ds = p * (dropout_mma_apply(dp, words0, words1, byte, threshold) * scale - delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
@@ -864,9 +863,15 @@ def _config_kind(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor 
 
 
 def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
+    """HAS_DROPOUT: 0 without dropout, 1 with, 2 with where the fused kernels' lane pairs
+    share out Philox calls (``philox.dropout_mma_words``): in wgmma accumulators (sm_90's
+    16-bit dots), the layouts that ``tests/kernels/test_philox_layout.py`` proves the lane
+    swap right in (on sm_80 Triton computes it in another)."""
+    dropout = dropout_p > 0.0
+    lane_pairs = dropout and q.dtype != torch.float32 and _device_arch(q) // 10 == 9
     return dict(
         IS_CAUSAL=is_causal,
-        HAS_DROPOUT=dropout_p > 0.0,
+        HAS_DROPOUT=2 if lane_pairs else int(dropout),
         HEAD_DIM=q.shape[-1],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,

@@ -309,38 +309,30 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.co
 # of a lane pair). f = the byte-wise w >= t of a word w, t4 = t in every byte, in bit 7
 # of each byte: d = (w | 0x80808080) − (t4 & 0x7F7F7F7F) carries no borrow between bytes
 # and its bit 7 is (low 7 bits of w's byte) >= (t's), so w >= t is (w7 & ~t7) |
-# (~(w7 ^ t7) & d7), one lop3 (0xB2); prmt with a sign-replicating selector (8 | byte)
-# copies an element's bit 7, from f of words0 or of words1, to all its bytes: the mask
-# that x is and-ed with.
+# (~(w7 ^ t7) & d7), one lop3 (0xB2); prmt with sign-replicating selector nibbles (8 |
+# byte) copies each element's bit 7, from f of words0 or of words1, to all its bytes: the
+# mask that x is and-ed with. The selectors and t4 & 0x7F7F7F7F come in as operands: they
+# do not change in the loops, and outside the asm the compiler hoists them.
 _APPLY_16: tl.constexpr = tl.constexpr("""{
-.reg .b32 d, m, f0, f1, s0, s1;
-and.b32 m, $8, 0x7F7F7F7F;
+.reg .b32 d, m, f0, f1;
 or.b32 d, $2, 0x80808080;
-sub.u32 d, d, m;
+sub.u32 d, d, $10;
 lop3.b32 f0, $2, $8, d, 0xB2;
 or.b32 d, $4, 0x80808080;
-sub.u32 d, d, m;
+sub.u32 d, d, $10;
 lop3.b32 f1, $4, $8, d, 0xB2;
-or.b32 s0, $6, 8;
-mul.lo.u32 s0, s0, 0x11;
-or.b32 s1, $7, 8;
-mul.lo.u32 s1, s1, 0x1100;
-or.b32 s0, s0, s1;
-prmt.b32 m, f0, f1, s0;
+prmt.b32 m, f0, f1, $6;
 and.b32 $0, $1, m;
 }""")
 _APPLY_32: tl.constexpr = tl.constexpr("""{
-.reg .b32 d, m, f0, f1, s;
-and.b32 m, $5, 0x7F7F7F7F;
+.reg .b32 d, m, f0, f1;
 or.b32 d, $2, 0x80808080;
-sub.u32 d, d, m;
+sub.u32 d, d, $6;
 lop3.b32 f0, $2, $5, d, 0xB2;
 or.b32 d, $3, 0x80808080;
-sub.u32 d, d, m;
+sub.u32 d, d, $6;
 lop3.b32 f1, $3, $5, d, 0xB2;
-or.b32 s, $4, 8;
-mul.lo.u32 s, s, 0x1111;
-prmt.b32 m, f0, f1, s;
+prmt.b32 m, f0, f1, $4;
 and.b32 $0, $1, m;
 }""")
 
@@ -349,22 +341,31 @@ and.b32 $0, $1, m;
 def dropout_mma_apply(x, words0, words1, byte, threshold):
     """``x`` where byte ``byte`` of (``words0``, ``words1``) (``dropout_mma_words``: bytes 0..3
     of words0, then of words1) is >= ``threshold`` (``dropout_threshold_and_scale``), else 0;
-    x: 16- or 32-bit floats of the words' shape.
+    x: 16- or 32-bit floats of the words' shape [M, N].
 
     Compiled, a word's four decisions are made by three instructions and applied with a
-    byte permute and an and per element (16-bit: per pair, whose words are the same); the
-    interpreter (and other element sizes) compares byte by byte, with the same result.
+    byte permute and an and per element (16-bit: per pair of columns 2c, 2c + 1, whose
+    words are the same); the interpreter (and other element sizes) compares byte by byte,
+    with the same result.
     """
     BITS: tl.constexpr = x.dtype.primitive_bitwidth
     if _INLINE_PTX and (BITS == 16 or BITS == 32):
         t4 = threshold * 0x01010101
+        t4_low = t4 & 0x7F7F7F7F
+        nibble = byte | 8
         if BITS == 16:
-            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True),
-                                             words0, words1, byte, t4], dtype=tl.uint16, is_pure=True, pack=2)  # fmt: skip
+            # the pair's selector: element 0's mask in bytes 0-1, element 1's in bytes 2-3
+            even, odd = tl.split(tl.reshape(nibble, (x.shape[0], x.shape[1] // 2, 2)))
+            selector = even * 0x11 | odd * 0x1100
+            selector = tl.reshape(tl.join(selector, selector), (x.shape[0], x.shape[1]))
+            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True),
+                                             words0, words1, selector, t4, t4_low], dtype=tl.uint16, is_pure=True,
+                                             pack=2)  # fmt: skip
             return bits.to(x.dtype, bitcast=True)
         else:
-            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words0,
-                                             words1, byte, t4], dtype=tl.uint32, is_pure=True, pack=1)  # fmt: skip
+            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words0,
+                                             words1, nibble * 0x1111, t4, t4_low], dtype=tl.uint32, is_pure=True,
+                                             pack=1)  # fmt: skip
             return bits.to(x.dtype, bitcast=True)
     else:
         words = tl.where(byte < 4, words0, words1)

@@ -255,12 +255,15 @@ def test_compiled_dropout_math_is_the_interpreted_math():
     high = torch.arange(t.numel()) % 2 == 1
     words0, words1 = torch.where(high, other_word, word), torch.where(high, word, other_word)
     byte = position + 4 * high
-    out = _run_ptx(philox._APPLY_32.value, [None, x, words0, words1, byte, t4])["$0"]
+    t4_low = t4 & 0x7F7F7F7F
+    out = _run_ptx(philox._APPLY_32.value, [None, x, words0, words1, (byte | 8) * 0x1111, t4, t4_low])["$0"]
     assert torch.equal(out, torch.where(keep, x, 0))
     # 16-bit pairs: element 0 in the low half, element 1 decided by another byte of the same two words
     byte_1 = torch.roll(byte, 777)
     keep_1 = (torch.where(byte_1 < 4, words0, words1) >> (8 * (byte_1 % 4))) & 0xFF >= t
-    out = _run_ptx(philox._APPLY_16.value, [None, x, words0, words0, words1, words1, byte, byte_1, t4, t4])["$0"]
+    selector = (byte | 8) * 0x11 | (byte_1 | 8) * 0x1100
+    out = _run_ptx(philox._APPLY_16.value, [None, x, words0, words0, words1, words1, selector, selector, t4, t4,
+                                            t4_low, t4_low])["$0"]  # fmt: skip
     assert torch.equal(out, torch.where(keep, x & 0xFFFF, 0) | torch.where(keep_1, x & 0xFFFF0000, 0))
     # the lane pair's byte packing (dK/dV): bytes 2 · half, 2 · half + 1 of low, then of high
     for half in (0, 1):
