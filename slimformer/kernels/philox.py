@@ -180,10 +180,16 @@ def _philox_zero_high(seed, c0, c1):
 
 
 @triton.jit
+def _copies22(word):
+    """[..., 2, 2] copies of ``word``."""
+    pair = tl.join(word, word)
+    return tl.join(pair, pair)
+
+
+@triton.jit
 def _copies222(word):
     """[..., 2, 2, 2] copies of ``word``."""
-    pair = tl.join(word, word)
-    quad = tl.join(pair, pair)
+    quad = _copies22(word)
     return tl.join(quad, quad)
 
 
@@ -259,48 +265,53 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.co
     w0, w1, w2, w3 = _philox_zero_high(seed, counters, stream.to(tl.uint32))
     x = tl.arange(0, BLOCK_X)[:, None]
     y = tl.arange(0, BLOCK_Y)[None, :]
-    # The key block's parity: from the tile's own index bits (so that every byte index is a
-    # constant of the register), or for a tile of one key block by relabelling the words.
+    # The key block's parity: from the tile's own index bits where it holds two key blocks
+    # (so that the byte indices are constants of the registers), else the tile's.
     BLOCK_KEYS: tl.constexpr = BLOCK_X if TRANSPOSED else BLOCK_Y
     if BLOCK_KEYS >= 32:
         key_parity = (x if TRANSPOSED else y) // 16 % 2
     else:
-        odd = (col_start // 16) % 2 == 1
-        w0, w1, w2, w3 = tl.where(odd, w2, w0), tl.where(odd, w3, w1), tl.where(odd, w0, w2), tl.where(odd, w1, w3)
-        key_parity = 0
-    if TRANSPOSED:
-        # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8)
-        word_bit = y % 2 ^ key_parity
-        if PAIRED:
-            # the lane of key parity `half` uses bytes 2 · half, 2 · half + 1 of every word: packed
-            a0, a1 = _byte_pairs(w0, w2, half), _byte_pairs(w1, w3, half)
-            b0, b1 = _swap_pairs(_byte_pairs(w0, w2, 1 - half)), _swap_pairs(_byte_pairs(w1, w3, 1 - half))
-            partners = y // 16 % 2 ^ x % 2  # the query block the partner computed
-            byte = 2 * word_bit + x % 16 // 8 + 4 * partners
-            # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, y % 16 // 8, y % 32 // 16, x % 16 // 8, y % 2]
-            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
-            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
+        key_parity = (col_start // 16) % 2
+    if not PAIRED:
+        # both lanes of a pair compute the group; each element's word is picked here
+        if TRANSPOSED:
+            # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8)
+            even = (x_blocks % 2 if BLOCK_KEYS >= 32 else key_parity) == 0
+            words = tl.join(tl.join(tl.where(even, w0, w2), tl.where(even, w1, w3)),
+                            tl.join(tl.where(even, w2, w0), tl.where(even, w3, w1)))  # fmt: skip
+            # [x // 16, x % 8 // 2, -, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8, x % 2]
+            words = tl.permute(_copies22(words), (0, 7, 1, 8, 2, 3, 5, 4, 6))
+            byte = 2 * (x % 2) + x % 16 // 8
         else:
-            a0, a1, b0, b1 = w0, w1, w2, w3
-            byte = 4 * word_bit + 2 * (x % 2) + x % 16 // 8
-            # [x // 16, x % 8 // 2, -, -, y % 8 // 2, y % 16 // 8, x % 16 // 8, x % 2, y % 2]
-            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 6, 1, 7, 2, 3, 5, 4, 8))
-            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 6, 1, 7, 2, 3, 5, 4, 8))
+            # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
+            low = (tl.arange(0, 2)[None, None, :, None, None] ^ (y_blocks % 2 if BLOCK_KEYS >= 32 else key_parity)) == 0
+            words = tl.join(tl.where(low, w0, w2), tl.where(low, w1, w3))
+            # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, x % 16 // 8, y % 16 // 8, y % 2]
+            words = tl.permute(_copies22(words), (0, 5, 1, 2, 3, 6, 4, 7))
+            byte = 2 * (y % 2) + y % 16 // 8
+        words0 = words
+        words1 = words
+    elif TRANSPOSED:
+        if BLOCK_KEYS < 32:  # one key block: its words relabelled
+            odd = key_parity == 1
+            w0, w1, w2, w3 = tl.where(odd, w2, w0), tl.where(odd, w3, w1), tl.where(odd, w0, w2), tl.where(odd, w1, w3)
+            key_parity = 0
+        # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8).
+        # The lane of key parity `half` uses bytes 2 · half, 2 · half + 1 of every word: packed.
+        a0, a1 = _byte_pairs(w0, w2, half), _byte_pairs(w1, w3, half)
+        b0, b1 = _swap_pairs(_byte_pairs(w0, w2, 1 - half)), _swap_pairs(_byte_pairs(w1, w3, 1 - half))
+        partners = y // 16 % 2 ^ x % 2  # the query block the partner computed
+        byte = 2 * (y % 2 ^ key_parity) + x % 16 // 8 + 4 * partners
+        # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, y % 16 // 8, y % 32 // 16, x % 16 // 8, y % 2]
+        words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
+        words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
     else:
-        # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
-        word_bit = x % 2 ^ key_parity
-        a0, a1 = w0, w1
-        if PAIRED:
-            b0, b1 = _swap_pairs(w2), _swap_pairs(w3)
-            # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, x % 16 // 8, y % 32 // 16, y % 16 // 8, y % 2]
-            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 5, 1, 2, 3, 6, 7, 4, 8))
-            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 5, 1, 2, 3, 6, 7, 4, 8))
-        else:
-            b0, b1 = w2, w3
-            # [x // 16, x % 8 // 2, -, -, y % 8 // 2, x % 16 // 8, x % 2, y % 16 // 8, y % 2]
-            words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 5, 1, 6, 2, 3, 7, 4, 8))
-            words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 5, 1, 6, 2, 3, 7, 4, 8))
-        byte = 4 * word_bit + 2 * (y % 2) + y % 16 // 8
+        # x: queries, y: keys; the lane of query parity `half` computes the group of key block
+        # 2 · (y // 32) + half and keeps its words 0, 1 (its rows'), the partner's 2, 3 swapped in
+        byte = 4 * (x % 2 ^ key_parity) + 2 * (y % 2) + y % 16 // 8
+        # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, x % 16 // 8, y % 32 // 16, y % 16 // 8, y % 2]
+        words0 = tl.permute(_copies222(tl.join(w0, w1)), (0, 5, 1, 2, 3, 6, 7, 4, 8))
+        words1 = tl.permute(_copies222(tl.join(_swap_pairs(w2), _swap_pairs(w3))), (0, 5, 1, 2, 3, 6, 7, 4, 8))
     return tl.reshape(words0, (BLOCK_X, BLOCK_Y)), tl.reshape(words1, (BLOCK_X, BLOCK_Y)), byte.to(tl.uint32)
 
 
