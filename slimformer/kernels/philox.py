@@ -34,29 +34,51 @@ groups.
 Attention uses a second scheme, laid out for the tensor cores' accumulators. Its scores
 live in registers in the MMA layout (the same for wgmma and mma.sync): a thread holds,
 of every 16 × 16 block, rows ``r, r + 8`` and columns ``2c, 2c + 1, 2c + 8, 2c + 9``;
-the dK/dV kernel holds the transposed tile, keys by queries, in the same layout. A
-16-element group that sits in one thread's registers in both orientations has at most 4
-elements, so each 16 × 16 block of a (batch, head)'s (seq_q, seq_k) matrix is cut into 16
-groups of 4 × 4: rows ``{2a, 2a + 1, 2a + 8, 2a + 9}`` × columns ``{2b, 2b + 1, 2b + 8, 2b + 9}``,
-one Philox-4x32 call each (7 rounds, ``ATTENTION_PHILOX_ROUNDS``), and either
-orientation's thread uses 8 of its 16 bytes:
+the dK/dV kernel holds the transposed tile, keys by queries, in the same layout. Each
+16 × 16 block of a (batch, head)'s (seq_q, seq_k) matrix is cut into 16 groups of 4 × 4,
+rows ``{2a, 2a + 1, 2a + 8, 2a + 9}`` × columns ``{2b, 2b + 1, 2b + 8, 2b + 9}``, one
+Philox-4x32 call each (7 rounds, ``ATTENTION_PHILOX_ROUNDS``):
 
     element (i, j) of stream s = b · heads + h:
         counter = (c0, c1) = (((i // 16) · ceil(seq_k / 16) + j // 16) · 16 + 4 · ((i % 8) // 2) + (j % 8) // 2,  s)
-        word    = 2 · ((i % 16) // 8) + i % 2,   byte = 2 · ((j % 16) // 8) + j % 2,   keep = byte >= t.
+        word    = 2 · (i % 2 ^ (j // 16) % 2) + (i % 16) // 8,   byte = 2 · (j % 2) + (j % 16) // 8,
+        keep    = byte >= t.
 
-Each element's word is built in registers from the tile's own index bits (``tl.join``
-and a reshape that Triton maps onto the accumulator layout), so no random byte crosses
-threads or shared memory. ``dropout_mma_words`` gives a tile's words and byte indices,
-``dropout_mma_apply`` zeroes the dropped elements, ``dropout_keep_mma_block`` is the
-PyTorch half. Compiled, they run a little inline PTX that the interpreter cannot: each
-Philox product is one ``mul.wide.u32`` (IMAD.WIDE.U32, both halves) rather than a high
-and a low multiply, and a word's four decisions are made at once (a byte-wise compare in
-three instructions) and applied with a byte permute and an ``and`` per 32-bit register,
-which holds two elements of the 16-bit P. Per call, sm_90: about 26 instructions of
-Philox-4x32-7, and ~2 per element to decide and apply (was ~42 and ~5). The ``tl`` twins
-that the interpreter runs give the same bits; ``tests/kernels/test_philox.py`` executes
-the PTX instruction by instruction against them.
+A group lies in two threads in either orientation: lanes ``l`` and ``l ^ 4``, which
+hold its rows 2a and 2a + 1 (forward, dQ) or its columns (dK/dV), 8 bytes each: the
+words of their row (forward), two bytes of every word (dK/dV). So the call is not made
+twice: over two neighbouring 16-blocks along the tile's second index (key blocks 2k,
+2k + 1 in the forward and dQ, query blocks in dK/dV), each lane computes the group of
+the block whose parity is its own (``i % 2``, or ``j % 2`` in dK/dV), keeps its half
+and hands the other to its partner with one ``SHFL.BFLY`` per 32-bit register: two
+per call. The ``^ (j // 16) % 2`` in the word makes what a forward lane keeps (words 0
+and 1) and sends (2 and 3) the same registers in every lane; in dK/dV a lane packs the
+bytes it keeps and sends into two registers each (``PRMT``). An element is then decided
+by one of the 8 bytes of a pair of words (its lane's own and the swapped ones): the
+byte index (``dropout_mma_words``) is a constant of its register, or a per-lane one.
+Tiles of a single 16-block along that index (masked launches' 64 × 16 forward and
+16-query dK/dV tiles) compute each call in both lanes, as do launches whose lane
+swap is not proven (below). Words and bytes are built in registers from the tile's own
+index bits (``tl.join`` and a reshape that Triton maps onto the accumulator layout), so
+no random byte goes through shared memory. ``dropout_mma_words`` gives a tile's words and
+byte indices, ``dropout_mma_apply`` zeroes the dropped elements,
+``dropout_keep_mma_block`` is the PyTorch half.
+
+Compiled, they run a little inline PTX that the interpreter cannot: each Philox product
+is one ``mul.wide.u32`` (IMAD.WIDE.U32, both halves) rather than a high and a low
+multiply; a word's four decisions are made at once (a byte-wise compare in three
+instructions) and applied with a byte permute and an ``and`` per 32-bit register, which
+holds two elements of the 16-bit P; and the lane swap is ``shfl.sync.bfly``. The swap is
+right only where Triton keeps the swapped dimension on lane bit 2:
+``tests/kernels/test_philox_layout.py`` compiles every sm_90 config that a 16-bit
+dropout launch takes and checks it in the TTGIR. On sm_80 Triton computes the words in
+a blocked layout where lane bit 2 walks another dimension (that test found it), and fp32
+dots run on CUDA cores in other layouts, so those launches do not swap
+(``attention._kernel_flags``). The ``tl`` twins that the interpreter runs give the same
+bits (the swap exchanges the tensor's halves); ``tests/kernels/test_philox.py`` executes
+the apply's and the packing's PTX instruction by instruction against them. Per call,
+sm_90: about 26 instructions of Philox-4x32-7, made once instead of twice, plus two
+shuffles, and ~2 per element to decide and apply.
 """
 
 import math
@@ -312,7 +334,8 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.co
         # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, x % 16 // 8, y % 32 // 16, y % 16 // 8, y % 2]
         words0 = tl.permute(_copies222(tl.join(w0, w1)), (0, 5, 1, 2, 3, 6, 7, 4, 8))
         words1 = tl.permute(_copies222(tl.join(_swap_pairs(w2), _swap_pairs(w3))), (0, 5, 1, 2, 3, 6, 7, 4, 8))
-    return tl.reshape(words0, (BLOCK_X, BLOCK_Y)), tl.reshape(words1, (BLOCK_X, BLOCK_Y)), byte.to(tl.uint32)
+    byte = tl.broadcast_to(byte, (BLOCK_X, BLOCK_Y)).to(tl.uint32)
+    return tl.reshape(words0, (BLOCK_X, BLOCK_Y)), tl.reshape(words1, (BLOCK_X, BLOCK_Y)), byte
 
 
 # Inline PTX of ``dropout_mma_apply``, one element per 32-bit lane of x or two per 16-bit
