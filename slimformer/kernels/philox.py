@@ -298,11 +298,13 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.co
         # both lanes of a pair compute the group; each element's word is picked here
         if TRANSPOSED:
             # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8)
-            even = (x_blocks % 2 if BLOCK_KEYS >= 32 else key_parity) == 0
+            # x % 2 (lane bit 2) as a broadcast dimension: a joined one would be registers
+            key_odd = tl.zeros([1, 1, 2, 1, 1], tl.int32) + (x_blocks % 2 if BLOCK_KEYS >= 32 else key_parity)
+            even = key_odd == 0
             words = tl.join(tl.join(tl.where(even, w0, w2), tl.where(even, w1, w3)),
                             tl.join(tl.where(even, w2, w0), tl.where(even, w3, w1)))  # fmt: skip
-            # [x // 16, x % 8 // 2, -, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8, x % 2]
-            words = tl.permute(_copies22(words), (0, 7, 1, 8, 2, 3, 5, 4, 6))
+            # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8]
+            words = tl.permute(tl.join(words, words), (0, 7, 1, 2, 3, 5, 4, 6))
             byte = 2 * (x % 2) + x % 16 // 8
         else:
             # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
