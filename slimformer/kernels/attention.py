@@ -690,8 +690,10 @@ def _attention_bwd_dq_kernel(
 # and need only a little more than plain ones. Picked by compiling the runtime
 # specialisations for sm_90: wgmma for every dot, at least two pipeline stages, shared
 # memory within 227 KB, no register spills where some config avoids them (with dropout,
-# the plain dK/dV configs at d64 (and at d128 with 2 stages) spill 4-44 B in some
-# specialisation, and so do 128 x 128 dQ tiles at d64 and d128).
+# the plain dK/dV config at d64 spills 4-44 B in some specialisation, and so do 128 x 128
+# dQ tiles at d64 and d128). The d128 dropout dK/dV takes 2 stages: with 3, ptxas
+# serializes its wgmmas (warning C7515), 25 more loop instructions than its 2-stage
+# build; GQA with dropout spills there either way (20-196 B; 44-180 B with 3 stages).
 # BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
     "fwd": (
@@ -704,7 +706,7 @@ _TENSOR_CORE_CONFIGS = {
     # on mma.sync do not (16 query rows with masks, whose tiles need more).
     "dkdv": (
         (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
-        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 2)),
         (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
     # dK/dV with dQ's atomics (deterministic=False): the dkdv tiles plus a transient
@@ -1010,9 +1012,12 @@ def _attention_bwd(
     dq_acc = None if deterministic else torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkdv_kind = "grouped" if kind == "plain" and heads != kv_heads else kind
     dkdv_config = _block_config(head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", dkdv_kind, _device_arch(q))
+    # GQA's loop over the group's heads holds more: lane pairs sharing out Philox calls
+    # (same bits) made its dK/dV tiles spill (d64 causal: 36 B, none without them)
+    dkdv_flags = dict(flags, HAS_DROPOUT=min(flags["HAS_DROPOUT"], 1)) if heads != kv_heads else flags
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, dq_acc, seed, *masks,
-        *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
+        *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **dkdv_flags, **dkdv_config,
         DQ_ATOMIC=not deterministic,
     )
     if not deterministic:
