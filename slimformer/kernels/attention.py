@@ -203,13 +203,14 @@ def _masked_scores(
 
 @triton.jit
 def _dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   KEYS_FIRST: tl.constexpr):  # fmt: skip
+                   KEYS_FIRST: tl.constexpr, HAS_DROPOUT: tl.constexpr):  # fmt: skip
     """The words and bytes that decide z for queries start_m .. start_m + BLOCK_M and keys
     start_n .. start_n + BLOCK_N ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST):
     stream ``off_bh`` = batch · heads + head of ``philox.py``'s attention scheme, drawn in
-    the tile's register layout, for ``dropout_mma_apply``. The kernels apply
+    the tile's register layout, for ``dropout_mma_apply``; lane pairs share out their
+    Philox calls where HAS_DROPOUT is 2 (``_kernel_flags``). The kernels apply
     r = 1 / (1 − p) outside the loops where it is linear, else in an existing multiply-add."""
-    return dropout_mma_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, KEYS_FIRST)
+    return dropout_mma_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, KEYS_FIRST, HAS_DROPOUT == 2)
 
 
 @triton.jit
@@ -269,8 +270,9 @@ def _attention_fwd_tile(
                         offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, EDGE, TMA)  # fmt: skip
     p = p.to(v.dtype)
     if HAS_DROPOUT:
-        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
-        p = dropout_mma_apply(p, words, byte, dropout_threshold_and_scale(dropout_p)[0])
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
+                                              HAS_DROPOUT)
+        p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
     acc = _dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
     return acc, l_i, m_new
 
@@ -437,10 +439,11 @@ def _attention_bwd_dkdv_tile(
     dp_t = _dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True)
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True,
+                                              HAS_DROPOUT)
         # r applied to dv at the end
-        dv = _dot(dropout_mma_apply(p_t.to(do.dtype), words, byte, threshold), do, dv, PRECISION, UPCAST)
-        ds_t = p_t * (dropout_mma_apply(dp_t, words, byte, threshold) * scale - delta[None, :])
+        dv = _dot(dropout_mma_apply(p_t.to(do.dtype), words0, words1, byte, threshold), do, dv, PRECISION, UPCAST)
+        ds_t = p_t * (dropout_mma_apply(dp_t, words0, words1, byte, threshold) * scale - delta[None, :])
     else:
         dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -596,8 +599,9 @@ def _attention_bwd_dq_tile(
     dp = _dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False)
-        ds = p * (dropout_mma_apply(dp, words, byte, threshold) * scale - delta[:, None])
+        words0, words1, byte = _dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
+                                              HAS_DROPOUT)
+        ds = p * (dropout_mma_apply(dp, words0, words1, byte, threshold) * scale - delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
     return _dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
@@ -686,8 +690,10 @@ def _attention_bwd_dq_kernel(
 # and need only a little more than plain ones. Picked by compiling the runtime
 # specialisations for sm_90: wgmma for every dot, at least two pipeline stages, shared
 # memory within 227 KB, no register spills where some config avoids them (with dropout,
-# the plain dK/dV configs at d64 (and at d128 with 2 stages) spill 4-44 B in some
-# specialisation, and so do 128 x 128 dQ tiles at d64 and d128).
+# the plain dK/dV config at d64 spills 4-44 B in some specialisation, and so do 128 x 128
+# dQ tiles at d64 and d128). The d128 dropout dK/dV takes 2 stages: with 3, ptxas
+# serializes its wgmmas (warning C7515), 25 more loop instructions than its 2-stage
+# build; GQA with dropout spills there either way (20-196 B; 44-180 B with 3 stages).
 # BLOCK_M indexes queries and BLOCK_N keys in every kernel.
 _TENSOR_CORE_CONFIGS = {
     "fwd": (
@@ -700,7 +706,7 @@ _TENSOR_CORE_CONFIGS = {
     # on mma.sync do not (16 query rows with masks, whose tiles need more).
     "dkdv": (
         (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
-        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3)),
+        (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 2)),
         (256, (32, 32, 8, 2), (16, 32, 8, 2), (32, 32, 8, 2)),
     ),
     # dK/dV with dQ's atomics (deterministic=False): the dkdv tiles plus a transient
@@ -901,9 +907,15 @@ def _config_kind(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor 
 
 
 def _kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
+    """HAS_DROPOUT: 0 without dropout, 1 with, 2 with where the fused kernels' lane pairs
+    share out Philox calls (``philox.dropout_mma_words``): in wgmma accumulators (sm_90's
+    16-bit dots), the layouts that ``tests/kernels/test_philox_layout.py`` proves the lane
+    swap right in (on sm_80 Triton computes it in another)."""
+    dropout = dropout_p > 0.0
+    lane_pairs = dropout and q.dtype != torch.float32 and _device_arch(q) // 10 == 9
     return dict(
         IS_CAUSAL=is_causal,
-        HAS_DROPOUT=dropout_p > 0.0,
+        HAS_DROPOUT=2 if lane_pairs else int(dropout),
         HEAD_DIM=q.shape[-1],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
@@ -1044,9 +1056,12 @@ def _attention_bwd(
     dkdv_config = _block_config(
         head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", dkdv_kind, _device_arch(q), _device_shared_bytes(q)
     )
+    # GQA's loop over the group's heads holds more: lane pairs sharing out Philox calls
+    # (same bits) made its dK/dV tiles spill (d64 causal: 36 B, none without them)
+    dkdv_flags = dict(flags, HAS_DROPOUT=min(flags["HAS_DROPOUT"], 1)) if heads != kv_heads else flags
     _attention_bwd_dkdv_kernel[_grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv, dq_acc, seed, *masks,
-        *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **flags, **dkdv_config,
+        *_head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **dkdv_flags, **dkdv_config,
         DQ_ATOMIC=not deterministic,
     )
     if not deterministic:

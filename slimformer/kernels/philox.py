@@ -34,29 +34,51 @@ groups.
 Attention uses a second scheme, laid out for the tensor cores' accumulators. Its scores
 live in registers in the MMA layout (the same for wgmma and mma.sync): a thread holds,
 of every 16 × 16 block, rows ``r, r + 8`` and columns ``2c, 2c + 1, 2c + 8, 2c + 9``;
-the dK/dV kernel holds the transposed tile, keys by queries, in the same layout. A
-16-element group that sits in one thread's registers in both orientations has at most 4
-elements, so each 16 × 16 block of a (batch, head)'s (seq_q, seq_k) matrix is cut into 16
-groups of 4 × 4: rows ``{2a, 2a + 1, 2a + 8, 2a + 9}`` × columns ``{2b, 2b + 1, 2b + 8, 2b + 9}``,
-one Philox-4x32 call each (7 rounds, ``ATTENTION_PHILOX_ROUNDS``), and either
-orientation's thread uses 8 of its 16 bytes:
+the dK/dV kernel holds the transposed tile, keys by queries, in the same layout. Each
+16 × 16 block of a (batch, head)'s (seq_q, seq_k) matrix is cut into 16 groups of 4 × 4,
+rows ``{2a, 2a + 1, 2a + 8, 2a + 9}`` × columns ``{2b, 2b + 1, 2b + 8, 2b + 9}``, one
+Philox-4x32 call each (7 rounds, ``ATTENTION_PHILOX_ROUNDS``):
 
     element (i, j) of stream s = b · heads + h:
         counter = (c0, c1) = (((i // 16) · ceil(seq_k / 16) + j // 16) · 16 + 4 · ((i % 8) // 2) + (j % 8) // 2,  s)
-        word    = 2 · ((i % 16) // 8) + i % 2,   byte = 2 · ((j % 16) // 8) + j % 2,   keep = byte >= t.
+        word    = 2 · (i % 2 ^ (j // 16) % 2) + (i % 16) // 8,   byte = 2 · (j % 2) + (j % 16) // 8,
+        keep    = byte >= t.
 
-Each element's word is built in registers from the tile's own index bits (``tl.join``
-and a reshape that Triton maps onto the accumulator layout), so no random byte crosses
-threads or shared memory. ``dropout_mma_words`` gives a tile's words and byte indices,
-``dropout_mma_apply`` zeroes the dropped elements, ``dropout_keep_mma_block`` is the
-PyTorch half. Compiled, they run a little inline PTX that the interpreter cannot: each
-Philox product is one ``mul.wide.u32`` (IMAD.WIDE.U32, both halves) rather than a high
-and a low multiply, and a word's four decisions are made at once (a byte-wise compare in
-three instructions) and applied with a byte permute and an ``and`` per 32-bit register,
-which holds two elements of the 16-bit P. Per call, sm_90: about 26 instructions of
-Philox-4x32-7, and ~2 per element to decide and apply (was ~42 and ~5). The ``tl`` twins
-that the interpreter runs give the same bits; ``tests/kernels/test_philox.py`` executes
-the PTX instruction by instruction against them.
+A group lies in two threads in either orientation: lanes ``l`` and ``l ^ 4``, which
+hold its rows 2a and 2a + 1 (forward, dQ) or its columns (dK/dV), 8 bytes each: the
+words of their row (forward), two bytes of every word (dK/dV). So the call is not made
+twice: over two neighbouring 16-blocks along the tile's second index (key blocks 2k,
+2k + 1 in the forward and dQ, query blocks in dK/dV), each lane computes the group of
+the block whose parity is its own (``i % 2``, or ``j % 2`` in dK/dV), keeps its half
+and hands the other to its partner with one ``SHFL.BFLY`` per 32-bit register: two
+per call. The ``^ (j // 16) % 2`` in the word makes what a forward lane keeps (words 0
+and 1) and sends (2 and 3) the same registers in every lane; in dK/dV a lane packs the
+bytes it keeps and sends into two registers each (``PRMT``). An element is then decided
+by one of the 8 bytes of a pair of words (its lane's own and the swapped ones): the
+byte index (``dropout_mma_words``) is a constant of its register, or a per-lane one.
+Tiles of a single 16-block along that index (masked launches' 64 × 16 forward and
+16-query dK/dV tiles) compute each call in both lanes, as do launches whose lane
+swap is not proven (below). Words and bytes are built in registers from the tile's own
+index bits (``tl.join`` and a reshape that Triton maps onto the accumulator layout), so
+no random byte goes through shared memory. ``dropout_mma_words`` gives a tile's words and
+byte indices, ``dropout_mma_apply`` zeroes the dropped elements,
+``dropout_keep_mma_block`` is the PyTorch half.
+
+Compiled, they run a little inline PTX that the interpreter cannot: each Philox product
+is one ``mul.wide.u32`` (IMAD.WIDE.U32, both halves) rather than a high and a low
+multiply; a word's four decisions are made at once (a byte-wise compare in three
+instructions) and applied with a byte permute and an ``and`` per 32-bit register, which
+holds two elements of the 16-bit P; and the lane swap is ``shfl.sync.bfly``. The swap is
+right only where Triton keeps the swapped dimension on lane bit 2:
+``tests/kernels/test_philox_layout.py`` compiles every sm_90 config that a 16-bit
+dropout launch takes and checks it in the TTGIR. On sm_80 Triton computes the words in
+a blocked layout where lane bit 2 walks another dimension (that test found it), and fp32
+dots run on CUDA cores in other layouts, so those launches do not swap
+(``attention._kernel_flags``). The ``tl`` twins that the interpreter runs give the same
+bits (the swap exchanges the tensor's halves); ``tests/kernels/test_philox.py`` executes
+the apply's and the packing's PTX instruction by instruction against them. Per call,
+sm_90: about 26 instructions of Philox-4x32-7, made once instead of twice, plus two
+shuffles, and ~2 per element to decide and apply.
 """
 
 import math
@@ -187,26 +209,73 @@ def _copies22(word):
 
 
 @triton.jit
-def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
-    """(words, byte), uint32 [BLOCK_R, BLOCK_C]: the Philox word that decides each element of
-    rows ``row_start + arange(BLOCK_R)`` and columns ``col_start + arange(BLOCK_C)`` of
-    stream ``stream``'s dropout matrix (``n_cols`` columns), and which of its bytes (0..3);
-    with TRANSPOSED both are [BLOCK_C, BLOCK_R], the transpose. The attention scheme of the
-    module docstring; ``dropout_mma_apply`` drops with them. row_start, col_start, BLOCK_R,
-    BLOCK_C: multiples of 16.
+def _copies222(word):
+    """[..., 2, 2, 2] copies of ``word``."""
+    quad = _copies22(word)
+    return tl.join(quad, quad)
 
-    The words are built as [x // 16, x % 16 // 8, x % 8 // 2, x % 2, y // 16, y % 16 // 8,
-    y % 8 // 2, y % 2] (x, y: the tile's first and second index) and reshaped, which is the
-    order of the accumulator layout's lanes and registers; the bytes come from the tile's
-    own index bits.
+
+# Compiled, the words a lane hands its partner (lane ^ 4: the one holding the other row,
+# or key, parity of the same 4 × 4 groups) move with one SHFL each. Right only where the
+# exchanged dimension is lane bit 2, which ``tests/kernels/test_philox_layout.py`` checks
+# in the compiled attention kernels' TTGIR; the interpreter swaps the dimension instead.
+_SWAP_LANE4: tl.constexpr = tl.constexpr("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;")
+_PERMUTE: tl.constexpr = tl.constexpr("prmt.b32 $0, $1, $2, $3;")
+
+
+@triton.jit
+def _swap_pairs(x):
+    """x [A, B, 2, C, D] with its dimension 2 swapped: the partner's values."""
+    if _INLINE_PTX:
+        return tl.inline_asm_elementwise(_SWAP_LANE4, "=r,r", [x], dtype=tl.uint32, is_pure=True, pack=1)
+    else:
+        low, high = tl.split(tl.permute(x, (0, 1, 3, 4, 2)))
+        return tl.permute(tl.join(high, low), (0, 1, 4, 2, 3))
+
+
+@triton.jit
+def _byte_pairs(low, high, half):
+    """Bytes 2 · half and 2 · half + 1 of ``low`` then of ``high``, as one word."""
+    if _INLINE_PTX:
+        selector = tl.where(half == 0, 0x5410, 0x7632).to(tl.uint32)
+        return tl.inline_asm_elementwise(_PERMUTE, "=r,r,r,r", [low, high, selector], dtype=tl.uint32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        shift = (16 * half).to(tl.uint32)
+        return ((low >> shift) & 0xFFFF) | (((high >> shift) & 0xFFFF) << 16)
+
+
+@triton.jit
+def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      TRANSPOSED: tl.constexpr, LANE_PAIRS: tl.constexpr):  # fmt: skip
+    """(words0, words1, byte), uint32 [BLOCK_R, BLOCK_C]: what decides each element of rows
+    ``row_start + arange(BLOCK_R)`` and columns ``col_start + arange(BLOCK_C)`` of stream
+    ``stream``'s dropout matrix (``n_cols`` columns): byte ``byte`` (0..7) of the 8 bytes of
+    (words0, words1); with TRANSPOSED all three are [BLOCK_C, BLOCK_R], the transpose. The
+    attention scheme of the module docstring; ``dropout_mma_apply`` drops with them.
+    row_start, col_start, BLOCK_R, BLOCK_C: multiples of 16, and row_start (col_start) a
+    multiple of 32 where BLOCK_R (BLOCK_C) is. LANE_PAIRS: the tile is a
+    tensor-core accumulator (wgmma or mma.sync), the only layout the lane swap is right in.
+
+    x, y: the tile's first and second index. Each lane pair (lane, lane ^ 4: x % 2 = 0, 1)
+    holds half of the same 4 × 4 group in each 16 × 16 block; over two blocks along y
+    (when BLOCK_Y >= 32) each lane computes one of the two groups, keeps its own half and
+    swaps the other with its partner. Everything is built on [x // 16, x % 8 // 2, x % 2,
+    y // 32, y % 8 // 2]-shaped tensors and reshaped, which is the order of the accumulator
+    layout's lanes and registers; the bytes come from the tile's own index bits.
     """
     BLOCK_X: tl.constexpr = BLOCK_C if TRANSPOSED else BLOCK_R
     BLOCK_Y: tl.constexpr = BLOCK_R if TRANSPOSED else BLOCK_C
-    x_blocks = tl.arange(0, BLOCK_X // 16)[:, None, None, None]
-    x_pairs = tl.arange(0, 4)[None, :, None, None]
-    y_blocks = tl.arange(0, BLOCK_Y // 16)[None, None, :, None]
-    y_pairs = tl.arange(0, 4)[None, None, None, :]
+    PAIRED: tl.constexpr = LANE_PAIRS and BLOCK_Y >= 32
+    HALVES: tl.constexpr = 2 if PAIRED else 1  # the y blocks one lane pair shares out
+    x_blocks = tl.arange(0, BLOCK_X // 16)[:, None, None, None, None]
+    x_pairs = tl.arange(0, 4)[None, :, None, None, None]
+    half = tl.arange(0, HALVES)[None, None, :, None, None]  # = x % 2 of the lane that computes it
+    if PAIRED:
+        y_blocks = 2 * tl.arange(0, BLOCK_Y // 32)[None, None, None, :, None] + half
+    else:
+        y_blocks = tl.arange(0, BLOCK_Y // 16)[None, None, None, :, None]
+    y_pairs = tl.arange(0, 4)[None, None, None, None, :]
     col_blocks = (n_cols + 15) // 16
     if TRANSPOSED:
         block = (row_start // 16 + y_blocks) * col_blocks + col_start // 16 + x_blocks
@@ -216,88 +285,127 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols,
         group = 4 * x_pairs + y_pairs
     counters = (block * 16 + group).to(tl.uint32)
     w0, w1, w2, w3 = _philox_zero_high(seed, counters, stream.to(tl.uint32))
-    w0, w1, w2, w3 = w0[:, :, None, :, :], w1[:, :, None, :, :], w2[:, :, None, :, :], w3[:, :, None, :, :]
-    x_odd = tl.arange(0, 2)[None, None, :, None, None]  # x % 2
-    if TRANSPOSED:
-        # x holds columns, y rows: y's bits pick the word (2 · (y % 16 // 8) + y % 2), x's the byte
-        shape: tl.constexpr = (BLOCK_X // 16, 4, 2, BLOCK_Y // 16, 4)  # x % 2 takes no part
-        w0, w1, w2, w3 = tl.broadcast_to(w0, shape), tl.broadcast_to(w1, shape), tl.broadcast_to(w2, shape), \
-            tl.broadcast_to(w3, shape)
-        k0 = tl.join(tl.join(w0, w2), tl.join(w1, w3))
-        k1 = k0
-        x = tl.arange(0, BLOCK_X)[:, None]
-        byte = 2 * (x % 16 // 8) + x % 2 + tl.zeros([BLOCK_X, BLOCK_Y], tl.int32)
+    x = tl.arange(0, BLOCK_X)[:, None]
+    y = tl.arange(0, BLOCK_Y)[None, :]
+    # The key block's parity: from the tile's own index bits where it holds two key blocks
+    # (so that the byte indices are constants of the registers), else the tile's.
+    BLOCK_KEYS: tl.constexpr = BLOCK_X if TRANSPOSED else BLOCK_Y
+    if BLOCK_KEYS >= 32:
+        key_parity = (x if TRANSPOSED else y) // 16 % 2
     else:
-        # x holds rows: x's bits pick the word (2 · (x % 16 // 8) + x % 2), y's the byte
-        k0 = _copies22(tl.where(x_odd == 0, w0, w1))
-        k1 = _copies22(tl.where(x_odd == 0, w2, w3))
-        y = tl.arange(0, BLOCK_Y)[None, :]
-        byte = 2 * (y % 16 // 8) + y % 2 + tl.zeros([BLOCK_X, BLOCK_Y], tl.int32)
-    # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8]
-    words = tl.join(k0, k1)
-    words = tl.permute(words, (0, 7, 1, 2, 3, 5, 4, 6))
-    return tl.reshape(words, (BLOCK_X, BLOCK_Y)), byte.to(tl.uint32)
+        key_parity = (col_start // 16) % 2
+    if not PAIRED:
+        # both lanes of a pair compute the group; each element's word is picked here
+        if TRANSPOSED:
+            # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8)
+            # x % 2 (lane bit 2) as a broadcast dimension: a joined one would be registers
+            key_odd = tl.zeros([1, 1, 2, 1, 1], tl.int32) + (x_blocks % 2 if BLOCK_KEYS >= 32 else key_parity)
+            even = key_odd == 0
+            words = tl.join(tl.join(tl.where(even, w0, w2), tl.where(even, w1, w3)),
+                            tl.join(tl.where(even, w2, w0), tl.where(even, w3, w1)))  # fmt: skip
+            # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8]
+            words = tl.permute(tl.join(words, words), (0, 7, 1, 2, 3, 5, 4, 6))
+            byte = 2 * (x % 2) + x % 16 // 8
+        else:
+            # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
+            low = (tl.arange(0, 2)[None, None, :, None, None] ^ (y_blocks % 2 if BLOCK_KEYS >= 32 else key_parity)) == 0
+            words = tl.join(tl.where(low, w0, w2), tl.where(low, w1, w3))
+            # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, x % 16 // 8, y % 16 // 8, y % 2]
+            words = tl.permute(_copies22(words), (0, 5, 1, 2, 3, 6, 4, 7))
+            byte = 2 * (y % 2) + y % 16 // 8
+        words0 = words
+        words1 = words
+    elif TRANSPOSED:
+        if BLOCK_KEYS < 32:  # one key block: its words relabelled
+            odd = key_parity == 1
+            w0, w1, w2, w3 = tl.where(odd, w2, w0), tl.where(odd, w3, w1), tl.where(odd, w0, w2), tl.where(odd, w1, w3)
+            key_parity = 0
+        # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8).
+        # The lane of key parity `half` uses bytes 2 · half, 2 · half + 1 of every word: packed.
+        a0, a1 = _byte_pairs(w0, w2, half), _byte_pairs(w1, w3, half)
+        b0, b1 = _swap_pairs(_byte_pairs(w0, w2, 1 - half)), _swap_pairs(_byte_pairs(w1, w3, 1 - half))
+        partners = y // 16 % 2 ^ x % 2  # the query block the partner computed
+        byte = 2 * (y % 2 ^ key_parity) + x % 16 // 8 + 4 * partners
+        # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, y % 16 // 8, y % 32 // 16, x % 16 // 8, y % 2]
+        words0 = tl.permute(_copies222(tl.join(a0, a1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
+        words1 = tl.permute(_copies222(tl.join(b0, b1)), (0, 7, 1, 2, 3, 6, 5, 4, 8))
+    else:
+        # x: queries, y: keys; the lane of query parity `half` computes the group of key block
+        # 2 · (y // 32) + half and keeps its words 0, 1 (its rows'), the partner's 2, 3 swapped in
+        byte = 4 * (x % 2 ^ key_parity) + 2 * (y % 2) + y % 16 // 8
+        # [x // 16, x % 8 // 2, x % 2, y // 32, y % 8 // 2, x % 16 // 8, y % 32 // 16, y % 16 // 8, y % 2]
+        words0 = tl.permute(_copies222(tl.join(w0, w1)), (0, 5, 1, 2, 3, 6, 7, 4, 8))
+        words1 = tl.permute(_copies222(tl.join(_swap_pairs(w2), _swap_pairs(w3))), (0, 5, 1, 2, 3, 6, 7, 4, 8))
+    byte = tl.broadcast_to(byte, (BLOCK_X, BLOCK_Y)).to(tl.uint32)
+    return tl.reshape(words0, (BLOCK_X, BLOCK_Y)), tl.reshape(words1, (BLOCK_X, BLOCK_Y)), byte
 
 
 # Inline PTX of ``dropout_mma_apply``, one element per 32-bit lane of x or two per 16-bit
-# pair. f = the byte-wise x >= t of word w and t4 = t in every byte, in bit 7 of each byte:
-# d = (w | 0x80808080) − (t4 & 0x7F7F7F7F) carries no borrow between bytes and its bit 7 is
-# (low 7 bits of w's byte) >= (t's), so w >= t is (w7 & ~t7) | (~(w7 ^ t7) & d7), one
-# lop3 (0xB2); prmt with a sign-replicating selector (8 | byte) copies an element's bit 7
-# to all its bytes, the mask that x is and-ed with.
+# pair (which share their two words: adjacent columns of one group, or of the two groups
+# of a lane pair). f = the byte-wise w >= t of a word w, t4 = t in every byte, in bit 7
+# of each byte: d = (w | 0x80808080) − (t4 & 0x7F7F7F7F) carries no borrow between bytes
+# and its bit 7 is (low 7 bits of w's byte) >= (t's), so w >= t is (w7 & ~t7) |
+# (~(w7 ^ t7) & d7), one lop3 (0xB2); prmt with sign-replicating selector nibbles (8 |
+# byte) copies each element's bit 7, from f of words0 or of words1, to all its bytes: the
+# mask that x is and-ed with. The selectors and t4 & 0x7F7F7F7F come in as operands: they
+# do not change in the loops, and outside the asm the compiler hoists them.
 _APPLY_16: tl.constexpr = tl.constexpr("""{
-.reg .b32 d, m, f0, f1, s0, s1;
-and.b32 m, $6, 0x7F7F7F7F;
+.reg .b32 d, m, f0, f1;
 or.b32 d, $2, 0x80808080;
-sub.u32 d, d, m;
-lop3.b32 f0, $2, $6, d, 0xB2;
-and.b32 m, $7, 0x7F7F7F7F;
-or.b32 d, $3, 0x80808080;
-sub.u32 d, d, m;
-lop3.b32 f1, $3, $7, d, 0xB2;
-or.b32 s0, $4, 8;
-mul.lo.u32 s0, s0, 0x11;
-or.b32 s1, $5, 12;
-mul.lo.u32 s1, s1, 0x1100;
-or.b32 s0, s0, s1;
-prmt.b32 m, f0, f1, s0;
+sub.u32 d, d, $10;
+lop3.b32 f0, $2, $8, d, 0xB2;
+or.b32 d, $4, 0x80808080;
+sub.u32 d, d, $10;
+lop3.b32 f1, $4, $8, d, 0xB2;
+prmt.b32 m, f0, f1, $6;
 and.b32 $0, $1, m;
 }""")
 _APPLY_32: tl.constexpr = tl.constexpr("""{
-.reg .b32 d, m, f, s;
-and.b32 m, $4, 0x7F7F7F7F;
+.reg .b32 d, m, f0, f1;
 or.b32 d, $2, 0x80808080;
-sub.u32 d, d, m;
-lop3.b32 f, $2, $4, d, 0xB2;
-or.b32 s, $3, 8;
-mul.lo.u32 s, s, 0x1111;
-prmt.b32 m, f, f, s;
+sub.u32 d, d, $6;
+lop3.b32 f0, $2, $5, d, 0xB2;
+or.b32 d, $3, 0x80808080;
+sub.u32 d, d, $6;
+lop3.b32 f1, $3, $5, d, 0xB2;
+prmt.b32 m, f0, f1, $4;
 and.b32 $0, $1, m;
 }""")
 
 
 @triton.jit
-def dropout_mma_apply(x, words, byte, threshold):
-    """``x`` where byte ``byte`` of ``words`` (``dropout_mma_words``) is >= ``threshold``
-    (``dropout_threshold_and_scale``), else 0; x: 16- or 32-bit floats of the words' shape.
+def dropout_mma_apply(x, words0, words1, byte, threshold):
+    """``x`` where byte ``byte`` of (``words0``, ``words1``) (``dropout_mma_words``: bytes 0..3
+    of words0, then of words1) is >= ``threshold`` (``dropout_threshold_and_scale``), else 0;
+    x: 16- or 32-bit floats of the words' shape [M, N].
 
-    Compiled, four decisions are made by three instructions on the packed word and applied
-    with a byte permute and an and per element (16-bit: per pair); the interpreter (and
-    other element sizes) compares byte by byte, with the same result.
+    Compiled, a word's four decisions are made by three instructions and applied with a
+    byte permute and an and per element (16-bit: per pair of columns 2c, 2c + 1, whose
+    words are the same); the interpreter (and other element sizes) compares byte by byte,
+    with the same result.
     """
     BITS: tl.constexpr = x.dtype.primitive_bitwidth
     if _INLINE_PTX and (BITS == 16 or BITS == 32):
         t4 = threshold * 0x01010101
+        t4_low = t4 & 0x7F7F7F7F
+        nibble = byte | 8
         if BITS == 16:
-            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True), words,
-                                             byte, t4], dtype=tl.uint16, is_pure=True, pack=2)  # fmt: skip
+            # the pair's selector: element 0's mask in bytes 0-1, element 1's in bytes 2-3
+            even, odd = tl.split(tl.reshape(nibble, (x.shape[0], x.shape[1] // 2, 2)))
+            selector = even * 0x11 | odd * 0x1100
+            selector = tl.reshape(tl.join(selector, selector), (x.shape[0], x.shape[1]))
+            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True),
+                                             words0, words1, selector, t4, t4_low], dtype=tl.uint16, is_pure=True,
+                                             pack=2)  # fmt: skip
             return bits.to(x.dtype, bitcast=True)
         else:
-            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words, byte,
-                                             t4], dtype=tl.uint32, is_pure=True, pack=1)  # fmt: skip
+            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words0,
+                                             words1, nibble * 0x1111, t4, t4_low], dtype=tl.uint32, is_pure=True,
+                                             pack=1)  # fmt: skip
             return bits.to(x.dtype, bitcast=True)
     else:
-        return tl.where((words >> (8 * byte)) & 0xFF >= threshold, x, 0.0)
+        words = tl.where(byte < 4, words0, words1)
+        return tl.where((words >> (8 * (byte % 4))) & 0xFF >= threshold, x, 0.0)
 
 
 # An opaque op, so that torch.compile draws the seed from torch's generator exactly as
@@ -413,10 +521,14 @@ def dropout_keep_mma_block(
     blocks = row_blocks * (-(-n_cols // 16)) + torch.arange(col_blocks, device=device)[None, None, :, None]
     groups = blocks * 16 + 4 * pairs[None, :, None, None] + pairs[None, None, None, :]
     counters = groups + (torch.arange(streams, device=device) << 32).view(-1, 1, 1, 1, 1)
-    # [stream, i // 16, i % 8 // 2, j // 16, j % 8 // 2, i % 16 // 8, i % 2, j % 16 // 8, j % 2]
+    # [stream, i // 16, i % 8 // 2, j // 16, j % 8 // 2, word // 2, i % 16 // 8, j % 2, j % 16 // 8]
     decision_bytes = _philox4x32(seed, counters, ATTENTION_PHILOX_ROUNDS).view(torch.uint8)
     decision_bytes = decision_bytes.view(*counters.shape, 2, 2, 2, 2)
+    # word // 2 = i % 2 ^ (j // 16) % 2
+    odd_blocks = (torch.arange(col_blocks, device=device) % 2 == 1).view(1, 1, 1, -1, 1, 1, 1, 1)
+    low, high = decision_bytes[..., 0, :, :, :], decision_bytes[..., 1, :, :, :]
+    by_row_parity = torch.stack((torch.where(odd_blocks, high, low), torch.where(odd_blocks, low, high)), dim=-1)
     # -> [stream, i // 16, i % 16 // 8, i % 8 // 2, i % 2, j // 16, j % 16 // 8, j % 8 // 2, j % 2]
-    rows = rearrange(decision_bytes, "s ib ip jb jp ih io jh jo -> s (ib ih ip io) (jb jh jp jo)")
+    rows = rearrange(by_row_parity, "s ib ip jb jp ih jo jh io -> s (ib ih ip io) (jb jh jp jo)")
     start = row_start - first_block * 16
     return rows[:, start : start + row_stop - row_start, :n_block_cols] >= threshold

@@ -77,35 +77,39 @@ def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols, keys_first):
 
 @triton.jit
 def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr):  # fmt: skip
+                          BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr, LANE_PAIRS: tl.constexpr):  # fmt: skip
     tile_r = tl.arange(0, BLOCK_R)
     tile_c = tl.arange(0, BLOCK_C)
     threshold, _ = dropout_threshold_and_scale(tl.load(P))
-    words, byte = dropout_mma_words(tl.load(SEED), stream, row_start, col_start, n_cols, BLOCK_R, BLOCK_C, TRANSPOSED)
+    words0, words1, byte = dropout_mma_words(tl.load(SEED), stream, row_start, col_start, n_cols, BLOCK_R, BLOCK_C,
+                                             TRANSPOSED, LANE_PAIRS)  # fmt: skip
     if TRANSPOSED:
         ptrs = OUT + tile_c[:, None] + tile_r[None, :] * BLOCK_C
     else:
         ptrs = OUT + tile_r[:, None] * BLOCK_C + tile_c[None, :]
-    ones = tl.full(words.shape, 1.0, tl.float32).to(OUT.dtype.element_ty)
-    tl.store(ptrs, dropout_mma_apply(ones, words, byte, threshold))
+    ones = tl.full(byte.shape, 1.0, tl.float32).to(OUT.dtype.element_ty)
+    tl.store(ptrs, dropout_mma_apply(ones, words0, words1, byte, threshold))
 
 
 # dropout_mma_apply drops 16-bit elements in pairs and 32-bit ones singly when compiled
 DROP_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 
 
+@pytest.mark.parametrize("lane_pairs", [True, False], ids=["lane-pairs", "no-lane-pairs"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["queries-first", "keys-first"])
 @pytest.mark.parametrize("block_r, block_c", [(16, 32), (32, 16)])
-def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c):
+def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c, lane_pairs):
     seed = torch.tensor(0x5EED_1234_ABCD, dtype=torch.int64)
     p = 0.3
     n_rows, n_cols, streams = 70, 97, 3
     whole = dropout_keep_mma_block(seed, streams, 0, 80, 112, n_cols, p)
-    for (stream, row_start, col_start), dtype in zip([(0, 0, 0), (2, 16, 96), (1, 48, 80)], DROP_DTYPES):
+    # tiles of 32 start at multiples of 32; those of 16 also at odd blocks
+    last = (1, 48 if block_r == 16 else 32, 80 if block_c == 16 else 64)
+    for (stream, row_start, col_start), dtype in zip([(0, 0, 0), (2, 32, 96), last], DROP_DTYPES):
         out = torch.empty(block_r, block_c, dtype=dtype, device=DEVICE)
         p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
         _keep_mma_tile_kernel[(1,)](seed.to(DEVICE), out, p32, stream, row_start, col_start, n_cols, BLOCK_R=block_r,
-                                    BLOCK_C=block_c, TRANSPOSED=transposed)  # fmt: skip
+                                    BLOCK_C=block_c, TRANSPOSED=transposed, LANE_PAIRS=lane_pairs)  # fmt: skip
         expected = whole[stream, row_start : row_start + block_r, col_start : col_start + block_c]
         got = out.cpu()[: expected.shape[0], : expected.shape[1]]
         assert torch.all((got == 0) | (got == 1))
@@ -113,12 +117,14 @@ def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c)
         assert torch.equal(got, expected), (stream, row_start, col_start)
     # a block of rows is a slice of the whole matrix, and the bytes of each call decide 4 × 4 elements
     assert torch.equal(dropout_keep_mma_block(seed, streams, 5, 37, 41, n_cols, p), whole[:, 5:37, :41])
-    # stream 2, block 7 (= rows 16..31, columns 0..15 at 7 column blocks), group 4 · 1 + 3:
-    # word w decides row rows[w], byte b column cols[b]
-    counter = torch.tensor([(2 << 32) + 16 * 7 + 4 * 1 + 3])
-    bytes_ = _philox4x32(seed, counter, ATTENTION_PHILOX_ROUNDS).view(torch.uint8).view(4, 4)
-    rows, cols = [18, 19, 26, 27], [6, 7, 14, 15]
-    assert torch.equal(whole[2][rows][:, cols], bytes_ >= dropout_threshold(p)[0])
+    # stream 2, blocks 7 and 8 (= rows 16..31, columns 0..15 and 16..31 at 7 column blocks), group
+    # 4 · 1 + 3: word w decides row rows[w], byte b column cols[b]; the words' row parity
+    # flips with the column block's
+    threshold = dropout_threshold(p)[0]
+    for block, rows, cols in [(7, [18, 26, 19, 27], [6, 14, 7, 15]), (8, [19, 27, 18, 26], [22, 30, 23, 31])]:
+        counter = torch.tensor([(2 << 32) + 16 * block + 4 * 1 + 3])
+        bytes_ = _philox4x32(seed, counter, ATTENTION_PHILOX_ROUNDS).view(torch.uint8).view(4, 4)
+        assert torch.equal(whole[2][rows][:, cols], bytes_ >= threshold), block
 
 
 def test_reference_block_is_a_slice_of_the_whole_matrix():
@@ -244,13 +250,27 @@ def test_compiled_dropout_math_is_the_interpreted_math():
     keep = v >= t
     t4 = t * 0x01010101
     x = torch.randint(1, 2**32, t.shape, generator=torch.Generator().manual_seed(1))  # the bits dropped
-    out = _run_ptx(philox._APPLY_32.value, [None, x, word, position, t4])["$0"]
+    # the byte is one of the 8 of (words0, words1): put the decided word on either side
+    other_word = torch.randint(0, 2**32, t.shape, generator=torch.Generator().manual_seed(3))
+    high = torch.arange(t.numel()) % 2 == 1
+    words0, words1 = torch.where(high, other_word, word), torch.where(high, word, other_word)
+    byte = position + 4 * high
+    t4_low = t4 & 0x7F7F7F7F
+    out = _run_ptx(philox._APPLY_32.value, [None, x, words0, words1, (byte | 8) * 0x1111, t4, t4_low])["$0"]
     assert torch.equal(out, torch.where(keep, x, 0))
-    # 16-bit pairs: element 0 in the low half, element 1 decided by another word and byte
-    word_1, position_1 = torch.roll(word, 12345), torch.roll(position, 777)
-    keep_1 = (word_1 >> (8 * position_1)) & 0xFF >= t
-    out = _run_ptx(philox._APPLY_16.value, [None, x, word, word_1, position, position_1, t4, t4])["$0"]
+    # 16-bit pairs: element 0 in the low half, element 1 decided by another byte of the same two words
+    byte_1 = torch.roll(byte, 777)
+    keep_1 = (torch.where(byte_1 < 4, words0, words1) >> (8 * (byte_1 % 4))) & 0xFF >= t
+    selector = (byte | 8) * 0x11 | (byte_1 | 8) * 0x1100
+    out = _run_ptx(philox._APPLY_16.value, [None, x, words0, words0, words1, words1, selector, selector, t4, t4,
+                                            t4_low, t4_low])["$0"]  # fmt: skip
     assert torch.equal(out, torch.where(keep, x & 0xFFFF, 0) | torch.where(keep_1, x & 0xFFFF0000, 0))
+    # the lane pair's byte packing (dK/dV): bytes 2 · half, 2 · half + 1 of low, then of high
+    for half in (0, 1):
+        selector = torch.tensor(0x7632 if half else 0x5410)
+        packed = _run_ptx(philox._PERMUTE.value, [None, words0, words1, selector])["$0"]
+        expected = ((words0 >> (16 * half)) & 0xFFFF) | (((words1 >> (16 * half)) & 0xFFFF) << 16)
+        assert torch.equal(packed, expected)
     a = torch.randint(0, 2**32, (4096,), generator=torch.Generator().manual_seed(2))
     for asm, multiplier in [(philox._MUL_WIDE_A.value, philox._PHILOX_ROUND_A), (philox._MUL_WIDE_B.value,
                                                                                  philox._PHILOX_ROUND_B)]:
