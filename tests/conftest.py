@@ -22,11 +22,32 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+    if getattr(config.option, "loadgroup", False):
+        _keep_xdist_groups_on_one_worker(items)
+
+
+def _keep_xdist_groups_on_one_worker(items):
+    """Make ``--dist loadgroup`` (the Makefile's command) keep each ``xdist_group`` on one
+    worker, so that module fixtures which compile models are built once, not once per
+    worker. pytest-xdist marks a group by appending ``@name`` to ``item._nodeid``, which
+    pytest 9.2 no longer reads (the node id lives in ``item._id``; pytest-xdist#1386), so
+    the groups were silently dealt out test by test. The suffix is written where pytest
+    reads it; where xdist's own suffix took effect, nothing changes."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9.2: xdist's own suffix works
+        return
+    for item in items:
+        marks = item.iter_markers("xdist_group")
+        names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default")) for mark in marks}
+        if names and "@" not in item.nodeid:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
 
 
 @pytest.fixture(params=["triton", "torch"])

@@ -19,6 +19,8 @@ from slimformer.patch import patch
 from slimformer.recompute import POLICIES
 
 transformers = pytest.importorskip("transformers")
+# one worker builds the compiled models (``compiled_pairs``) for every test of the module
+pytestmark = pytest.mark.xdist_group("compile-memory")
 
 BATCH, SEQ = 2, 64
 
