@@ -29,8 +29,10 @@ Calls that cannot be unpadded run the original, padded forward: no ``attention_m
 (nothing to remove) or a 4-d one, ``output_attentions``, encoder-decoder inputs
 (``encoder_hidden_states``, ``past_key_values``, ``use_cache``), a decoder config, or an
 encoder layer that is not fused or runs its original forward this call (hooks, replaced
-submodules: see ``slimformer.patch``). ``model.unpad = False`` on the base model turns
-it off. With left padding the pooler reads position 0, which is padding: it pools a
+submodules: see ``slimformer.patch``), and ``torch.export`` (the packed length is the
+mask's token count, a value an exported graph cannot take its shapes from; under
+``torch.compile`` the packing runs eagerly instead). ``model.unpad = False`` on the base
+model turns it off. With left padding the pooler reads position 0, which is padding: it pools a
 zero row where HF pools the padding token's state (neither is a [CLS] embedding).
 """
 
@@ -179,6 +181,8 @@ class UnpaddedEncoderModel:
         mask = arguments.get("attention_mask")
         if not self.unpad:
             return "unpad is off"
+        if torch.compiler.is_exporting():
+            return "torch.export (the packed length depends on the mask's values)"
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             return "no 2-d attention_mask"
         if self.config.is_decoder or any(

@@ -664,6 +664,21 @@ def test_torch_compile_fullgraph_forward_and_backward(torch_path):
     _assert_grads_close(grads, {name: p.grad for name, p in model.named_parameters()})
 
 
+@pytest.mark.parametrize("policy", BRANCH_COVERING_POLICIES)
+def test_torch_export_of_a_patched_bert_draws_eager_masks(torch_path, policy):
+    # Issue 11: torch.export of a patched model works (its graph holds slimformer's custom
+    # ops) and, in training mode with dropout, draws the same masks as eager mode.
+    model = patch(_model("BertModel", dropout=0.1), recompute=policy).train()
+    ids, mask = _batch(model.config)
+    exported = torch.export.export(model, (ids,), {"attention_mask": mask})
+    ops = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert any(op.startswith("slimformer.attention") for op in ops), sorted(ops)
+    torch.manual_seed(5)
+    out = exported.module()(ids, attention_mask=mask).last_hidden_state
+    torch.manual_seed(5)
+    torch.testing.assert_close(out, model(ids, attention_mask=mask).last_hidden_state, rtol=0, atol=0)
+
+
 def _ddp_grads(rank, world_size, state, ids, mask):
     model = _model("BertForMaskedLM", dropout=0.0)
     model.load_state_dict(state)

@@ -435,6 +435,18 @@ def test_ddp_two_gloo_processes_match_one(tmp_path):
         _assert_grads_close(torch.load(tmp_path / f"grads{rank}.pt"), expected)
 
 
+def test_torch_export_runs_the_padded_forward():
+    # the packed length is the mask's token count, which an exported graph cannot take
+    # its shapes from: export traces the padded forward, equal at every real position
+    padded, unpadded = _pair()
+    ids, mask = _batch(padded.config)
+    exported = torch.export.export(unpadded.eval(), (ids,), {"attention_mask": mask})
+    out = exported.module()(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(out, padded.eval()(ids, attention_mask=mask).last_hidden_state)
+    expected = unpadded(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(_real_rows(out, mask), _real_rows(expected, mask), rtol=1e-5, atol=1e-5)
+
+
 def test_torch_compile_breaks_the_graph_once_at_the_packing_and_matches(monkeypatch):
     # the CPU path, whose attention reference reads cu_seqlens on the host: inside the
     # varlen custom op that costs no break; the packing's token count costs one
