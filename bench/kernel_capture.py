@@ -413,16 +413,39 @@ def load_kernel(launch: Launch) -> JITFunction:
     return kernel
 
 
-def compile_launch(launch: Launch):
-    """Compile ``launch`` exactly as the JIT would on its device. Returns the CompiledKernel."""
+def _source_of_launch(launch: Launch):
+    """(ASTSource, target, backend, options) of ``launch``, specialised as the JIT does."""
     from triton.compiler import ASTSource
     from triton.compiler.compiler import make_backend
 
-    fn = load_kernel(launch)
     target = GPUTarget("cuda", launch.arch, 32)
     backend = make_backend(target)
     options = backend.parse_options({k: _decode(v) for k, v in launch.option_kwargs.items()})
     constexprs = {tuple(path): _decode(value) for path, value in launch.constexprs}
     attrs = {tuple(path): value for path, value in launch.attrs}
-    source = ASTSource(fn, launch.signature, constexprs, attrs)
+    return ASTSource(load_kernel(launch), launch.signature, constexprs, attrs), target, backend, options
+
+
+def compile_launch(launch: Launch):
+    """Compile ``launch`` exactly as the JIT would on its device. Returns the CompiledKernel."""
+    source, target, _, options = _source_of_launch(launch)
     return triton.compile(source, target=target, options=options.__dict__)
+
+
+def ttgir_of_launch(launch: Launch) -> str:
+    """The TTGIR ``compile_launch`` would produce (its asm["ttgir"]), from the same passes
+    but stopping there: no LLVM, PTX or ptxas, a fraction of the time, for checks of the
+    layouts Triton assigns."""
+    from triton._C.libtriton import ir
+
+    source, target, backend, options = _source_of_launch(launch)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    codegen = backend.get_codegen_implementation(options)
+    module = source.make_ir(target, options, codegen, backend.get_module_map(), context)
+    stages, metadata = {}, {}
+    backend.add_stages(stages, options, source.language)
+    for stage in ("ttir", "ttgir"):
+        module = stages[stage](module, metadata)
+    return str(module)

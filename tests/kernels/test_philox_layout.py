@@ -6,9 +6,10 @@ Compiled, ``philox.dropout_mma_words`` swaps Philox words between lanes ``lane``
 other test, swaps that dimension instead). That is the same thing only where lane bit 2
 walks dimension 2 and nothing else, and ``dropout_mma_apply`` reads one pair of words per
 two 16-bit elements, right where a register pair holds two columns of one row. Both are
-facts of the layouts Triton assigns, so this test compiles the attention kernels for
-sm_90 and sm_80 exactly as the JIT would (``bench.kernel_capture``, in a process without
-TRITON_INTERPRET) and reads them from the TTGIR: the swap's operand must be a linear
+facts of the layouts Triton assigns, so this test runs the JIT's passes on the attention
+kernels for sm_90 and sm_80, specialised exactly as the JIT would, up to the TTGIR
+(``bench.kernel_capture.ttgir_of_launch``, in a process without TRITON_INTERPRET), and
+reads them there: the swap's operand must be a linear
 layout whose lane basis 2 is the unit vector of dimension 2, and the 16-bit apply's
 operands must be in a tensor-core accumulator layout (whose threads hold column pairs
 2c, 2c + 1) or a linear layout whose register basis 0 is column bit 0.
@@ -99,7 +100,7 @@ def layout_problems(ttgir: str) -> tuple[int, int, list[str]]:
 def compile_and_check(cases: dict[str, list[str]]) -> dict[str, dict]:
     """{arch / case / kernel: {"swaps": n, "applies": n, "problems": [...]}} (run without TRITON_INTERPRET)."""
     from bench.compile_cases import all_cases
-    from bench.kernel_capture import DEVICES, capture, compile_launch
+    from bench.kernel_capture import DEVICES, capture, ttgir_of_launch
 
     by_name = {case.name: case for case in all_cases()}
     report = {}
@@ -108,7 +109,7 @@ def compile_and_check(cases: dict[str, list[str]]) -> dict[str, dict]:
             for launch in capture(DEVICES[arch], by_name[name].run, name).launches:
                 if "preprocess" in launch.kernel:
                     continue
-                swaps, applies, problems = layout_problems(compile_launch(launch).asm["ttgir"])
+                swaps, applies, problems = layout_problems(ttgir_of_launch(launch))
                 report[f"{arch} / {name} / {launch.kernel}"] = {"swaps": swaps, "applies": applies,
                                                                  "problems": problems}  # fmt: skip
     return report
