@@ -101,6 +101,8 @@ def attention_cases() -> list[Case]:
             attention_case(head_dim, mask="additive", ci=head_dim == 128),
             attention_case(head_dim, key_padding=True),
             attention_case(head_dim, heads=32, kv_heads=8),
+            attention_case(head_dim, heads=32, kv_heads=8, dropout=0.1),
+            attention_case(head_dim, heads=32, kv_heads=8, causal=True, dropout=0.1),
             attention_case(head_dim, seq=500),
             attention_case(head_dim, layout="bhsd"),
             attention_case(head_dim, dtype="fp16", causal=True, dropout=0.1),

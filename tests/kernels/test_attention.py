@@ -499,6 +499,22 @@ def test_dropout_forward_and_gradient_use_the_same_mask(backend, dtype, ulps):
     _check_dropout(Case(2, 2, 1, 97, 70, 40, causal=True, masks=("padding",)), dtype, ulps, "cpu")
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_grouped_dropout_at_d128_takes_its_own_tiles(monkeypatch, deterministic):
+    # GQA's dK/dV launches with dropout at head dims over 64 take 16 query rows a step
+    # (_grouped_dropout_tiles): the same gradients, through the interpreter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    configs, block_config = [], attention_module._block_config
+
+    def recorded(*args, **kwargs):
+        configs.append(block_config(*args, **kwargs))  # the launcher updates this very dict
+        return configs[-1]
+
+    monkeypatch.setattr(attention_module, "_block_config", recorded)
+    _check_dropout(Case(1, 2, 1, 40, 33, 128, causal=True), torch.float16, 1.0, "cpu", deterministic=deterministic)
+    assert {(c["BLOCK_M"], c["BLOCK_D"]) for c in configs if c["BLOCK_N"] == 128} >= {(16, 128)}, configs
+
+
 @pytest.mark.parametrize(
     "case",
     [Case(2, 4, 2, 37, 29, 16, causal=True, masks=("padding", "bool")), Case(1, 3, 3, 23, 41, 24, masks=("additive",))],
