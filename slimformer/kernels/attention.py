@@ -702,8 +702,9 @@ _TENSOR_CORE_CONFIGS = {
         (256, (128, 32, 8, 3), (128, 16, 8, 2), (128, 32, 8, 3)),
     ),
     # dK/dV dots have BLOCK_N rows: wgmma needs at least 64 per warpgroup. At head dim 256
-    # that holds dk, dv (128 registers a thread) and k, v in registers and spills; 32 rows
-    # on mma.sync do not (16 query rows with masks, whose tiles need more).
+    # that holds dk, dv (128 registers a thread on 8 warps) and k, v in registers and
+    # spills (16-64 x 64 tiles: 32-1344 B, docs/compile-report.md); 32 rows on mma.sync do
+    # not (16 query rows with masks, whose tiles need more).
     "dkdv": (
         (64, (64, 128, 8, 2), (32, 64, 4, 2), (32, 128, 8, 2)),
         (128, (32, 128, 8, 2), (16, 128, 8, 2), (32, 128, 8, 2)),
