@@ -748,6 +748,9 @@ _MAX_PROGRAMS = 2**31 - 1
 _SM80_TENSOR_CORE_CONFIGS = {
     "fwd": (
         (64, (128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 3)),
+        # dropout at d72-128: 64 x 64 on 4 warps spilled 8 B (fp16 causal, GQA causal) once
+        # lane-independent words (philox.dropout_mma_words) were built; 128 x 32 on 8 warps
+        # does not and issues 18% fewer instructions per tile (19264 -> 15584 at d128)
         (128, (128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3)),
         (256, (64, 32, 4, 3), (64, 32, 8, 2), (64, 32, 8, 3)),
     ),
@@ -776,8 +779,8 @@ _SM80_TENSOR_CORE_CONFIGS = {
 # sm86) as above. sm_80's d256 forward and dQ without masks need 100 KB (> 101376 B): 32
 # query rows on 4 warps take 82 / 66 KB without spills (64 x 32 on 4 warps with 2 stages
 # spills 68-180 B), and its dQ issues fewer instructions per tile there too. ptxas for
-# sm_86 spills 4-24 B where sm_80 does not in the d72-d128 forward with dropout (128 x 32
-# tiles: no spill, 20% fewer instructions per tile) and the d64 dQ with dropout (128 x 16).
+# sm_86 spills 4-24 B where sm_80 does not in the d64 dQ with dropout (128 x 16). (Its
+# d72-d128 forward with dropout took 128 x 32 first; sm_80 now takes it too.)
 # fp32 at d256 needs 128-132 KB for its backward on 32 x 32 tiles: 16 x 16 take 65 KB.
 _SMALL_SHARED_TENSOR_CORE_CONFIGS = {
     **_SM80_TENSOR_CORE_CONFIGS,
