@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, check_linear, reference_row_blocks, use_triton
 from slimformer.kernels.dropout import tile_origin
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
@@ -414,18 +414,7 @@ _mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup_context)
 
 
 def _check_linear(name: str, weight: torch.Tensor, bias, in_features: int, x: torch.Tensor) -> None:
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != in_features:
-        shape = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"{name}_weight must have shape (out_features, {in_features}), got {shape}")
-    for tensor, label in ((weight, f"{name}_weight"), (bias, f"{name}_bias")):
-        if tensor is None:
-            continue
-        if tensor.device != x.device:
-            raise ValueError(f"{label} must be on the input's device {x.device}, got {tensor.device}")
-        if tensor.dtype != x.dtype:
-            raise TypeError(f"{label} dtype must match input dtype {x.dtype}, got {tensor.dtype}")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{name}_bias must have shape ({weight.shape[0]},), got {list(bias.shape)}")
+    check_linear(weight, bias, in_features, x, f"{name}_weight", f"{name}_bias")
 
 
 def _autocast_inputs(x, tensors):

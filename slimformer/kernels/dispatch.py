@@ -65,3 +65,21 @@ def absent_output(device: torch.device) -> torch.Tensor:
     cannot return None): a new empty fp32 tensor each time (an op's outputs must not
     alias each other); callers know from their flags to skip it."""
     return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def check_linear(weight, bias, in_features: int, x: torch.Tensor, weight_label: str, bias_label: str) -> None:
+    """Raise ValueError / TypeError naming ``weight_label`` or ``bias_label`` unless ``weight`` is an
+    (out_features, in_features) tensor and ``bias`` None or (out_features,), both on x's device
+    in x's dtype."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != in_features:
+        shape = list(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"{weight_label} must have shape (out_features, {in_features}), got {shape}")
+    for tensor, label in ((weight, weight_label), (bias, bias_label)):
+        if tensor is None:
+            continue
+        if tensor.device != x.device:
+            raise ValueError(f"{label} must be on the input's device {x.device}, got {tensor.device}")
+        if tensor.dtype != x.dtype:
+            raise TypeError(f"{label} dtype must match input dtype {x.dtype}, got {tensor.dtype}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{bias_label} must have shape ({weight.shape[0]},), got {list(bias.shape)}")

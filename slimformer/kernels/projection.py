@@ -15,7 +15,7 @@ The GEMMs are PyTorch's (cuBLAS on CUDA): there is no kernel of our own to run.
 
 import torch
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, check_linear
 
 # The differentiable op: forward and backward ``torch.library`` ops joined by
 # ``register_autograd``, so that torch.compile keeps x and the weights and cannot re-plan
@@ -116,18 +116,7 @@ def projections(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
         weights = [w.to(dtype) for w in weights]
         biases = [None if b is None else b.to(dtype) for b in biases]
     for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
-        if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != x.shape[-1]:
-            shape = list(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-            raise ValueError(f"weights[{i}] must have shape (out_features, {x.shape[-1]}), got {shape}")
-        if b is not None and tuple(b.shape) != (w.shape[0],):
-            raise ValueError(f"biases[{i}] must have shape ({w.shape[0]},), got {list(b.shape)}")
-        for tensor, label in ((w, f"weights[{i}]"), (b, f"biases[{i}]")):
-            if tensor is None:
-                continue
-            if tensor.device != x.device:
-                raise ValueError(f"{label} must be on the input's device {x.device}, got {tensor.device}")
-            if tensor.dtype != x.dtype:
-                raise TypeError(f"{label} dtype must match input dtype {x.dtype}, got {tensor.dtype}")
+        check_linear(w, b, x.shape[-1], x, f"weights[{i}]", f"biases[{i}]")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
         out = _projections_op(rows, *(t for pair in zip(weights, biases, strict=True) for t in pair))

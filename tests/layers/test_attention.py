@@ -284,19 +284,26 @@ def test_transformers_bert_uses_kernel_with_padding_mask(backend):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_transformers_decoder_with_cache_and_gqa(backend):
-    transformers = pytest.importorskip("transformers", minversion="5")
-    from slimformer.layers.attention import register_transformers_attention
+def _tiny_llama(model_class):
+    """A one-layer GQA Llama (4 query heads over 2 key/value heads) in eval mode, token ids
+    (2, 9) and an all-ones attention mask."""
+    import transformers
 
-    name = register_transformers_attention()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=128, max_position_embeddings=64,
     )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
     input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
-    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    return model_class(config).eval(), input_ids, torch.ones(2, 9, dtype=torch.long)
+
+
+def test_transformers_decoder_with_cache_and_gqa(backend):
+    transformers = pytest.importorskip("transformers", minversion="5")
+    from slimformer.layers.attention import register_transformers_attention
+
+    name = register_transformers_attention()
+    model, input_ids, attention_mask = _tiny_llama(transformers.LlamaForCausalLM)
     attention_mask[1, :3] = 0  # left padding, as for generation
     logits = {}
     for implementation in ("eager", name):
@@ -318,14 +325,7 @@ def test_transformers_output_attentions_forms_eager_weights():
     from slimformer.layers.attention import register_transformers_attention
 
     name = register_transformers_attention()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=64,
-    )  # fmt: skip
-    model = transformers.LlamaModel(config).eval()
-    input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
-    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    model, input_ids, attention_mask = _tiny_llama(transformers.LlamaModel)
     attention_mask[1, :3] = 0
     results = {}
     for implementation in ("eager", name):
