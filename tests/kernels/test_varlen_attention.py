@@ -75,25 +75,18 @@ def test_matches_sdpa_per_sequence(backend, lengths, heads, kv_heads, head_dim, 
     assert lse.shape == (heads, sum(lengths)) and lse.dtype == torch.float32
 
 
-def test_sm80_block_configs_match_sdpa(backend, monkeypatch):
-    """sm_80's block configs (forced: CPU launches take sm_90's) give the same results."""
-    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: 80)
-    lengths = (1, 17, 150)
-    q, k, v, do = _inputs(lengths, 2, 1, 64, torch.float16)
-    cu = _cu_seqlens(lengths)
-    actual, _ = _varlen(q, k, v, do, cu, max(lengths), True)
-    same_dtype = _per_sequence_sdpa(q, k, v, do, cu, True)
-    exact = _per_sequence_sdpa(q.double(), k.double(), v.double(), do.double(), cu, True)
-    for name, a, t, e in zip(("out", "dq", "dk", "dv"), actual, same_dtype, exact):
-        assert_within_reference_error(name, a, t, e, ulps=1.0, scale=4.0)
-
-
-def test_99kb_block_configs_match_sdpa(backend, monkeypatch):
-    """The 99 KB table's own d256 configs (compute capability 8.6 / 8.9; forced) give the same results."""
-    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: 86)
-    monkeypatch.setattr(varlen_module, "_device_shared_bytes", lambda _tensor: 99 * 1024)
-    lengths = (1, 17, 70)
-    q, k, v, do = _inputs(lengths, 1, 1, 256, torch.float16)
+@pytest.mark.parametrize(
+    "arch, shared_kb, lengths, heads, kv_heads, head_dim",
+    [(80, 163, (1, 17, 150), 2, 1, 64), (86, 99, (1, 17, 70), 1, 1, 256)],
+    ids=["sm80", "99kb-d256"],
+)
+def test_other_devices_block_configs_match_sdpa(backend, monkeypatch, arch, shared_kb, lengths, heads, kv_heads,
+                                               head_dim):  # fmt: skip
+    """sm_80's block configs, and the 99 KB table's own d256 configs (compute capability 8.6 /
+    8.9), forced (CPU launches take sm_90's), give the same results."""
+    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: arch)
+    monkeypatch.setattr(varlen_module, "_device_shared_bytes", lambda _tensor: shared_kb * 1024)
+    q, k, v, do = _inputs(lengths, heads, kv_heads, head_dim, torch.float16)
     cu = _cu_seqlens(lengths)
     actual, _ = _varlen(q, k, v, do, cu, max(lengths), True)
     same_dtype = _per_sequence_sdpa(q, k, v, do, cu, True)
