@@ -401,9 +401,9 @@ def plot(results: list[Result], device: str, device_type: str, path: Path) -> No
         legend.update(zip(labels, handles))
     labels, handles = list(legend), list(legend.values())
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), bbox_to_anchor=(0.5, 1.0))
-    path = " - PyTorch reference path (CPU)" if device_type == "cpu" else ""
+    backend = " - PyTorch reference path (CPU)" if device_type == "cpu" else ""
     dtypes = ", ".join(sorted({r.dtype for r in results if r.dtype}))
-    fig.suptitle(f"{results[0].family}{f' ({dtypes})' if dtypes else ''} on {device}{path}", y=1.04)
+    fig.suptitle(f"{results[0].family}{f' ({dtypes})' if dtypes else ''} on {device}{backend}", y=1.04)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

@@ -143,6 +143,7 @@ def test_bench_plot_title_says_pytorch_reference_path_on_cpu(tmp_path, monkeypat
     results = bench_report.load_results([_benchmark("layer_norm", "torch", s, 1e-4) for s in (128, 256, 512, 768)])
     bench_report.plot(results, "Test CPU", "cpu", tmp_path / "norm.png")
     assert titles == ["norm (float32) on Test CPU - PyTorch reference path (CPU)"]
+    assert [p.name for p in tmp_path.iterdir()] == ["norm.png"]  # the plot goes where it is asked to
 
 
 def test_quantize_bert_shows_progress(tmp_path, capsys):

@@ -1,10 +1,10 @@
-"""W8A8 and W8A16 on CPU in fused C++ loops around oneDNN's int8 GEMM (``torch._int_mm``).
+"""W8A8 and W8A16 on CPU in fused C loops around oneDNN's int8 GEMM (``torch._int_mm``).
 
 The PyTorch statement of the CPU path (``matmul._quantize_rows_reference`` and the int8
 branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear;
 at BERT's sizes each costs a few microseconds of dispatch and a pass over memory, which
-together cost more than the GEMM. These two functions compute exactly the same values
-in one pass each:
+together cost more than the GEMM. These functions compute exactly the same values in one
+pass each:
 
 - ``quantize_rows(x, smooth)``: per row, ``absmax = max|x * smooth|`` (NaN if the row
   has one), ``scale = absmax / 127`` (1 below ``MIN_ROW_ABSMAX`` or for NaN), and
@@ -18,7 +18,6 @@ in one pass each:
   ``fma(x @ fp32(weight)ᵀ, w_scale[n], bias[n])``: the weight's integers converted into a
   buffer each thread keeps (the reference's ``weight.float()`` allocates, and converts at
   a third of this loop's speed), the same fp32 GEMM, the epilogue in the output's memory.
-
 - ``quantize_rows_split(x, min_absmax)`` and ``split_gemm(q, weight_t, x_scale, w_scale, bias)``:
   W8A16 as ``matmul._quantize_rows_split_reference`` / ``_split_gemm_reference`` state it
   (the same bits): per row ``s = absmax / 32639`` (1 below ``min_absmax``, NaN for a row
@@ -29,18 +28,27 @@ in one pass each:
   first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
   ``matmul.MAX_SPLIT_IN_FEATURES``.
 
-The extension is compiled by ``torch.utils.cpp_extension.load_inline`` once (about a
-minute; then cached in torch's extensions directory) for the vector ISA torch uses on
-this CPU; ``Linear8bit.from_float`` builds it when it makes a CPU layer,
-so the time is spent at quantize / load time, not in the first forward. Without a
-working C++ compiler ``extension()`` returns None and the callers run the PyTorch
-statement, which gives the same bits, only slower.
+The loops are plain C over raw pointers (no torch headers, so a build takes about a
+second, not the minute a torch C++ extension takes), compiled once per machine with the C
+compiler (``$CC``, else ``cc``) for the vector ISA torch uses on this CPU, cached under
+``$SLIMFORMER_CACHE_DIR`` (default ``~/.cache/slimformer``) and called through ctypes.
+They run on torch's own OpenMP runtime with ``torch.get_num_threads()`` threads. Allocation,
+argument checks and the GEMMs stay in torch. ``Linear8bit.from_float`` builds the library
+when it makes a CPU layer, so the time is spent at quantize / load time, not in the first
+forward. Without a working C compiler ``extension()`` returns None and the callers run the
+PyTorch statement, which gives the same bits, only slower.
 """
 
+import ctypes
 import functools
 import hashlib
 import logging
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -49,25 +57,22 @@ import torch
 _log = logging.getLogger(__name__)
 
 _SOURCE = r"""
-#include <torch/extension.h>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
 
-namespace {
+#define SHIFT 12582912.0f /* 1.5 * 2^23 */
+#define LANES 16
 
-constexpr float kShift = 12582912.0f;  // 1.5 * 2^23
-constexpr int kLanes = 16;
-
-// max |v| over a row, NaN if the row holds a NaN (as torch.amax / torch.amin).
-float row_absmax(const float* x, const float* smooth, int64_t k) {
-  float lane_max[kLanes] = {0};
-  int lane_nan[kLanes] = {0};
+/* max |v| over a row, NaN if the row holds a NaN (as torch.amax / torch.amin). */
+static float row_absmax(const float* restrict x, const float* restrict smooth, int64_t k) {
+  float lane_max[LANES] = {0};
+  int lane_nan[LANES] = {0};
   int64_t j = 0;
-  for (; j + kLanes <= k; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
+  for (; j + LANES <= k; j += LANES) {
+    for (int l = 0; l < LANES; ++l) {
       float v = smooth ? x[j + l] * smooth[j + l] : x[j + l];
-      float a = std::fabs(v);
+      float a = fabsf(v);
       lane_max[l] = lane_max[l] < a ? a : lane_max[l];
       lane_nan[l] |= (v != v);
     }
@@ -76,251 +81,213 @@ float row_absmax(const float* x, const float* smooth, int64_t k) {
   int nan = 0;
   for (; j < k; ++j) {
     float v = smooth ? x[j] * smooth[j] : x[j];
-    float a = std::fabs(v);
+    float a = fabsf(v);
     absmax = absmax < a ? a : absmax;
     nan |= (v != v);
   }
-  for (int l = 0; l < kLanes; ++l) {
+  for (int l = 0; l < LANES; ++l) {
     absmax = absmax < lane_max[l] ? lane_max[l] : absmax;
     nan |= lane_nan[l];
   }
   return nan ? NAN : absmax;
 }
 
-template <bool kSmooth>
-void quantize_row(const float* x, const float* smooth, float scale, int8_t* q, int64_t k) {
-  for (int64_t j = 0; j < k; ++j) {
-    float v = kSmooth ? x[j] * smooth[j] : x[j];
-    float shifted = v / scale + kShift;
-    int32_t bits;
-    std::memcpy(&bits, &shifted, sizeof(bits));
-    q[j] = static_cast<int8_t>(bits);
+/* The IEEE quotient plus 1.5 * 2^23: its low mantissa bits are round-half-even(v / s). */
+static inline int32_t shifted_bits(float v, float scale) {
+  float shifted = v / scale + SHIFT;
+  int32_t bits;
+  memcpy(&bits, &shifted, sizeof(bits));
+  return bits;
+}
+
+void quantize_rows(const float* restrict x, const float* restrict smooth, int64_t m, int64_t k, float lowest,
+                   int8_t* restrict q, float* restrict scale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * k;
+    int8_t* qr = q + i * k;
+    const float absmax = row_absmax(xr, smooth, k);
+    const float s = absmax >= lowest ? absmax / 127.0f : 1.0f;
+    scale[i] = s;
+    if (smooth) {
+      for (int64_t j = 0; j < k; ++j) qr[j] = (int8_t)shifted_bits(xr[j] * smooth[j], s);
+    } else {
+      for (int64_t j = 0; j < k; ++j) qr[j] = (int8_t)shifted_bits(xr[j], s);
+    }
   }
 }
 
-}  // namespace
-
-void check_fp32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(), name,
-              " must be a contiguous float32 CPU tensor");
-}
-
-std::vector<torch::Tensor> quantize_rows(torch::Tensor x, c10::optional<torch::Tensor> smooth, double min_absmax) {
-  check_fp32(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
-  const int64_t m = x.size(0), k = x.size(1);
-  if (smooth.has_value()) {
-    check_fp32(*smooth, "smooth");
-    TORCH_CHECK(smooth->numel() == k, "smooth must have K elements");
+/* out[i, j] = fma(fp32(acc[i, j]) * x_scale[i], w_scale[j], bias[j]), over acc's memory. */
+void int8_epilogue(const int32_t* acc, float* out, const float* x_scale, const float* w_scale,
+                   const float* bias, int64_t m, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    const int32_t* a = acc + i * n;
+    float* o = out + i * n;
+    const float s = x_scale[i];
+    if (bias) {
+      for (int64_t j = 0; j < n; ++j) o[j] = fmaf((float)a[j] * s, w_scale[j], bias[j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) o[j] = (float)a[j] * s * w_scale[j];
+    }
   }
-  auto q = torch::empty({m, k}, x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({m}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* sp = smooth.has_value() ? smooth->data_ptr<float>() : nullptr;
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* scp = scale.data_ptr<float>();
-  const float lowest = static_cast<float>(min_absmax);
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float absmax = row_absmax(xp + i * k, sp, k);
-      const float s = absmax >= lowest ? absmax / 127.0f : 1.0f;
-      scp[i] = s;
-      if (sp) {
-        quantize_row<true>(xp + i * k, sp, s, qp + i * k, k);
-      } else {
-        quantize_row<false>(xp + i * k, sp, s, qp + i * k, k);
-      }
-    }
-  });
-  return {q, scale};
 }
 
-torch::Tensor int8_gemm(torch::Tensor q, torch::Tensor weight_t, torch::Tensor x_scale, torch::Tensor w_scale,
-                        c10::optional<torch::Tensor> bias) {
-  auto acc = at::_int_mm(q, weight_t);
-  const int64_t m = acc.size(0), n = acc.size(1);
-  check_fp32(x_scale, "x_scale");
-  check_fp32(w_scale, "w_scale");
-  TORCH_CHECK(x_scale.numel() == m && w_scale.numel() == n, "x_scale must have M elements, w_scale N");
-  if (bias.has_value()) {
-    check_fp32(*bias, "bias");
-    TORCH_CHECK(bias->numel() == n, "bias must have N elements");
+/* Per row v = round(x / s), s = absmax / 32639 (a 16-bit value, |v| <= 32639), split
+   v = 256 * hi + lo with hi in [-127, 127] and lo in [-128, 127]; rows [hi; lo] stacked as
+   (2M, K). A row with NaN or infinity gets scale NaN and zero rows. */
+void quantize_rows_split(const float* restrict x, int64_t m, int64_t k, float lowest, int8_t* restrict q,
+                         float* restrict scale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    const float* xr = x + i * k;
+    int8_t* hi = q + i * k;
+    int8_t* lo = q + (m + i) * k;
+    const float absmax = row_absmax(xr, 0, k);
+    if (!(absmax <= 3.4028234663852886e38f)) { /* NaN or infinity */
+      scale[i] = NAN;
+      memset(hi, 0, k);
+      memset(lo, 0, k);
+      continue;
+    }
+    const float s = absmax >= lowest ? absmax / 32639.0f : 1.0f;
+    scale[i] = s;
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t v = shifted_bits(xr[j], s) - 0x4B400000;
+      hi[j] = (int8_t)((v + 128) >> 8);
+      lo[j] = (int8_t)v;
+    }
   }
-  auto out = acc.view(torch::kFloat32);  // fp32 written over the int32 it was read from
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float* xs = x_scale.data_ptr<float>();
-  const float* ws = w_scale.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int32_t* a = ap + i * n;
-      float* o = op + i * n;
-      const float s = xs[i];
-      if (bp) {
-        for (int64_t j = 0; j < n; ++j) o[j] = std::fma(static_cast<float>(a[j]) * s, ws[j], bp[j]);
-      } else {
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<float>(a[j]) * s * ws[j];
-      }
-    }
-  });
-  return out;
 }
 
-// W8A16 as two int8 GEMMs: per row v = round(x / s), s = absmax / 32639 (a 16-bit value,
-// |v| <= 32639), split v = 256 * hi + lo with hi in [-127, 127] and lo in [-128, 127]; rows
-// [hi; lo] stacked as (2M, K). A row with NaN or infinity gets scale NaN and zero rows.
-std::vector<torch::Tensor> quantize_rows_split(torch::Tensor x, double min_absmax) {
-  check_fp32(x, "x");
-  TORCH_CHECK(x.dim() == 2, "x must be (M, K)");
-  const int64_t m = x.size(0), k = x.size(1);
-  auto q = torch::empty({2 * m, k}, x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({m}, x.options());
-  const float* xp = x.data_ptr<float>();
-  int8_t* qp = q.data_ptr<int8_t>();
-  float* scp = scale.data_ptr<float>();
-  const float lowest = static_cast<float>(min_absmax);
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* xr = xp + i * k;
-      int8_t* hi = qp + i * k;
-      int8_t* lo = qp + (m + i) * k;
-      const float absmax = row_absmax(xr, nullptr, k);
-      if (!(absmax <= 3.4028234663852886e38f)) {  // NaN or infinity
-        scp[i] = NAN;
-        std::memset(hi, 0, k);
-        std::memset(lo, 0, k);
-        continue;
-      }
-      const float s = absmax >= lowest ? absmax / 32639.0f : 1.0f;
-      scp[i] = s;
-      for (int64_t j = 0; j < k; ++j) {
-        float shifted = xr[j] / s + kShift;
-        int32_t bits;
-        std::memcpy(&bits, &shifted, sizeof(bits));
-        const int32_t v = bits - 0x4B400000;
-        hi[j] = static_cast<int8_t>((v + 128) >> 8);
-        lo[j] = static_cast<int8_t>(v);
-      }
+/* out[i, j] = fma((256 * fp32(acc[i, j]) + fp32(acc[M + i, j])) * x_scale[i], w_scale[j], bias[j])
+   for acc (2M, N), written over acc's first M rows. */
+void split_epilogue(const int32_t* acc, float* out, const float* x_scale, const float* w_scale,
+                    const float* bias, int64_t m, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    const int32_t* ah = acc + i * n;
+    const int32_t* al = acc + (m + i) * n;
+    float* o = out + i * n;
+    const float s = x_scale[i];
+    if (bias) {
+      for (int64_t j = 0; j < n; ++j) o[j] = fmaf((256.0f * (float)ah[j] + (float)al[j]) * s, w_scale[j], bias[j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) o[j] = (256.0f * (float)ah[j] + (float)al[j]) * s * w_scale[j];
     }
-  });
-  return {q, scale};
-}
-
-// y[i] = fma((256 * fp32(acc[i]) + fp32(acc[M + i])) * x_scale[i], w_scale, bias) for
-// acc = q @ weight_t (2M, N), in the first M rows of acc's memory.
-torch::Tensor split_gemm(torch::Tensor q, torch::Tensor weight_t, torch::Tensor x_scale, torch::Tensor w_scale,
-                         c10::optional<torch::Tensor> bias) {
-  auto acc = at::_int_mm(q, weight_t);
-  const int64_t m = acc.size(0) / 2, n = acc.size(1);
-  check_fp32(x_scale, "x_scale");
-  check_fp32(w_scale, "w_scale");
-  TORCH_CHECK(acc.size(0) == 2 * m && x_scale.numel() == m && w_scale.numel() == n,
-              "q must have 2M rows, x_scale M elements, w_scale N");
-  if (bias.has_value()) {
-    check_fp32(*bias, "bias");
-    TORCH_CHECK(bias->numel() == n, "bias must have N elements");
   }
-  auto out = acc.view(torch::kFloat32).narrow(0, 0, m);
-  const int32_t* ap = acc.data_ptr<int32_t>();
-  float* op = acc.view(torch::kFloat32).data_ptr<float>();
-  const float* xs = x_scale.data_ptr<float>();
-  const float* ws = w_scale.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int32_t* ah = ap + i * n;
-      const int32_t* al = ap + (m + i) * n;
-      float* o = op + i * n;
-      const float s = xs[i];
-      if (bp) {
-        for (int64_t j = 0; j < n; ++j) {
-          const float t = 256.0f * static_cast<float>(ah[j]) + static_cast<float>(al[j]);
-          o[j] = std::fma(t * s, ws[j], bp[j]);
-        }
-      } else {
-        for (int64_t j = 0; j < n; ++j) {
-          const float t = 256.0f * static_cast<float>(ah[j]) + static_cast<float>(al[j]);
-          o[j] = t * s * ws[j];
-        }
-      }
-    }
-  });
-  return out;
 }
 
-torch::Tensor weight_only_gemm(torch::Tensor x, torch::Tensor weight, torch::Tensor w_scale,
-                               c10::optional<torch::Tensor> bias) {
-  check_fp32(x, "x");
-  TORCH_CHECK(weight.scalar_type() == torch::kInt8 && weight.is_contiguous() && weight.dim() == 2,
-              "weight must be a contiguous (N, K) int8 tensor");
-  const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "x must be (M, K)");
-  check_fp32(w_scale, "w_scale");
-  TORCH_CHECK(w_scale.numel() == n, "w_scale must have N elements");
-  if (bias.has_value()) {
-    check_fp32(*bias, "bias");
-    TORCH_CHECK(bias->numel() == n, "bias must have N elements");
-  }
-  // The weight's integers as fp32 in one buffer per thread, reused by every call: a
-  // fresh (N, K) tensor per call costs its allocation and page faults too.
-  thread_local torch::Tensor scratch;
-  if (!scratch.defined() || scratch.numel() < n * k) scratch = torch::empty({n * k}, x.options());
-  float* wf = scratch.data_ptr<float>();
-  const int8_t* wq = weight.data_ptr<int8_t>();
-  at::parallel_for(0, n * k, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) wf[i] = static_cast<float>(wq[i]);
-  });
-  auto out = at::mm(x, scratch.narrow(0, 0, n * k).view({n, k}).t());
-  float* op = out.data_ptr<float>();
-  const float* ws = w_scale.data_ptr<float>();
-  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      float* o = op + i * n;
-      if (bp) {
-        for (int64_t j = 0; j < n; ++j) o[j] = std::fma(o[j], ws[j], bp[j]);
-      } else {
-        for (int64_t j = 0; j < n; ++j) o[j] = o[j] * ws[j];
-      }
+void int8_to_float(const int8_t* restrict w, float* restrict out, int64_t count, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t i = 0; i < count; ++i) out[i] = (float)w[i];
+}
+
+/* out[i, j] = fma(out[i, j], w_scale[j], bias[j]) in place. */
+void scale_bias(float* restrict out, const float* restrict w_scale, const float* restrict bias, int64_t m, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t i = 0; i < m; ++i) {
+    float* o = out + i * n;
+    if (bias) {
+      for (int64_t j = 0; j < n; ++j) o[j] = fmaf(o[j], w_scale[j], bias[j]);
+    } else {
+      for (int64_t j = 0; j < n; ++j) o[j] = o[j] * w_scale[j];
     }
-  });
-  return out;
+  }
 }
 """
 
-# -ffp-contract=off: no multiply-add is fused but the one written as std::fma.
-_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math"]
+# -ffp-contract=off: no multiply-add is fused but the one written as fmaf.
+_CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
 # Vector ISA flags per torch's CPU capability (not -march=native: the cached library
 # must run on every machine of that capability that shares the cache directory).
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
     "AVX2": ["-mavx2", "-mfma"],
 }
+# Elements below which a loop runs on the calling thread (at::parallel_for's grain).
+_GRAIN = 32768
+
+_P, _I64, _F32, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "quantize_rows": [_P, _P, _I64, _I64, _F32, _P, _P, _INT],
+    "int8_epilogue": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "quantize_rows_split": [_P, _I64, _I64, _F32, _P, _P, _INT],
+    "split_epilogue": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "int8_to_float": [_P, _P, _I64, _INT],
+    "scale_bias": [_P, _P, _P, _I64, _I64, _INT],
+}
+
+
+# torch._int_mm on CPU is oneDNN's GEMM only where the CPU has AVX512-VNNI; elsewhere (AVX2
+# machines: AMD Zen 1-3, most Intel client CPUs) it is a scalar loop about 30x slower than
+# fp32 sgemm (268 ms against 9 ms for 512 x 768 x 768 on an AMD EPYC, one thread).
+_INT_MM_IS_FAST = torch.cpu._is_vnni_supported()
+# |a·b| <= 128·128 = 2^14 for int8 a, b: every partial sum of at most 2^10 such products
+# is an integer below 2^24, which fp32 holds exactly, whatever order the GEMM adds in.
+_EXACT_FP32_TERMS = 1024
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The exact product of int8 a (M, K) and b (K, N) as int32 (M, N), as ``torch._int_mm``
+    computes it: that op on CUDA, on a CPU with VNNI and while torch.compile traces; else
+    sgemm over slices of K short enough to add integers exactly (dgemm where fp32 matmuls
+    may run in lower precision: ``torch.set_float32_matmul_precision``)."""
+    if _INT_MM_IS_FAST or not a.is_cpu or a.is_cuda or torch.compiler.is_compiling():
+        return torch._int_mm(a, b)
+    torch._check(a.shape[1] == b.shape[0])
+    if torch.get_float32_matmul_precision() != "highest":
+        return torch.mm(a.double(), b.double()).to(torch.int32)
+    if a.shape[1] <= _EXACT_FP32_TERMS:
+        return torch.mm(a.float(), b.float()).to(torch.int32)
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32)
+    for start in range(0, a.shape[1], _EXACT_FP32_TERMS):
+        part = slice(start, start + _EXACT_FP32_TERMS)
+        acc += torch.mm(a[:, part].float(), b[part].float()).to(torch.int32)
+    return acc
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("SLIMFORMER_CACHE_DIR"):
+        return Path(os.environ["SLIMFORMER_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slimformer"
+
+
+def _build(compiler: str, flags: list[str], target: Path) -> None:
+    """Compile ``_SOURCE`` into ``target``, with OpenMP where the compiler has it. The
+    library is written under a temporary name and renamed, so processes building at
+    once (pytest-xdist workers, DDP ranks) never load a half-written file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source, library = Path(tmp) / "int8_cpu.c", Path(tmp) / target.name
+        source.write_text(_SOURCE)
+        command = [compiler, *flags, str(source), "-o", str(library)]
+        build = subprocess.run([*command[:1], "-fopenmp", *command[1:]], capture_output=True, text=True)
+        if build.returncode:  # no OpenMP (e.g. Apple clang): the same loops on one thread
+            build = subprocess.run(command, capture_output=True, text=True)
+        if build.returncode:
+            raise RuntimeError(f"{' '.join(command)} failed: {build.stderr.strip()}")
+        os.replace(library, target)
 
 
 @functools.cache
 def extension():
-    """The compiled module (``quantize_rows``, ``int8_gemm``, ``weight_only_gemm``, ``quantize_rows_split``,
-    ``split_gemm``), or None where it cannot be
-    built (no C++ compiler or ninja): the callers then run the PyTorch statement."""
-    from torch.utils import cpp_extension
-
+    """The fused loops as a namespace of ``quantize_rows``, ``int8_gemm``,
+    ``weight_only_gemm``, ``quantize_rows_split`` and ``split_gemm`` (torch tensors in and
+    out), or None where they cannot be built (no C compiler): the callers then run the
+    PyTorch statement."""
     flags = _CFLAGS + _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    key = "\n".join([_SOURCE, *flags, torch.__version__])  # a new torch needs a new build
-    name = "slimformer_int8_cpu_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
-    if not any(root.glob(f"*/{name}/{name}*.so")):
-        _log.warning("slimformer: compiling the CPU int8 kernels (once per machine and torch version, about a minute)")
+    compiler = os.environ.get("CC") or "cc"
+    key = "\n".join([_SOURCE, compiler, *flags, platform.machine(), platform.system()])
+    target = _cache_dir() / f"int8_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
     try:
-        return cpp_extension.load_inline(
-            name,
-            cpp_sources=_SOURCE,
-            functions=["quantize_rows", "int8_gemm", "weight_only_gemm", "quantize_rows_split", "split_gemm"],
-            extra_cflags=flags,
-            verbose=False,
-        )
-    except Exception as error:  # noqa: BLE001 - any build failure means: use the PyTorch path
+        if not target.exists():
+            if shutil.which(compiler) is None:
+                raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+            _log.info("slimformer: compiling the CPU int8 loops into %s (once per machine)", target)
+            _build(compiler, flags, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError) as error:
         warnings.warn(
             f"slimformer: the fused CPU int8 path could not be built ({type(error).__name__}: "
             f"{str(error).splitlines()[0] if str(error) else ''}); "
@@ -329,3 +296,109 @@ def extension():
             stacklevel=2,
         )
         return None
+    for name, argtypes in _SIGNATURES.items():
+        getattr(library, name).argtypes = argtypes
+        getattr(library, name).restype = None
+    return _FusedLoops(library)
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads(elements: int) -> int:
+    return 1 if elements < _GRAIN else torch.get_num_threads()
+
+
+def _check_fp32(name: str, t: torch.Tensor, numel: int | None = None) -> None:
+    if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} must have {numel} elements, got {t.numel()}")
+
+
+class _FusedLoops:
+    """The C loops behind torch-tensor functions: checks and allocation here, the passes
+    over memory in C, the GEMMs in torch."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.library = library
+        self.scratch = threading.local()
+
+    def quantize_rows(self, x, smooth, min_absmax):
+        """fp32 x (M, K), smooth (K,) or None -> (q (M, K) int8, scale (M,) fp32)."""
+        _check_fp32("x", x)
+        if x.dim() != 2:
+            raise ValueError(f"x must be (M, K), got shape {tuple(x.shape)}")
+        m, k = x.shape
+        if smooth is not None:
+            _check_fp32("smooth", smooth, k)
+        q, scale = torch.empty(m, k, dtype=torch.int8), torch.empty(m)
+        self.library.quantize_rows(
+            x.data_ptr(), _pointer(smooth), m, k, min_absmax, q.data_ptr(), scale.data_ptr(), _threads(m * k)
+        )
+        return q, scale
+
+    def int8_gemm(self, q, weight_t, x_scale, w_scale, bias):
+        """int8 q (M, K) @ weight_t (K, N), then the W8A8 epilogue -> fp32 (M, N)."""
+        acc = int8_mm(q, weight_t)
+        m, n = acc.shape
+        self._check_epilogue(x_scale, m, w_scale, n, bias)
+        out = acc.view(torch.float32)  # fp32 written over the int32 it is read from
+        self.library.int8_epilogue(
+            acc.data_ptr(), out.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(), _pointer(bias), m, n,
+            _threads(m * n),
+        )
+        return out
+
+    def quantize_rows_split(self, x, min_absmax):
+        """fp32 x (M, K) -> (q (2M, K) int8: hi rows then lo rows, scale (M,) fp32)."""
+        _check_fp32("x", x)
+        if x.dim() != 2:
+            raise ValueError(f"x must be (M, K), got shape {tuple(x.shape)}")
+        m, k = x.shape
+        q, scale = torch.empty(2 * m, k, dtype=torch.int8), torch.empty(m)
+        self.library.quantize_rows_split(x.data_ptr(), m, k, min_absmax, q.data_ptr(), scale.data_ptr(), _threads(m * k))
+        return q, scale
+
+    def split_gemm(self, q, weight_t, x_scale, w_scale, bias):
+        """int8 q (2M, K) @ weight_t (K, N), the halves recombined -> fp32 (M, N), a view of
+        the accumulator's first M rows."""
+        acc = int8_mm(q, weight_t)
+        m, n = acc.shape[0] // 2, acc.shape[1]
+        if acc.shape[0] != 2 * m:
+            raise ValueError(f"q must have an even number of rows (2M), got {acc.shape[0]}")
+        self._check_epilogue(x_scale, m, w_scale, n, bias)
+        out = acc.view(torch.float32)
+        self.library.split_epilogue(
+            acc.data_ptr(), out.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(), _pointer(bias), m, n,
+            _threads(m * n),
+        )
+        return out[:m]
+
+    def weight_only_gemm(self, x, weight, w_scale, bias):
+        """fp32 x (M, K) @ fp32(int8 weight (N, K))ᵀ, then ``fma(·, w_scale, bias)`` -> fp32 (M, N)."""
+        _check_fp32("x", x)
+        if weight.dtype != torch.int8 or not weight.is_contiguous() or weight.dim() != 2:
+            raise ValueError(f"weight must be a contiguous (N, K) int8 tensor, got {weight.dtype} {tuple(weight.shape)}")
+        n, k = weight.shape
+        if x.dim() != 2 or x.shape[1] != k:
+            raise ValueError(f"x must be (M, {k}), got shape {tuple(x.shape)}")
+        self._check_epilogue(None, None, w_scale, n, bias)
+        # The weight's integers as fp32 in one buffer per thread, reused by every call: a
+        # fresh (N, K) tensor per call costs its allocation and page faults too.
+        scratch = getattr(self.scratch, "buffer", None)
+        if scratch is None or scratch.numel() < n * k:
+            scratch = self.scratch.buffer = torch.empty(n * k)
+        self.library.int8_to_float(weight.data_ptr(), scratch.data_ptr(), n * k, _threads(n * k))
+        out = torch.mm(x, scratch[: n * k].view(n, k).t())
+        self.library.scale_bias(out.data_ptr(), w_scale.data_ptr(), _pointer(bias), *out.shape, _threads(out.numel()))
+        return out
+
+    @staticmethod
+    def _check_epilogue(x_scale, m, w_scale, n, bias):
+        if x_scale is not None:
+            _check_fp32("x_scale", x_scale, m)
+        _check_fp32("w_scale", w_scale, n)
+        if bias is not None:
+            _check_fp32("bias", bias, n)

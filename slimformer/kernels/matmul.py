@@ -405,7 +405,7 @@ def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
             # For torch.compile: with sizes traced as symbols, _int_mm's shape check needs the
             # contraction dimensions known equal.
             torch._check(weight.shape[1] == K)
-            acc = torch._int_mm(x, weight.t())
+            acc = int8_cpu.int8_mm(x, weight.t())
             # int32 -> fp32 in the accumulator's own memory (same element size, each element
             # read before it is written): a fresh (M, N) buffer costs its page faults too.
             out = acc.view(torch.float32).copy_(acc)
@@ -476,7 +476,7 @@ def _split_gemm_reference(q, weight, x_scale, w_scale, bias):
     epilogue ``fma(t · x_scale, w_scale, bias)``."""
     M = q.shape[0] // 2
     torch._check(weight.shape[1] == q.shape[1])
-    acc = torch._int_mm(q, weight.t())
+    acc = int8_cpu.int8_mm(q, weight.t())
     out = acc[M:].float().add_(acc[:M].float(), alpha=256.0)
     out.mul_(x_scale[:, None])
     return out.mul_(w_scale) if bias is None else torch.addcmul(bias.float(), out, w_scale, out=out)

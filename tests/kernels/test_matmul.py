@@ -143,6 +143,24 @@ def _fused_cpu_int8():
     return fused
 
 
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+@pytest.mark.parametrize("k", [0, 1, 1024, 1025, 3000])
+def test_int8_mm_without_vnni_is_exact(monkeypatch, k, precision):
+    # Off VNNI CPUs the int32 product is summed by sgemm in slices of K: exact while every
+    # partial sum stays below 2^24, which -128 · -128 products over 1025+ terms would pass.
+    monkeypatch.setattr(int8_cpu, "_INT_MM_IS_FAST", False)
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
+    gen = torch.Generator().manual_seed(k)
+    a = torch.randint(-128, 128, (7, k), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (k, 5), generator=gen, dtype=torch.int8)
+    # 2^14·(K - 1) + 127²: odd and past 2^24 from K = 1025, so one fp32 sum would round it
+    a[0], b[:, 0] = -128, -128
+    if k:
+        a[0, -1], b[-1, 0] = 127, 127
+    ours = int8_cpu.int8_mm(a, b)
+    assert ours.dtype == torch.int32 and torch.equal(ours, (a.long() @ b.long()).int())
+
+
 @pytest.mark.parametrize("shape", [(0, 5, 3), (1, 0, 3), *SHAPES, (130, 384, 97)], ids=str)
 def test_fused_cpu_int8_is_bit_exact_with_reference(shape):
     # The compiled CPU loops are the reference's arithmetic in fewer passes: the same bits
