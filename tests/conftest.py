@@ -22,6 +22,63 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+def _patch_the_language_once_per_launch():
+    """Triton 3.6's interpreter patches triton.language for each launch (restoring it at
+    the end), and again, to the same effect, on every call of a ``@triton.jit`` helper
+    inside the kernel: ``inspect.getmembers`` over the package, ~2 ms a call, a quarter of
+    an interpreted attention test's time. The repeat is skipped where every language
+    module the helper sees is already patched in this launch; a helper that sees another
+    (triton's own, which see ``triton.language.core``) still patches it."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = interpreter._patch_lang
+    in_launch: set[int] = set()  # ids of the language modules patched in the running launch
+
+    class LaunchScope(interpreter._LangPatchScope):
+        def restore(self):
+            super().restore()
+            in_launch.clear()
+
+    def patch_lang_once(fn):
+        langs = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        if in_launch and langs <= in_launch:
+            return interpreter._LangPatchScope()  # nothing to restore: the launch's patch holds
+        scope = patch_lang(fn)
+        if not in_launch:  # the launch's own patch (GridExecutor), restored when it ends
+            scope.__class__ = LaunchScope
+        in_launch.update(langs)
+        return scope
+
+    interpreter._patch_lang = patch_lang_once
+
+
+def _numpy_dtypes_from_one_table():
+    """Triton 3.6's interpreter builds its 20-entry triton -> numpy dtype table anew on
+    each lookup (once or more per interpreted op: 8% of an attention test). The same
+    lookups, from a table kept between calls."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    get_np_dtype = interpreter._get_np_dtype
+    table = {}
+
+    def get_np_dtype_from_table(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(element, tl.pointer_type):
+            return get_np_dtype(element)
+        if element not in table:
+            table[element] = get_np_dtype(element)
+        return table[element]
+
+    interpreter._get_np_dtype = get_np_dtype_from_table
+
+
+if _INTERPRETING:
+    _patch_the_language_once_per_launch()
+    _numpy_dtypes_from_one_table()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
