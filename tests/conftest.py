@@ -74,9 +74,26 @@ def _numpy_dtypes_from_one_table():
     interpreter._get_np_dtype = get_np_dtype_from_table
 
 
+def _tuple_type_names_on_demand():
+    """Every interpreted op makes tensors whose shape is a ``triton.language.tuple``, and
+    Triton 3.6 formats each one's type name (``[:constexpr[128],:constexpr[64]]``) on
+    creation, though the interpreter never reads it. The name, formatted when read."""
+    from triton.language import core
+
+    def __init__(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    core.tuple_type.__init__ = __init__
+    core.tuple_type.name = property(
+        lambda self: "[" + ",".join(f"{k}:{v}" for k, v in zip(self.fields, self.types)) + "]"
+    )
+
+
 if _INTERPRETING:
     _patch_the_language_once_per_launch()
     _numpy_dtypes_from_one_table()
+    _tuple_type_names_on_demand()
 
 
 @pytest.hookimpl(trylast=True)

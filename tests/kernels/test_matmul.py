@@ -161,8 +161,18 @@ def test_int8_mm_without_vnni_is_exact(monkeypatch, k, precision):
     assert ours.dtype == torch.int32 and torch.equal(ours, (a.long() @ b.long()).int())
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def cpu_threads(request):
+    """torch's intra-op threads for the test: the compiled loops split rows over that many
+    OpenMP threads above ``int8_cpu._GRAIN`` elements (130 x 384 is)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("shape", [(0, 5, 3), (1, 0, 3), *SHAPES, (130, 384, 97)], ids=str)
-def test_fused_cpu_int8_is_bit_exact_with_reference(shape):
+def test_fused_cpu_int8_is_bit_exact_with_reference(shape, cpu_threads):
     # The compiled CPU loops are the reference's arithmetic in fewer passes: the same bits
     # for zero, tiny (below MIN_ROW_ABSMAX), NaN and infinite rows, with and without smooth
     # and bias, at the adversarial half-way quotients, and at sizes off every vector width.
@@ -210,7 +220,7 @@ def _split_adversarial_rows(seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [(0, 5, 3), (1, 0, 3), *SHAPES, (130, 384, 97), (9, 1536, 384)], ids=str)
-def test_fused_cpu_weight_only_split_is_bit_exact_with_reference(shape):
+def test_fused_cpu_weight_only_split_is_bit_exact_with_reference(shape, cpu_threads):
     # CPU W8A16 multiplies the 16-bit fixed point v = round(x / s), s = max|row| / 32639, as
     # v = 256·hi + lo in one int8 GEMM: the compiled loops and the PyTorch statement give the
     # same bits for zero, tiny, NaN and infinite rows, adversarial half-way quotients, K = 1536.
@@ -256,6 +266,26 @@ def test_weight_only_beyond_the_split_depth_runs_the_fp32_gemm(monkeypatch):
     wq, w_scale = quantize_per_channel(weight)
     expected = matmul._gemm_reference(x, wq, None, w_scale, bias, None, torch.float32)
     torch.testing.assert_close(int8_weight_only_linear(x, wq, w_scale, bias), expected, rtol=0, atol=0)
+
+
+def test_fused_cpu_int8_builds_into_its_cache_or_warns_without_a_compiler(monkeypatch, tmp_path):
+    # A build goes to $SLIMFORMER_CACHE_DIR and later calls load it; with no C compiler
+    # the callers get None and one warning that says the PyTorch ops run instead.
+    _fused_cpu_int8()
+    monkeypatch.setenv("SLIMFORMER_CACHE_DIR", str(tmp_path / "cache"))
+    built = int8_cpu.extension.__wrapped__()
+    assert built is not None and [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]
+    x = torch.randn(3, 40)
+    assert torch.equal(built.quantize_rows(x, None, matmul.MIN_ROW_ABSMAX)[0], matmul._quantize_rows_reference(x, None)[0])
+    with pytest.raises(ValueError, match="x must be a contiguous float32 CPU tensor, got torch.float16"):
+        built.quantize_rows(x.half(), None, matmul.MIN_ROW_ABSMAX)
+    with pytest.raises(ValueError, match="w_scale must have 5 elements, got 4"):
+        built.int8_gemm(torch.zeros(3, 8, dtype=torch.int8), torch.zeros(8, 5, dtype=torch.int8), torch.ones(3),
+                        torch.ones(4), None)  # fmt: skip
+    monkeypatch.setenv("SLIMFORMER_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.warns(RuntimeWarning, match="no C compiler .*no-such-cc.* plain PyTorch ops"):
+        assert int8_cpu.extension.__wrapped__() is None
 
 
 def test_int8_layers_run_the_reference_without_the_fused_cpu_path(monkeypatch):
