@@ -321,6 +321,10 @@ class TorchTraffic(TorchDispatchMode):
     _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "randn", "randn_like",
              "randint", "normal_", "uniform_", "random_", "detach", "alias", "lift_fresh", "set_"}  # fmt: skip
     _WRITE_ONLY = {"fill_", "zero_"}
+    # The launches are recorded, not run, so every tensor a kernel writes holds garbage and
+    # so would the products of these: their outputs are left unwritten (shapes from the
+    # meta device), which saves minutes of CPU GEMMs in bf16 (a 300 x 768 x 30522 loss).
+    _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm"}
 
     def __init__(self):
         super().__init__()
@@ -342,8 +346,16 @@ class TorchTraffic(TorchDispatchMode):
             # one of slimformer's own ops: what it moves is its kernels' and its torch calls', counted there
             with self:
                 return custom._init_fn(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if name in self._GEMMS:
+            meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs or {}))
+            meta = func(*meta_args, **meta_kwargs)  # checks the shapes as the op would
+            if "out" in (kwargs or {}):
+                out = kwargs["out"]
+            else:
+                out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device)
+        else:
+            out = func(*args, **(kwargs or {}))
         if func.is_view or name in self._FREE or not self._called_from_slimformer():
             return out
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

@@ -74,3 +74,23 @@ def test_causal_counts():
     # query block i sees key blocks up to its diagonal: 2 + 4 + 6 + 8
     assert allowed_tiles(512, 512, 128, 64, causal=True) == 20
     assert allowed_tiles(500, 500, 128, 64, causal=True) == 2 + 4 + 6 + 8
+
+
+def test_capture_leaves_gemm_outputs_unwritten_in_their_layout():
+    # The capture records launches without running them, so the GEMMs around them would
+    # multiply garbage: their outputs keep the op's shape, dtype and strides, unwritten.
+    import pytest
+    import torch
+
+    from bench.kernel_capture import TorchTraffic
+
+    a, b, out = torch.randn(5, 3), torch.randn(3, 4), torch.full((5, 4), 7.0)
+    with TorchTraffic():
+        product = a @ b.bfloat16().float()
+        written = torch.mm(a, b, out=out)
+        batched = torch.baddbmm(torch.zeros(2, 5, 4), a.expand(2, 5, 3), b.expand(2, 3, 4).mT.contiguous().mT)
+        with pytest.raises(RuntimeError, match="same reduction dim"):  # the meta op checks shapes
+            torch.mm(a, a)
+    assert product.shape == (5, 4) and product.dtype == torch.float32
+    assert written.data_ptr() == out.data_ptr() and torch.equal(out, torch.full((5, 4), 7.0))
+    assert batched.shape == (2, 5, 4) and batched.stride() == torch.empty(2, 5, 4).stride()
