@@ -20,6 +20,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # per core in every worker, their spinning OpenMP threads slow small ops many times over.
     workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    # and so do the processes the tests start (gloo ranks, the compile report, the CLI)
+    os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 
 def _patch_the_language_once_per_launch():
