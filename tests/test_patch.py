@@ -621,6 +621,7 @@ def reference_training():
         return {key: _train(*key) for key in ((None, 0.0), (None, 0.1), ("none", 0.1))}
 
 
+@pytest.mark.xdist_group("reference-training")  # its runs are made once, on one worker
 @pytest.mark.parametrize("policy", BRANCH_COVERING_POLICIES)
 def test_convergence_matches_unpatched(torch_path, reference_training, policy):
     losses, parameters = _train(policy, dropout=0.0)

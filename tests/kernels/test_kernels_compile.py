@@ -19,8 +19,9 @@ KNOWN_FAILURES = {
 @pytest.fixture(scope="session")
 def problems(request, tmp_path_factory):
     """{case: problems} of a family, from one compile-report run per family for the whole
-    test run: xdist's groups do not hold here (pytest 9.2, xdist 3.8), so the workers share
-    each run's result through a file in their common temporary directory, under a lock."""
+    test run: each family is an xdist group, and where a family's tests do land on several
+    workers (``-n`` without ``--dist loadgroup``), they share the run's result through a
+    file in their common temporary directory, under a lock."""
     worker = getattr(request.config, "workerinput", None)
     shared = None if worker is None else tmp_path_factory.getbasetemp().parent / f"compile-{worker['testrunuid']}"
 
@@ -64,6 +65,7 @@ def sm80_problems():
     return compile_ci_cases("attention", "sm80", SM80_PATTERN)
 
 
+@pytest.mark.xdist_group("compile-sm80")  # one worker compiles them (the fixture is per module and worker)
 @pytest.mark.parametrize("case", matching_case_names("attention", SM80_PATTERN))
 def test_attention_compiles_for_sm80_within_limits(sm80_problems, case):
     assert sm80_problems[case] == []
@@ -87,6 +89,7 @@ def sm86_problems():
 SM86_CASES = [name for pattern in SM86_PATTERNS for name in matching_case_names("attention", pattern)]
 
 
+@pytest.mark.xdist_group("compile-sm86")
 @pytest.mark.parametrize("case", SM86_CASES)
 def test_attention_compiles_for_sm86_within_limits(sm86_problems, case):
     assert sm86_problems[case] == []
