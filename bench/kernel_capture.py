@@ -341,21 +341,21 @@ class TorchTraffic(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         custom = _maybe_get_opdef(func) if func.namespace == "slimformer" else None
         if custom is not None:
             # one of slimformer's own ops: what it moves is its kernels' and its torch calls', counted there
             with self:
-                return custom._init_fn(*args, **(kwargs or {}))
+                return custom._init_fn(*args, **kwargs)
         name = func.overloadpacket.__name__
         if name in self._GEMMS:
-            meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs or {}))
+            meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
             meta = func(*meta_args, **meta_kwargs)  # checks the shapes as the op would
-            if "out" in (kwargs or {}):
-                out = kwargs["out"]
-            else:
+            out = kwargs.get("out")
+            if out is None:
                 out = torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=args[0].device)
         else:
-            out = func(*args, **(kwargs or {}))
+            out = func(*args, **kwargs)
         if func.is_view or name in self._FREE or not self._called_from_slimformer():
             return out
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

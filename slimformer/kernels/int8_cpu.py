@@ -310,6 +310,14 @@ def _threads(elements: int) -> int:
     return 1 if elements < _GRAIN else torch.get_num_threads()
 
 
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    """(M, K) of a contiguous fp32 CPU matrix x, else ValueError."""
+    _check_fp32("x", x)
+    if x.dim() != 2:
+        raise ValueError(f"x must be (M, K), got shape {tuple(x.shape)}")
+    return x.shape
+
+
 def _check_fp32(name: str, t: torch.Tensor, numel: int | None = None) -> None:
     if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
         raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
@@ -327,10 +335,7 @@ class _FusedLoops:
 
     def quantize_rows(self, x, smooth, min_absmax):
         """fp32 x (M, K), smooth (K,) or None -> (q (M, K) int8, scale (M,) fp32)."""
-        _check_fp32("x", x)
-        if x.dim() != 2:
-            raise ValueError(f"x must be (M, K), got shape {tuple(x.shape)}")
-        m, k = x.shape
+        m, k = _rows(x)
         if smooth is not None:
             _check_fp32("smooth", smooth, k)
         q, scale = torch.empty(m, k, dtype=torch.int8), torch.empty(m)
@@ -353,10 +358,7 @@ class _FusedLoops:
 
     def quantize_rows_split(self, x, min_absmax):
         """fp32 x (M, K) -> (q (2M, K) int8: hi rows then lo rows, scale (M,) fp32)."""
-        _check_fp32("x", x)
-        if x.dim() != 2:
-            raise ValueError(f"x must be (M, K), got shape {tuple(x.shape)}")
-        m, k = x.shape
+        m, k = _rows(x)
         q, scale = torch.empty(2 * m, k, dtype=torch.int8), torch.empty(m)
         self.library.quantize_rows_split(x.data_ptr(), m, k, min_absmax, q.data_ptr(), scale.data_ptr(), _threads(m * k))
         return q, scale
@@ -364,10 +366,10 @@ class _FusedLoops:
     def split_gemm(self, q, weight_t, x_scale, w_scale, bias):
         """int8 q (2M, K) @ weight_t (K, N), the halves recombined -> fp32 (M, N), a view of
         the accumulator's first M rows."""
+        if q.shape[0] % 2:
+            raise ValueError(f"q must have an even number of rows (2M), got {q.shape[0]}")
         acc = int8_mm(q, weight_t)
         m, n = acc.shape[0] // 2, acc.shape[1]
-        if acc.shape[0] != 2 * m:
-            raise ValueError(f"q must have an even number of rows (2M), got {acc.shape[0]}")
         self._check_epilogue(x_scale, m, w_scale, n, bias)
         out = acc.view(torch.float32)
         self.library.split_epilogue(
@@ -378,11 +380,11 @@ class _FusedLoops:
 
     def weight_only_gemm(self, x, weight, w_scale, bias):
         """fp32 x (M, K) @ fp32(int8 weight (N, K))ᵀ, then ``fma(·, w_scale, bias)`` -> fp32 (M, N)."""
-        _check_fp32("x", x)
+        _rows(x)
         if weight.dtype != torch.int8 or not weight.is_contiguous() or weight.dim() != 2:
             raise ValueError(f"weight must be a contiguous (N, K) int8 tensor, got {weight.dtype} {tuple(weight.shape)}")
         n, k = weight.shape
-        if x.dim() != 2 or x.shape[1] != k:
+        if x.shape[1] != k:
             raise ValueError(f"x must be (M, {k}), got shape {tuple(x.shape)}")
         self._check_epilogue(None, None, w_scale, n, bias)
         # The weight's integers as fp32 in one buffer per thread, reused by every call: a
