@@ -92,7 +92,26 @@ def _tuple_type_names_on_demand():
     )
 
 
+def _no_overflow_checks_whose_assert_is_off():
+    """Every integer ``+``, ``-`` and ``*`` on 32-bit (or narrower) values builds an overflow
+    check: both operands cast to int64, the operation again, two compares, an ``and`` and a
+    ``device_assert`` (ten interpreted ops for one, a third of an interpreted attention
+    test). Triton 3.6's interpreter runs without ``debug`` (``InterpreterOptions()``), so
+    that ``device_assert`` returns without reading its condition. The check is skipped
+    where its assert is off, which is all it did; with ``debug`` on it runs as before."""
+    from triton.language.semantic import TritonSemantic
+
+    sanitize_overflow = TritonSemantic.binary_op_sanitize_overflow_impl
+
+    def sanitize_overflow_if_asserts_are_on(self, lhs, rhs, binary_op):
+        if self.builder.options.debug:
+            sanitize_overflow(self, lhs, rhs, binary_op)
+
+    TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow_if_asserts_are_on
+
+
 if _INTERPRETING:
+    _no_overflow_checks_whose_assert_is_off()
     _patch_the_language_once_per_launch()
     _numpy_dtypes_from_one_table()
     _tuple_type_names_on_demand()
