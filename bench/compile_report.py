@@ -47,18 +47,21 @@ class Collection:
     torch_bytes: dict = field(default_factory=dict)  # case name -> {phase: bytes of slimformer's torch ops}
 
 
-def _analyse_worker(launch_json: dict, use_cache: bool):
+def _analyse_worker(launch_json: dict, use_cache: bool, sass: bool):
     from bench.compiled_code import analyse
     from bench.kernel_capture import Launch
 
     try:
-        return "ok", analyse(Launch(**launch_json), use_cache=use_cache).to_json()
+        return "ok", analyse(Launch(**launch_json), use_cache=use_cache, sass=sass).to_json()
     except Exception as error:  # a compile error is a result to report, not a crash
         return "error", f"{type(error).__name__}: {str(error)[-3000:]}"
 
 
-def collect(cases, devices, jobs: int = 1, use_cache: bool = True, progress: bool = True) -> list[Collection]:
-    """Capture every case on every device, then compile each distinct launch once."""
+def collect(
+    cases, devices, jobs: int = 1, use_cache: bool = True, progress: bool = True, sass: bool = True
+) -> list[Collection]:
+    """Capture every case on every device, then compile each distinct launch once; without
+    ``sass``, read only what ``limit_violations`` needs (``compiled_code.analyse``)."""
     from rich.progress import Progress
 
     from bench.compiled_code import KernelStats
@@ -85,13 +88,14 @@ def collect(cases, devices, jobs: int = 1, use_cache: bool = True, progress: boo
         results = {}
         if jobs == 1:
             for key, launch in unique.items():
-                results[key] = _analyse_worker(launch.to_json(), use_cache)
+                results[key] = _analyse_worker(launch.to_json(), use_cache, sass)
                 bar.advance(task)
         else:
             context = multiprocessing.get_context("spawn")
             with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
                 futures = {
-                    pool.submit(_analyse_worker, launch.to_json(), use_cache): key for key, launch in unique.items()
+                    pool.submit(_analyse_worker, launch.to_json(), use_cache, sass): key
+                    for key, launch in unique.items()
                 }
                 for future in concurrent.futures.as_completed(futures):
                     results[futures[future]] = future.result()

@@ -225,12 +225,18 @@ def _parse_ptxas_log(log: str) -> dict:
     )
 
 
-def stats_from_binary(launch: Launch, cubin: bytes, ptxas_log: str, metadata) -> KernelStats:
+def disassemble(cubin: bytes) -> list[Instruction]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         sass = subprocess.run([triton_bin("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True)
-    instructions = parse_sass(sass.stdout)
+    return parse_sass(sass.stdout)
+
+
+def stats_from_binary(launch: Launch, cubin: bytes | None, ptxas_log: str, metadata) -> KernelStats:
+    """The stats of a compiled launch; with ``cubin`` None, those of ptxas's report and the
+    metadata only (the SASS fields empty)."""
+    instructions = disassemble(cubin) if cubin is not None else []
     opcodes = dict(Counter(i.opcode for i in instructions))
     loops = find_loops(instructions)
     num_warps = metadata.num_warps
@@ -290,13 +296,23 @@ def cache_key(launch: Launch) -> str:
     return hashlib.sha256(f"{key}-{ANALYSIS_VERSION}".encode()).hexdigest()
 
 
-def analyse(launch: Launch, use_cache: bool = True) -> KernelStats:
-    """Compile ``launch`` (ptxas runs every time the cache misses) and read its facts."""
+def analyse(launch: Launch, use_cache: bool = True, sass: bool = True) -> KernelStats:
+    """Compile ``launch`` (ptxas runs every time the cache misses) and read its facts.
+
+    Without ``sass``, only ptxas's report and the metadata (registers, spills, shared
+    memory), all that the limit checks read: the SASS fields stay empty, and cuobjdump,
+    which takes as long as ptxas, does not run. Such stats are cached apart from full
+    ones, and a full cached record serves both.
+    """
     from triton import knobs
 
-    path = CACHE_DIR / f"{cache_key(launch)}.json"
-    if use_cache and path.exists():
-        return KernelStats.from_json(json.loads(path.read_text()))
+    key = cache_key(launch)
+    path = CACHE_DIR / f"{key}.json"
+    candidates = [path] if sass else [path, path.with_name(f"{key}-no-sass.json")]
+    cached = next((p for p in candidates if use_cache and p.exists()), None)
+    if cached:
+        return KernelStats.from_json(json.loads(cached.read_text()))
+    path = candidates[-1]
     log = io.StringIO()
     start = time.perf_counter()
     with knobs.compilation.scope(), knobs.nvidia.scope():
@@ -305,7 +321,7 @@ def analyse(launch: Launch, use_cache: bool = True) -> KernelStats:
         knobs.nvidia.dump_ptxas_log = True
         with contextlib.redirect_stdout(log):
             compiled = compile_launch(launch)
-    stats = stats_from_binary(launch, compiled.asm["cubin"], log.getvalue(), compiled.metadata)
+    stats = stats_from_binary(launch, compiled.asm["cubin"] if sass else None, log.getvalue(), compiled.metadata)
     stats.compile_seconds = time.perf_counter() - start
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

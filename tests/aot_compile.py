@@ -1,61 +1,110 @@
-"""Compile the kernels the launchers really launch, for Hopper (sm_90), without a GPU.
+"""Compile the kernels the launchers really launch, for sm_90 / sm_80 / sm_86, without a GPU.
 
 The interpreter accepts programs the GPU compiler rejects, and a kernel compiled with
 other specialisations than the JIT's is a different binary (other registers, spills and
 load instructions). So the tests run the compile report's own path in a fresh process
 without TRITON_INTERPRET (``triton.jit`` picks the interpreter at decoration time):
-``bench.compile_report`` captures the launches of the CI's representative cases
-(``bench.compile_cases``, ``ci=True``) on CPU tensors with the CUDA code paths,
-specialises them as the JIT does and compiles them with Triton and ptxas.
+``bench.compile_report`` captures the launches of the selected cases
+(``bench.compile_cases``) on CPU tensors with the CUDA code paths, specialises them as
+the JIT does and compiles them with Triton and ptxas. One process compiles every
+selection of a test run: each would otherwise pay ~4 s of imports.
 """
 
 import json
 import os
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+from typing import NamedTuple
 
 from bench.compile_cases import all_cases
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def ci_case_names(family: str) -> list[str]:
-    return [case.name for case in all_cases() if case.ci and case.family == family]
+def ci_cases(family: str) -> tuple[str, ...]:
+    """The names of the family's CI cases (``bench.compile_cases``, ``ci=True``)."""
+    return tuple(case.name for case in all_cases() if case.ci and case.family == family)
 
 
-def matching_case_names(family: str, pattern: str) -> list[str]:
-    """The family's cases whose name contains every word of ``pattern`` (``-k``)."""
+def matching_cases(family: str, pattern: str) -> tuple[str, ...]:
+    """The names of the family's cases whose name contains every word of ``pattern``
+    (``bench.compile_report -k``)."""
     from bench.compile_report import select
 
-    return [case.name for case in select(all_cases(), pattern, ci_only=False) if case.family == family]
+    return tuple(case.name for case in select(all_cases(), pattern, ci_only=False) if case.family == family)
 
 
-def compile_ci_cases(family: str, arch: str = "sm90", pattern: str | None = None) -> dict[str, list[str]]:
-    """{case name: its problems} for the family's CI cases, or with ``pattern`` for its
-    cases matching it (``matching_case_names``): compile errors, shared memory over
-    ``arch``'s limit, spills in a 16-bit kernel within the supported sizes.
+class Selection(NamedTuple):
+    """Cases to compile for ``arch``; with ``sass``, their SASS is read too (cuobjdump, as
+    long as ptxas again), for the facts of ``CompileResult.kernels``."""
 
-    Raises AssertionError with the subprocess's output when the report itself fails.
+    arch: str
+    cases: tuple[str, ...]
+    sass: bool = False
+
+
+class CompileResult(NamedTuple):
+    problems: dict[str, list[str]]  # case -> compile errors, limits broken, "no kernel launch captured"
+    kernels: dict[str, dict]  # "case / kernel" -> {"mma": kind, "hot_loop_loads": {kind: n}} (with sass)
+
+
+def compile_selections(selections: list[Selection]) -> dict[Selection, CompileResult]:
+    """Each selection's problems (compile errors, shared memory over the arch's limit, spills
+    in a 16-bit kernel within the supported sizes, a case that launched nothing) and with
+    ``sass`` its kernels' facts. One subprocess compiles them all (``_main``).
+
+    Raises AssertionError with the subprocess's output when it fails.
     """
-    names = ci_case_names(family) if pattern is None else matching_case_names(family, pattern)
-    selection = ["--ci"] if pattern is None else ["-k", pattern]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "records.json"
-        command = [sys.executable, "-m", "bench.compile_report", *selection, "--family", family, "--arch", arch,
-                   "--json", str(out), "--no-report", "--quiet", "-j", "1"]  # fmt: skip
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-        assert result.returncode == 0 and out.exists(), f"compile report failed:\n{result.stderr[-4000:]}"
-        data = json.loads(out.read_text())
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    command = [sys.executable, "-m", "tests.aot_compile", json.dumps(selections)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, f"compiling {selections} failed:\n{result.stderr[-4000:]}"
+    results = json.loads(result.stdout.splitlines()[-1])
+    return {selection: CompileResult(*found) for selection, found in zip(selections, results)}
+
+
+def _result(selection: Selection, collections: list) -> CompileResult:
+    from bench.compile_report import Collection, limit_violations
+    from bench.compiled_code import mma_kind
+
+    names = selection.cases
+    own = Collection(collections[0].device, [r for c in collections for r in c.records if r.case.name in names],
+                     [e for c in collections for e in c.capture_errors if e[0] in names])  # fmt: skip
     problems = {name: [] for name in names}
-    for problem in data["problems"][arch]:
-        name = next((n for n in problems if problem.startswith(f"{n}:") or problem.startswith(f"{n} /")), None)
-        problems.setdefault(name or "(unattributed)", []).append(problem)
-    launched = {record["case"] for record in data["records"]}
-    for name in problems:
-        if name in names and name not in launched and not problems[name]:
+    for problem in limit_violations(own):
+        name = next(n for n in names if problem.startswith(f"{n}:") or problem.startswith(f"{n} /"))
+        problems[name].append(problem)
+    launched = {record.case.name for record in own.records}
+    for name in names:
+        if name not in launched and not problems[name]:
             problems[name].append("no kernel launch captured")
-    return problems
+    kernels = {
+        f"{r.case.name} / {r.launch.kernel}": {"mma": mma_kind(r.stats.mma_opcodes), "hot_loop_loads": r.stats.hot_loop_loads}
+        for r in own.records if selection.sass and r.stats
+    }  # fmt: skip
+    return CompileResult(problems, kernels)
+
+
+def _main(selections: list[Selection]) -> list[CompileResult]:
+    """Each selection's result. Each case is compiled once per arch (with the other cases of
+    that arch, each distinct launch once), reading ptxas's report, and its SASS where a
+    selection asks for it."""
+    from bench.compile_report import collect
+    from bench.kernel_capture import DEVICES
+
+    by_name = {case.name: case for case in all_cases()}
+    collections = {}
+    for arch in dict.fromkeys(s.arch for s in selections):
+        with_sass = dict.fromkeys(n for s in selections if s.arch == arch and s.sass for n in s.cases)
+        without = dict.fromkeys(n for s in selections if s.arch == arch for n in s.cases if n not in with_sass)
+        collections[arch] = [
+            collection
+            for names, sass in ((with_sass, True), (without, False)) if names
+            for collection in collect([by_name[n] for n in names], [DEVICES[arch]], progress=False, sass=sass)
+        ]  # fmt: skip
+    return [_result(s, collections[s.arch]) for s in selections]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_main([Selection(arch, tuple(cases), sass) for arch, cases, sass in json.loads(sys.argv[1])])))

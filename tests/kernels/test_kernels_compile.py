@@ -1,95 +1,83 @@
 """Every kernel family compiles for Hopper (sm_90) in the specialisations the JIT builds for
 the CI's representative shapes, within shared memory and, for 16-bit inputs at hidden
-<= 8192 / head dim <= 256, without register spills (see tests/aot_compile.py)."""
+<= 8192 / head dim <= 256, without register spills; the attention's largest tiles also
+for sm_80 and sm_86 (see tests/aot_compile.py)."""
 
-import functools
 import json
 
 import pytest
 from filelock import FileLock  # a dependency of torch
 
-from tests.aot_compile import ci_case_names, compile_ci_cases, matching_case_names
+from tests.aot_compile import CompileResult, Selection, ci_cases, compile_selections, matching_cases
 
 FAMILIES = ("attention", "norm", "dropout", "activation", "loss", "gemm")
 # Cases that break a limit today, each with its reason; strict, so a fix must remove it.
 KNOWN_FAILURES = {
 }
 
-
-@pytest.fixture(scope="session")
-def problems(request, tmp_path_factory):
-    """{case: problems} of a family, from one compile-report run per family for the whole
-    test run: each family is an xdist group, and where a family's tests do land on several
-    workers (``-n`` without ``--dist loadgroup``), they share the run's result through a
-    file in their common temporary directory, under a lock."""
-    worker = getattr(request.config, "workerinput", None)
-    shared = None if worker is None else tmp_path_factory.getbasetemp().parent / f"compile-{worker['testrunuid']}"
-
-    @functools.cache
-    def family_problems(family: str) -> dict[str, list[str]]:
-        if shared is None:
-            return compile_ci_cases(family)
-        shared.mkdir(exist_ok=True)
-        path = shared / f"{family}.json"
-        with FileLock(f"{path}.lock"):
-            if not path.exists():
-                path.write_text(json.dumps(compile_ci_cases(family)))
-        return json.loads(path.read_text())
-
-    return family_problems
-
-
-def _params():
-    for family in FAMILIES:
-        for case in ci_case_names(family):
-            marks = [pytest.mark.xdist_group(f"compile-{family}")]
-            if case in KNOWN_FAILURES:
-                marks.append(pytest.mark.xfail(reason=KNOWN_FAILURES[case], strict=True))
-            yield pytest.param(family, case, marks=marks, id=case)
-
-
-@pytest.mark.parametrize(("family", "case"), list(_params()))
-def test_compiles_for_sm90_within_limits(problems, family, case):
-    assert problems(family)[case] == []
-
-
 # sm_80 (A100) has 163 KB of shared memory (sm_90: 227 KB) and mma.sync, whose tiles
 # accumulate in registers: its own attention block configs (``_SM80_TENSOR_CORE_CONFIGS``).
 # Two cases keep this cheap: d256 with dropout, and with every mask (largest tiles in
 # shared memory, most per-element state), whose sm_90 configs needed 168 KB for dQ there.
 SM80_PATTERN = "attn d256 bf16 s512 fused-qkv dropout0.1"
-
-
-@pytest.fixture(scope="module")
-def sm80_problems():
-    return compile_ci_cases("attention", "sm80", SM80_PATTERN)
-
-
-@pytest.mark.xdist_group("compile-sm80")  # one worker compiles them (the fixture is per module and worker)
-@pytest.mark.parametrize("case", matching_case_names("attention", SM80_PATTERN))
-def test_attention_compiles_for_sm80_within_limits(sm80_problems, case):
-    assert sm80_problems[case] == []
-
-
 # Compute capability 8.6 / 8.9 (RTX 30xx / 40xx, A10, L4) has 99 KB of shared memory per
 # block and takes the 99 KB table (``_SMALL_SHARED_TENSOR_CORE_CONFIGS``): sm_80's configs
 # needed 100 KB for the d256 forward and dQ (with or without dropout), and 128-132 KB for
 # fp32's backward at d256. Compiled for sm_86, whose limit is 101376 B.
 SM86_PATTERNS = (SM80_PATTERN, "attn d256 fp32")
 
+# The sm_90 attention's headline: every pass's hot loop on wgmma, the forward's loads by
+# TMA and the backward's by cp.async (read from the SASS, for one case).
+WGMMA_CASE = "attn d72 bf16 s512 fused-qkv"
+SELECTIONS = [
+    *(Selection("sm90", ci_cases(family)) for family in FAMILIES),
+    Selection("sm90", (WGMMA_CASE,), sass=True),
+    Selection("sm80", matching_cases("attention", SM80_PATTERN)),
+    *(Selection("sm86", matching_cases("attention", pattern)) for pattern in SM86_PATTERNS),
+]
+# one worker compiles them all for the whole run (``compiled``)
+pytestmark = pytest.mark.xdist_group("compile")
 
-@pytest.fixture(scope="module")
-def sm86_problems():
-    problems = {}
-    for pattern in SM86_PATTERNS:
-        problems.update(compile_ci_cases("attention", "sm86", pattern))
-    return problems
+
+@pytest.fixture(scope="session")
+def compiled(request, tmp_path_factory) -> dict[Selection, CompileResult]:
+    """Every selection's result, from one compile run for the whole test run. Where the tests
+    do land on several workers (``-n`` without ``--dist loadgroup``), they share that run's
+    result through a file in their common temporary directory, under a lock."""
+    worker = getattr(request.config, "workerinput", None)
+    if worker is None:
+        return compile_selections(SELECTIONS)
+    path = tmp_path_factory.getbasetemp().parent / f"compile-{worker['testrunuid']}.json"
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            path.write_text(json.dumps(list(compile_selections(SELECTIONS).values())))
+        results = json.loads(path.read_text())
+    return {selection: CompileResult(*result) for selection, result in zip(SELECTIONS, results)}
 
 
-SM86_CASES = [name for pattern in SM86_PATTERNS for name in matching_case_names("attention", pattern)]
+def _params():
+    for selection in SELECTIONS:
+        for case in selection.cases:
+            marks = [pytest.mark.xfail(reason=KNOWN_FAILURES[case], strict=True)] if case in KNOWN_FAILURES else []
+            yield pytest.param(selection, case, marks=marks, id=f"{selection.arch}-{case}")
 
 
-@pytest.mark.xdist_group("compile-sm86")
-@pytest.mark.parametrize("case", SM86_CASES)
-def test_attention_compiles_for_sm86_within_limits(sm86_problems, case):
-    assert sm86_problems[case] == []
+@pytest.mark.parametrize(("selection", "case"), [p for p in _params() if not p.values[0].sass])
+def test_compiles_within_limits(compiled, selection, case):
+    assert compiled[selection].problems[case] == []
+
+
+def test_sm90_attention_hot_loops_run_wgmma_fed_by_tma_and_cp_async(compiled):
+    [selection] = [s for s in SELECTIONS if s.sass]
+    result = compiled[selection]
+    assert result.problems[WGMMA_CASE] == []
+    passes = {name.split(" / ")[1]: facts for name, facts in result.kernels.items()}
+    assert set(passes) == {"_attention_fwd_kernel", "_attention_bwd_preprocess_kernel", "_attention_bwd_dkdv_kernel",
+                           "_attention_bwd_dq_kernel"}, passes  # fmt: skip
+    for kernel, facts in passes.items():
+        if kernel == "_attention_bwd_preprocess_kernel":  # a row sum of dO * O: no dot
+            assert facts["mma"] == "–", facts
+            continue
+        assert facts["mma"] == "wgmma", (kernel, facts)
+        kinds = {kind.split(".")[0] for kind in facts["hot_loop_loads"]}
+        assert kinds == ({"TMA"} if kernel == "_attention_fwd_kernel" else {"cp"}), (kernel, facts)
