@@ -110,8 +110,61 @@ def _no_overflow_checks_whose_assert_is_off():
     TritonSemantic.binary_op_sanitize_overflow_impl = sanitize_overflow_if_asserts_are_on
 
 
+def _shapes_built_once_per_shape():
+    """Every interpreted op makes a ``tl.tensor`` and mostly a ``tl.block_type``, and Triton 3.6
+    builds their shapes anew each time: the tensor's as a ``tl.tuple`` of constexprs (with a
+    tuple type of constexpr types), the block type's by unwrapping, validating and
+    formatting its shape into a name. Broadcasting then compares shapes by turning the
+    other side into a ``tl.tuple`` too. Together a quarter of an interpreted kernel test.
+
+    Here each distinct shape's values are built once, by Triton's own code, and shared:
+    tensors of one shape hold one shape tuple (the interpreter never mutates one;
+    ``tl.tuple._setitem`` is the compiler's), block types of one element type and shape one
+    validated shape, numel and name. A shape compares with itself, or with a list or tuple
+    of ints, without the conversion; shapes with constexprs take Triton's path."""
+    import builtins
+    import math
+
+    from triton.language import core
+
+    block_type_init, tuple_eq = core.block_type.__init__, core.tuple.__eq__
+    tensor_shapes = {}  # shape (ints) -> (tl.tuple of constexprs, numel as constexpr)
+    block_shapes = {}  # (element type name, shape) -> (shape, numel, name) as block_type.__init__ sets them
+
+    def tensor_init(self, handle, type):
+        self.handle = handle
+        self.type = type
+        self.dtype = type.scalar
+        shape = builtins.tuple(type.shape) if type.is_block() else ()
+        if shape not in tensor_shapes:
+            tensor_shapes[shape] = (core.tuple([core.constexpr(s) for s in shape]), core.constexpr(math.prod(shape)))
+        self.shape, self.numel = tensor_shapes[shape]
+
+    def block_init(self, element_ty, shape):
+        if not all(type(d) is int for d in shape):  # constexprs: Triton unwraps them
+            return block_type_init(self, element_ty, shape)
+        key = (element_ty.name, builtins.tuple(shape))
+        if key not in block_shapes:
+            block_type_init(self, element_ty, shape)  # validates, raises on a bad shape
+            block_shapes[key] = (self.shape, self.numel, self.name)
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = block_shapes[key]
+
+    def shape_eq(self, other):
+        if other is self:
+            return core.constexpr(True)
+        if type(other) in (list, builtins.tuple) and all(type(v) is int for v in other):
+            return core.constexpr(self.values == list(other))
+        return tuple_eq(self, other)
+
+    core.tensor.__init__ = tensor_init
+    core.block_type.__init__ = block_init
+    core.tuple.__eq__ = shape_eq
+
+
 if _INTERPRETING:
     _no_overflow_checks_whose_assert_is_off()
+    _shapes_built_once_per_shape()
     _patch_the_language_once_per_launch()
     _numpy_dtypes_from_one_table()
     _tuple_type_names_on_demand()
