@@ -162,7 +162,15 @@ def _shapes_built_once_per_shape():
     core.tuple.__eq__ = shape_eq
 
 
-if _INTERPRETING:
+def _interpreter_is_triton_3_6() -> bool:
+    """The patches above replace internals read from Triton 3.6's interpreter; another
+    Triton runs its interpreter as it is (slower, never wrong)."""
+    import triton
+
+    return triton.__version__.startswith("3.6.")
+
+
+if _INTERPRETING and _interpreter_is_triton_3_6():
     _no_overflow_checks_whose_assert_is_off()
     _shapes_built_once_per_shape()
     _patch_the_language_once_per_launch()
