@@ -307,12 +307,11 @@ def analyse(launch: Launch, use_cache: bool = True, sass: bool = True) -> Kernel
     from triton import knobs
 
     key = cache_key(launch)
-    path = CACHE_DIR / f"{key}.json"
-    candidates = [path] if sass else [path, path.with_name(f"{key}-no-sass.json")]
-    cached = next((p for p in candidates if use_cache and p.exists()), None)
+    full, no_sass = CACHE_DIR / f"{key}.json", CACHE_DIR / f"{key}-no-sass.json"
+    path, readable = (full, [full]) if sass else (no_sass, [full, no_sass])
+    cached = next((p for p in readable if use_cache and p.exists()), None)
     if cached:
         return KernelStats.from_json(json.loads(cached.read_text()))
-    path = candidates[-1]
     log = io.StringIO()
     start = time.perf_counter()
     with knobs.compilation.scope(), knobs.nvidia.scope():

@@ -68,20 +68,15 @@ def _result(selection: Selection, collections: list) -> CompileResult:
     from bench.compile_report import Collection, limit_violations
     from bench.compiled_code import mma_kind
 
-    names = selection.cases
-    own = Collection(collections[0].device, [r for c in collections for r in c.records if r.case.name in names],
-                     [e for c in collections for e in c.capture_errors if e[0] in names])  # fmt: skip
-    problems = {name: [] for name in names}
-    for problem in limit_violations(own):
-        name = next(n for n in names if problem.startswith(f"{n}:") or problem.startswith(f"{n} /"))
-        problems[name].append(problem)
-    launched = {record.case.name for record in own.records}
-    for name in names:
-        if name not in launched and not problems[name]:
-            problems[name].append("no kernel launch captured")
+    records = [r for c in collections for r in c.records if r.case.name in selection.cases]
+    problems = {}
+    for name in selection.cases:
+        own = Collection(collections[0].device, [r for r in records if r.case.name == name],
+                         [e for c in collections for e in c.capture_errors if e[0] == name])  # fmt: skip
+        problems[name] = limit_violations(own) or ([] if own.records else ["no kernel launch captured"])
     kernels = {
         f"{r.case.name} / {r.launch.kernel}": {"mma": mma_kind(r.stats.mma_opcodes), "hot_loop_loads": r.stats.hot_loop_loads}
-        for r in own.records if selection.sass and r.stats
+        for r in records if selection.sass and r.stats
     }  # fmt: skip
     return CompileResult(problems, kernels)
 

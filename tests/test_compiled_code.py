@@ -1,7 +1,11 @@
 """The compile report's reading of SASS: loops, load and MMA kinds, MMA FLOPs (no compiler needed)."""
 
+import pytest
+import torch
+
 from bench.compile_cases import allowed_pairs, allowed_tiles
 from bench.compiled_code import find_loops, load_class, mma_flops, mma_kind, parse_sass
+from bench.kernel_capture import TorchTraffic
 
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                          /* 0x00000a00ff017b82 */
@@ -79,11 +83,6 @@ def test_causal_counts():
 def test_capture_leaves_gemm_outputs_unwritten_in_their_layout():
     # The capture records launches without running them, so the GEMMs around them would
     # multiply garbage: their outputs keep the op's shape, dtype and strides, unwritten.
-    import pytest
-    import torch
-
-    from bench.kernel_capture import TorchTraffic
-
     a, b, out = torch.randn(5, 3), torch.randn(3, 4), torch.full((5, 4), 7.0)
     with TorchTraffic():
         product = a @ b.bfloat16().float()

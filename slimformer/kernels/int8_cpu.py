@@ -1,4 +1,4 @@
-"""W8A8 and W8A16 on CPU in fused C loops around oneDNN's int8 GEMM (``torch._int_mm``).
+"""W8A8 and W8A16 on CPU in fused C loops around an exact int8 GEMM (``int8_mm``).
 
 The PyTorch statement of the CPU path (``matmul._quantize_rows_reference`` and the int8
 branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear;
@@ -10,7 +10,7 @@ pass each:
   has one), ``scale = absmax / 127`` (1 below ``MIN_ROW_ABSMAX`` or for NaN), and
   ``q = int8(bits(x * smooth / scale + 1.5·2^23))``: the IEEE division, then the add
   that rounds half to even, whose low byte is the rounded integer.
-- ``int8_gemm(q, weight_t, x_scale, w_scale, bias)``: ``acc = torch._int_mm(q, weight_t)``,
+- ``int8_gemm(q, weight_t, x_scale, w_scale, bias)``: ``acc = int8_mm(q, weight_t)``,
   then ``fma(fp32(acc) * x_scale[m], w_scale[n], bias[n])`` in the accumulator's own
   memory: the reference's ``mul_`` then ``addcmul`` (which fuses its multiply-add);
   ``-ffp-contract=off`` keeps the compiler from fusing anything else.
@@ -23,7 +23,7 @@ pass each:
   (the same bits): per row ``s = absmax / 32639`` (1 below ``min_absmax``, NaN for a row
   with NaN or infinity, whose integers are zeros), ``v = round(x / s)`` by the same
   division and add as above, ``v = 256·hi + lo`` stacked as (2M, K) int8 (hi rows, then lo
-  rows); then ``acc = torch._int_mm(q, weight_t)`` and
+  rows); then ``acc = int8_mm(q, weight_t)`` and
   ``fma((256·fp32(acc_hi) + fp32(acc_lo)) * x_scale[m], w_scale[n], bias[n])`` in the
   first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
   ``matmul.MAX_SPLIT_IN_FEATURES``.
@@ -233,7 +233,7 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     computes it: that op on CUDA, on a CPU with VNNI and while torch.compile traces; else
     sgemm over slices of K short enough to add integers exactly (dgemm where fp32 matmuls
     may run in lower precision: ``torch.set_float32_matmul_precision``)."""
-    if _INT_MM_IS_FAST or not a.is_cpu or a.is_cuda or torch.compiler.is_compiling():
+    if _INT_MM_IS_FAST or not a.is_cpu or torch.compiler.is_compiling():
         return torch._int_mm(a, b)
     torch._check(a.shape[1] == b.shape[0])
     if torch.get_float32_matmul_precision() != "highest":

@@ -20,14 +20,14 @@ quantization, x may be multiplied per channel by ``smooth`` (SmoothQuant: the
 activation's outliers moved into the weights, which were multiplied by 1 / smooth).
 
 On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
-loops around ``torch._int_mm`` (``int8_cpu``: the quantization in one pass, the int32
+loops around ``int8_cpu.int8_mm`` (the quantization in one pass, the int32
 epilogue in one pass), bit for bit; the references run where it cannot be built.
 
 W8A16 on CPU is the same op rounded differently, since no float GEMM there beats fp32
 sgemm: each activation row becomes 16-bit fixed point, ``v = round(x / s)`` with
 ``s = max|x[m]| / 32639`` (|v| <= 32639; the IEEE division, rounded half to even), split
 into two int8 rows ``v = 256·hi + lo`` (hi in [-127, 127], lo in [-128, 127]); both go
-through one int8 GEMM (``torch._int_mm`` on 2M rows) and the epilogue computes, in fp32,
+through one int8 GEMM (``int8_cpu.int8_mm`` on 2M rows) and the epilogue computes, in fp32,
 
     y[m, n] = fma((256·acc_hi[m, n] + acc_lo[m, n]) · s[m], s_w[n], b[n])
 
@@ -393,8 +393,9 @@ def _int_mm_supports(m: int, k: int, n: int, device: torch.device) -> bool:
 def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     """PyTorch statement of ``_gemm``: the same accumulator and epilogue, one final rounding.
 
-    W8A8 sums exactly in int32 with ``torch._int_mm`` where it applies (on CPU oneDNN's
-    VNNI GEMM, ~4x the fp32 GEMM's throughput), else in float64 (exact for any K below
+    W8A8 sums exactly in int32 with ``int8_cpu.int8_mm`` where ``torch._int_mm`` applies (on a
+    VNNI CPU oneDNN's GEMM, ~4x the fp32 GEMM's throughput; without VNNI sgemm over exact
+    slices of K), else in float64 (exact for any K below
     2^39); the float GEMMs and W8A16 sum in fp32. The epilogue runs in place: at BERT's
     sizes each extra whole-tensor op costs a few percent of the GEMM.
     """
@@ -484,7 +485,7 @@ def _split_gemm_reference(q, weight, x_scale, w_scale, bias):
 
 def _weight_only_cpu(x, weight, w_scale, bias, fused):
     """CPU W8A16 for K <= MAX_SPLIT_IN_FEATURES: x's rows as 16-bit fixed point (``_quantize_rows_split_reference``),
-    both halves in one int8 GEMM (oneDNN's, through ``torch._int_mm``): fp32 (M, N), on the compiled
+    both halves in one int8 GEMM (``int8_cpu.int8_mm``): fp32 (M, N), on the compiled
     path a view of the first M rows of the (2M, N) accumulator (a fresh buffer costs its page faults)."""
     x = x.float()
     if fused is not None:

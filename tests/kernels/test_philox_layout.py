@@ -117,7 +117,7 @@ def compile_and_check(cases: dict[str, list[str]]) -> dict[str, dict]:
 
 def test_lane_swap_and_packed_apply_see_the_layouts_they_assume():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     result = subprocess.run([sys.executable, "-m", "tests.kernels.test_philox_layout"], cwd=ROOT, env=env,
                             capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
