@@ -652,8 +652,11 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
         w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
         args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial)
         scalars = (seed, M, N, spec.dropout_p, rows_per_program)
+        # No fused multiply-adds: contracted into g - mean(g), g = dy · w would enter unrounded
+        # where mean(g) summed it rounded, and rstd · (g - mean(g)) would amplify the
+        # difference (rstd = 1 / sqrt(eps) on a constant row: dx ~1e-5 where it is 0).
         flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N),
-                     DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
+                     DROPOUT_AFTER=spec.dropout_after and seed is not None, enable_fp_fusion=False)  # fmt: skip
         if wide:
             _norm_bwd_wide_kernel[(programs,)](*args, *scalars, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:

@@ -256,6 +256,8 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.co
     row_start, col_start, BLOCK_R, BLOCK_C: multiples of 16, and row_start (col_start) a
     multiple of 32 where BLOCK_R (BLOCK_C) is. LANE_PAIRS: the tile is a
     tensor-core accumulator (wgmma or mma.sync), the only layout the lane swap is right in.
+    In every orientation the words of columns 2c and 2c + 1 (of the [BLOCK_X, BLOCK_Y]
+    tile) are equal, as ``dropout_mma_apply`` needs for 16-bit tiles.
 
     x, y: the tile's first and second index. Each lane pair (lane, lane ^ 4: x % 2 = 0, 1)
     holds half of the same 4 × 4 group in each 16 × 16 block; over two blocks along y
@@ -297,15 +299,19 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.co
     if not PAIRED:
         # both lanes of a pair compute the group; each element's word is picked here
         if TRANSPOSED:
-            # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8)
+            # x: keys (byte 2 · (x % 2) + x % 16 // 8); y: queries (word 2 · (y % 2 ^ key block % 2) + y % 16 // 8).
+            # Queries 2c and 2c + 1 read different words, but the 16-bit apply decides both
+            # from one pair: words0 holds the even query's word, words1 the odd one's, and
+            # the query's parity goes into the byte index.
             # x % 2 (lane bit 2) as a broadcast dimension: a joined one would be registers
             key_odd = tl.zeros([1, 1, 2, 1, 1], tl.int32) + (x_blocks % 2 if BLOCK_KEYS >= 32 else key_parity)
             even = key_odd == 0
-            words = tl.join(tl.join(tl.where(even, w0, w2), tl.where(even, w1, w3)),
-                            tl.join(tl.where(even, w2, w0), tl.where(even, w3, w1)))  # fmt: skip
-            # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, y % 2, x % 16 // 8]
-            words = tl.permute(tl.join(words, words), (0, 7, 1, 2, 3, 5, 4, 6))
-            byte = 2 * (x % 2) + x % 16 // 8
+            even_query_words = tl.join(tl.where(even, w0, w2), tl.where(even, w1, w3))
+            odd_query_words = tl.join(tl.where(even, w2, w0), tl.where(even, w3, w1))
+            # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, y % 16 // 8, x % 16 // 8, y % 2]
+            words0 = tl.permute(_copies22(even_query_words), (0, 6, 1, 2, 3, 5, 4, 7))
+            words1 = tl.permute(_copies22(odd_query_words), (0, 6, 1, 2, 3, 5, 4, 7))
+            byte = 4 * (y % 2) + 2 * (x % 2) + x % 16 // 8
         else:
             # x: queries (word 2 · (x % 2 ^ key block % 2) + x % 16 // 8); y: keys (byte 2 · (y % 2) + y % 16 // 8)
             low = (tl.arange(0, 2)[None, None, :, None, None] ^ (y_blocks % 2 if BLOCK_KEYS >= 32 else key_parity)) == 0
@@ -313,8 +319,8 @@ def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.co
             # [x // 16, x % 8 // 2, x % 2, y // 16, y % 8 // 2, x % 16 // 8, y % 16 // 8, y % 2]
             words = tl.permute(_copies22(words), (0, 5, 1, 2, 3, 6, 4, 7))
             byte = 2 * (y % 2) + y % 16 // 8
-        words0 = words
-        words1 = words
+            words0 = words
+            words1 = words
     elif TRANSPOSED:
         if BLOCK_KEYS < 32:  # one key block: its words relabelled
             odd = key_parity == 1
@@ -380,9 +386,10 @@ def dropout_mma_apply(x, words0, words1, byte, threshold):
     x: 16- or 32-bit floats of the words' shape [M, N].
 
     Compiled, a word's four decisions are made by three instructions and applied with a
-    byte permute and an and per element (16-bit: per pair of columns 2c, 2c + 1, whose
-    words are the same); the interpreter (and other element sizes) compares byte by byte,
-    with the same result.
+    byte permute and an and per element (16-bit: per pair of columns 2c, 2c + 1, one
+    register, decided by column 2c's words, which ``dropout_mma_words`` makes column
+    2c + 1's too); the interpreter (and other element sizes) compares byte by byte, with
+    the same result, reading a 16-bit pair's words from column 2c as compiled code does.
     """
     BITS: tl.constexpr = x.dtype.primitive_bitwidth
     if _INLINE_PTX and (BITS == 16 or BITS == 32):
@@ -404,8 +411,19 @@ def dropout_mma_apply(x, words0, words1, byte, threshold):
                                              pack=1)  # fmt: skip
             return bits.to(x.dtype, bitcast=True)
     else:
+        if BITS == 16:
+            # as compiled: a pair of columns is one register, decided by the first one's words
+            words0 = _first_of_column_pairs(words0)
+            words1 = _first_of_column_pairs(words1)
         words = tl.where(byte < 4, words0, words1)
         return tl.where((words >> (8 * (byte % 4))) & 0xFF >= threshold, x, 0.0)
+
+
+@triton.jit
+def _first_of_column_pairs(words):
+    """[M, N] ``words`` with column 2c + 1 replaced by column 2c."""
+    first, _ = tl.split(tl.reshape(words, (words.shape[0], words.shape[1] // 2, 2)))
+    return tl.reshape(tl.join(first, first), (words.shape[0], words.shape[1]))
 
 
 # An opaque op, so that torch.compile draws the seed from torch's generator exactly as

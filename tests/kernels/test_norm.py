@@ -5,6 +5,11 @@ kernel and the PyTorch reference path. The exact answer is eager PyTorch in floa
 on the same inputs, with the same dropout mask (regenerated from the op's seed).
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +18,7 @@ from slimformer.kernels import dispatch
 from slimformer.kernels import norm as norm_kernels
 from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
+from tests.aot_compile import ROOT
 from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -434,3 +440,42 @@ def test_mixed_dtypes_allowed_under_autocast(backend):
 @pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_compiled_kernel_on_gpu(is_rms, dtype, n_cols, fusion, memory_efficient):
     _check_norm(is_rms, dtype, n_cols, "residual" in fusion, "dropout" in fusion, memory_efficient, device="cuda")
+
+
+def compiled_backward_fmas() -> dict[str, int]:
+    """{kernel (columns): fused multiply-adds in its sm_90 PTX} of the norm backward kernels,
+    whole-row (1 column) and wide (65536), specialised as the JIT would (run without
+    TRITON_INTERPRET)."""
+    from bench.kernel_capture import H100, capture, compile_launch
+
+    counts = {}
+    for n_cols in (1, 65536):
+
+        def forward():
+            x, w, b = (torch.randn(shape, requires_grad=True) for shape in ((3, n_cols), (n_cols,), (n_cols,)))
+            y = layer_norm(x, n_cols, w, b)
+            return lambda: torch.autograd.grad(y, [x, w, b], torch.ones_like(y))
+
+        for launch in capture(H100, forward).launches:
+            if launch.phase == "bwd" and launch.kernel.startswith("_norm_bwd"):
+                counts[f"{launch.kernel} ({n_cols})"] = compile_launch(launch).asm["ptx"].count("fma.")
+    return counts
+
+
+def test_compiled_backward_rounds_g_once():
+    # On an H200, a one-column fp32 LayerNorm's dx came out ~1e-5 where it is 0: the
+    # compiler had contracted g = dy · w into g - mean(g) as a fused multiply-add, so g
+    # entered unrounded there and rounded in mean(g), and rstd = 1 / sqrt(eps) amplified
+    # the difference. Compiled for sm_90, the backward kernels have no fused multiply-add.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    result = subprocess.run([sys.executable, "-m", "tests.kernels.test_norm"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    counts = json.loads(result.stdout.splitlines()[-1])
+    assert set(counts) == {"_norm_bwd_kernel (1)", "_norm_bwd_wide_kernel (65536)"}, counts
+    assert all(n == 0 for n in counts.values()), counts
+
+
+if __name__ == "__main__":
+    print(json.dumps(compiled_backward_fmas()))
