@@ -857,10 +857,24 @@ def test_matches_reference_on_gpu(dtype, ulps, case):
     _check_case(case, dtype, ulps, "cuda")
 
 
+# Each way dK/dV tiles draw their dropout bits on sm_90: lane pairs sharing out Philox calls
+# (dropout alone, 32+ query rows), both lanes computing them (GQA, which takes no lane
+# pairs; masked d128 tiles of 16 query rows), and dQ by atomics.
+DROPOUT_GPU_CASES = [
+    (Case(2, 8, 2, 1024, 1537, 64, causal=True, masks=("padding",)), True),
+    (Case(2, 4, 4, 512, 512, 64), True),
+    (Case(2, 4, 4, 300, 257, 128, causal=True, masks=("padding",)), True),
+    (Case(1, 4, 2, 300, 257, 128, causal=True), True),
+    (Case(2, 4, 4, 300, 257, 64, causal=True), False),
+]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("case, deterministic", DROPOUT_GPU_CASES,
+                         ids=[f"{case}-{'deterministic' if d else 'atomic-dq'}" for case, d in DROPOUT_GPU_CASES])
 @pytest.mark.parametrize("dtype, ulps", GPU_DTYPES)
-def test_dropout_on_gpu(dtype, ulps):
-    _check_dropout(Case(2, 8, 2, 1024, 1537, 64, causal=True, masks=("padding",)), dtype, ulps, "cuda", p=0.1)
+def test_dropout_on_gpu(dtype, ulps, case, deterministic):
+    _check_dropout(case, dtype, ulps, "cuda", p=0.1, deterministic=deterministic)
 
 
 @pytest.mark.gpu
