@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test bench compile-report clean
+.PHONY: test bench gpu-check compile-report clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "[1/4] virtual environment $(VENV) (python: $(PYTHON))"
@@ -28,6 +28,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.report
+
+# The GPU check (docs/gpu-check.md): run on a GPU machine with the machine's own python3
+# (torch, triton, transformers, pytest, pytest-xdist); nothing is installed. E.g.
+# make gpu-check ARGS='--out /tmp/gpu-check --budget 480', or ARGS=--dry-run on a CPU.
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) -m bench.gpu_check $(ARGS)
 
 # Registers, spills, shared memory, MMA/load kinds and hot-loop SASS of every kernel for
 # sm_90 and sm_80, compiled without a GPU (bench/results/compile-sm*.md); e.g.

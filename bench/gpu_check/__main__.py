@@ -1,0 +1,5 @@
+import sys
+
+from bench.gpu_check import main
+
+sys.exit(main())
