@@ -12,6 +12,9 @@ and (4, 16, 8192, 64); causal and not; three variants each:
   where causal), FlexAttention as a block mask; ``sf.varlen_attention`` runs the same
   real tokens packed (flash-attn's varlen layout).
 
+FlexAttention runs at BERT-base's shape only: each of its variants is an Inductor compile
+that the check's budget cannot hold for every shape.
+
 FLOPs as in docs/architecture.md: forward 4·b·h·s²·d, halved when causal; backward 2.5x
 the forward; both 3.5x. With padding, the FLOPs of the real tokens only (Σ over the batch
 of 4·h·len²·d), for every provider: the useful work.
@@ -100,7 +103,7 @@ def _providers(shape, causal, variant, lengths, dry_run, device, copies) -> dict
     for name, backend in SDPA_BACKENDS.items():
         providers[name] = Provider(functools.partial(_sdpa, backend, sdpa_mask, p, causal and padding is None),
                                    inputs, baseline=True)  # fmt: skip
-    if p == 0.0:
+    if p == 0.0 and shape == (DRY_SHAPES if dry_run else FULL_SHAPES)[0]:
         providers["flex"] = Provider(_flex(lengths if padding is not None else None, causal, shape, device, dry_run),
                                      inputs, baseline=True, compiles=True)  # fmt: skip
     if padding is not None:

@@ -35,13 +35,15 @@ class Precompiler:
             command = [sys.executable, "-m", "bench.gpu_check", "--precompile-worker", str(keys_file)]
             if dry_run:
                 command.append("--dry-run")
-            with log.open("w") as out:
-                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.DEVNULL)
+            with log.open("w") as out, log.with_suffix(".err").open("w") as err:
+                process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err)
             self._processes.append((process, log))
 
     def stop(self) -> dict:
-        """Stop the workers that are still running; what they did: {"workers", "results", "unfinished"}."""
-        results, unfinished = [], 0
+        """Stop the workers that are still running. Returns what they did: {"workers", "results"
+        (one record per launch), "stopped_unfinished", "crashed" (the stderr tail of each
+        worker that exited with an error)}."""
+        results, unfinished, crashed = [], 0, []
         for process, log in self._processes:
             if process.poll() is None:
                 unfinished += 1
@@ -51,12 +53,14 @@ class Precompiler:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
+            elif process.returncode != 0:
+                crashed.append(log.with_suffix(".err").read_text().splitlines()[-8:])
             for line in log.read_text().splitlines():
                 try:
                     results.append(json.loads(line))
                 except json.JSONDecodeError:
                     continue
-        return {"workers": self.workers, "results": results, "stopped_unfinished": unfinished}
+        return {"workers": self.workers, "results": results, "stopped_unfinished": unfinished, "crashed": crashed}
 
 
 def keys_in_order(case_keys: list[str], with_model: bool) -> list[str]:
