@@ -63,6 +63,16 @@ class Precompiler:
         return {"workers": self.workers, "results": results, "stopped_unfinished": unfinished, "crashed": crashed}
 
 
+def triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (one folder each): counted before the workers start,
+    when they stop and after the speed phase, it tells whether the timed phases found the
+    workers' kernels there or compiled their own."""
+    from triton import knobs
+
+    folder = Path(knobs.cache.dir)
+    return sum(1 for entry in folder.iterdir() if entry.is_dir()) if folder.is_dir() else 0
+
+
 def keys_in_order(case_keys: list[str], with_model: bool) -> list[str]:
     """The model's compile first (the longest, on worker 0), then the cases by priority."""
     return ([MODEL_KEY] if with_model else []) + case_keys

@@ -330,6 +330,11 @@ def markdown(state: dict) -> str:
         lines += ["", f"Precompiled before the speed phase by {pre.get('workers', 0)} workers: {len(compiled)} "
                   f"launches, {sum(r['seconds'] for r in compiled):.0f} s of their time"
                   + (f"; {len(failed)} failed (see the JSON)" if failed else "") + "."]  # fmt: skip
+        entries = pre.get("triton_cache_entries")
+        if entries and "after_speed" in entries:
+            lines.append(f"Triton's on-disk cache: {entries['before']} kernels before the workers, "
+                         f"{entries['workers_stopped']} when they stopped, {entries['after_speed']} after the speed "
+                         "phase (what the speed phase compiled itself).")  # fmt: skip
     if state.get("model"):
         lines += ["", *_model_md(state["model"])]
     if state.get("errors"):

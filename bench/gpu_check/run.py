@@ -13,7 +13,7 @@ from bench.gpu_check.cases import run_case
 from bench.gpu_check.correctness import run_gpu_tests
 from bench.gpu_check.environment import ceilings, describe, device_slug
 from bench.gpu_check.kernels import all_cases
-from bench.gpu_check.precompile import Precompiler, keys_in_order
+from bench.gpu_check.precompile import Precompiler, keys_in_order, triton_cache_entries
 from bench.gpu_check.timing import Clock
 
 REPORT_FILES = {"md": "{slug}.md", "json": "{slug}.json", "junit": "{slug}-tests.xml", "log": "{slug}-tests.log"}
@@ -85,6 +85,7 @@ def run_check(args: argparse.Namespace) -> int:
     if compiling_phases and "correctness" in args.phases:
         workers = args.precompile_workers if args.precompile_workers is not None else (1 if args.dry_run else 4)
         keys = keys_in_order([c.key for c in cases] if "speed" in args.phases else [], "model" in args.phases)
+        cache_before = triton_cache_entries()
         precompiler = Precompiler(keys, workers, args.dry_run) if workers > 0 else None
 
     def correctness(phase_deadline, cap):
@@ -119,7 +120,10 @@ def run_check(args: argparse.Namespace) -> int:
     phase("correctness", correctness)
     if precompiler is not None:
         state["precompile"] = precompiler.stop()
+        state["precompile"]["triton_cache_entries"] = {"before": cache_before, "workers_stopped": triton_cache_entries()}
     phase("speed", speed)
+    if precompiler is not None:
+        state["precompile"]["triton_cache_entries"]["after_speed"] = triton_cache_entries()
     phase("model", model_phase)
     state["meta"]["seconds"] = time.monotonic() - start
     report.write(state, paths)
