@@ -7,15 +7,19 @@ measured around the step (test modules opt in with
 ``pytestmark = pytest.mark.benchmark(timer=CLOCK)``):
 
 - CUDA: each round first writes a 1 GiB buffer, which evicts L2 (so inputs come from
-  HBM, as in a model) and keeps the GPU busy while the host queues the step, then
-  brackets the step with CUDA events and waits for them. The round's time is GPU time,
-  free of host synchronisation and, while the host queues faster than the GPU clears
-  the buffer, of launch overhead, as in ``triton.testing.do_bench``.
+  HBM, as in a model), then makes the GPU sleep for 1.5x the host's time per call of
+  the step (measured once, before the rounds, and recorded as ``host_us``), then
+  brackets the step with CUDA events and waits for them. The host queues the whole step
+  while the GPU sleeps, so the round's time is the step's GPU time, free of host
+  synchronisation and launch overhead however slow the host is. (Without the sleep, a
+  step whose host time exceeds the buffer's write, as slimformer's norms on an H200,
+  measured the host.)
 - CPU: the host time of the step.
 
 Nothing here touches the GPU at import time.
 """
 
+import functools
 import platform
 import time
 from collections.abc import Callable
@@ -74,8 +78,9 @@ class StepClock:
     def __repr__(self) -> str:
         return "bench.harness.CLOCK"
 
-    def timed(self, step: Callable[[], object], device: torch.device) -> Callable[[], None]:
-        """The target of one round: runs ``step`` once and adds its time to the clock."""
+    def timed(self, step: Callable[[], object], device: torch.device, host_s: float = 0.0) -> Callable[[], None]:
+        """The target of one round: runs ``step`` once and adds its time to the clock
+        (on CUDA behind a sleep covering ``host_s``, the host's time per call)."""
         if device.type != "cuda":
 
             def host_timed() -> None:
@@ -88,9 +93,11 @@ class StepClock:
         flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device=device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
+        sleep_cycles = int(gpu_sleep_cycles_per_us(device) * (1.5 * host_s * 1e6 + _SLEEP_MARGIN_US))
 
         def gpu_timed() -> None:
             flush.zero_()
+            torch.cuda._sleep(sleep_cycles)
             start.record()
             step()
             end.record()
@@ -101,6 +108,32 @@ class StepClock:
 
 
 CLOCK = StepClock()
+_SLEEP_MARGIN_US = 200.0
+_HOST_CALLS = 10
+
+
+@functools.cache
+def gpu_sleep_cycles_per_us(device: torch.device) -> float:
+    """GPU clock cycles ``torch.cuda._sleep`` spins per microsecond on ``device``, measured."""
+    cycles = 20_000_000
+    torch.cuda._sleep(cycles // 10)  # the first call loads the kernel
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) * 1e3)
+
+
+def host_seconds_per_call(step: Callable[[], object], device: torch.device) -> float:
+    """The host's time per call of ``step``: calls queued back to back, without a sync."""
+    start = time.perf_counter()
+    for _ in range(_HOST_CALLS):
+        step()
+    seconds = (time.perf_counter() - start) / _HOST_CALLS
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return seconds
 
 
 def warm_up(step: Callable[[], object], device: torch.device, times: int = WARMUP) -> None:
@@ -129,4 +162,8 @@ def measure(benchmark, step: Callable[[], object], device: torch.device, rounds:
     ``step`` must be warmed up already (``warm_up``), so no round pays for compilation.
     """
     benchmark.extra_info["peak_memory_mib"] = peak_memory_mib(step, device)
-    benchmark.pedantic(CLOCK.timed(step, device), rounds=rounds, warmup_rounds=1)
+    host_s = 0.0
+    if device.type == "cuda":  # on a CPU the rounds time the host itself
+        host_s = host_seconds_per_call(step, device)
+        benchmark.extra_info["host_us"] = host_s * 1e6
+    benchmark.pedantic(CLOCK.timed(step, device, host_s), rounds=rounds, warmup_rounds=1)

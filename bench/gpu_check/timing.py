@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from bench.harness import gpu_sleep_cycles_per_us
+
 HOST_CALLS = 10
 WARMUP_CALLS = 2
 # queued with headroom: the sleep covers 1.5x the host's time per call, plus this
@@ -82,18 +84,7 @@ class Clock:
         if self.cuda:
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             self._flush = torch.empty(2 * max(l2, 1 << 20), dtype=torch.uint8, device=device)
-            self.sleep_cycles_per_us = self._calibrate_sleep()
-
-    def _calibrate_sleep(self) -> float:
-        """GPU clock cycles ``torch.cuda._sleep`` spins per microsecond, measured."""
-        cycles = 20_000_000
-        torch.cuda._sleep(cycles // 10)  # first call loads the kernel
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        return cycles / (start.elapsed_time(end) * 1e3)
+            self.sleep_cycles_per_us = gpu_sleep_cycles_per_us(device)
 
     def synchronize(self) -> None:
         if self.cuda:
