@@ -40,28 +40,11 @@ def cases(dry_run: bool, device: torch.device, copies: int) -> list[Case]:
     d, f, m = sizes["d_model"], sizes["d_ff"], sizes["gemm_tokens"]
     mlp_flops = 4 * sizes["tokens"] * d * f
     gemm_cases = [
-        Case(
-            key=f"gemm {m}x{k}x{n}",
-            family="gemm",
-            label=f"Linear {k} → {n}, {m} tokens",
-            modes=("inference",),
-            unit="TFLOP/s",
-            work={"inference": 2 * m * k * n},
-            build=functools.partial(_gemm_providers, m, k, n, device, copies),
-            params=dict(m=m, k=k, n=n, dtype="float16"),
-        )
+        _gemm_case("gemm", f"Linear {k} → {n}, {m} tokens", _gemm_providers, m, k, n, device, copies)
         for k, n in ((d, f), (f, d), (d, d))
     ]
-    gelu_case = Case(
-        key=f"gemm-gelu {m}x{d}x{f}",
-        family="epilogue",
-        label=f"Linear {d} → {f} + GELU, {m} tokens",
-        modes=("inference",),
-        unit="TFLOP/s",
-        work={"inference": 2 * m * d * f},
-        build=functools.partial(_gelu_providers, m, d, f, device, copies),
-        params=dict(m=m, k=d, n=f, dtype="float16", activation="gelu"),
-    )
+    gelu_case = _gemm_case("epilogue", f"Linear {d} → {f} + GELU, {m} tokens", _gelu_providers, m, d, f, device,
+                           copies, activation="gelu")  # fmt: skip
     mlp_case = Case(
         key=f"mlp {sizes['tokens']}x{d}x{f}",
         family="mlp",
@@ -74,6 +57,19 @@ def cases(dry_run: bool, device: torch.device, copies: int) -> list[Case]:
                     dtype="float32" if dry_run else "bfloat16"),  # fmt: skip
     )
     return [mlp_case, *gemm_cases, gelu_case]
+
+
+def _gemm_case(family: str, label: str, providers, m: int, k: int, n: int, device, copies: int, **params) -> Case:
+    return Case(
+        key=f"{family} {m}x{k}x{n}",
+        family=family,
+        label=label,
+        modes=("inference",),
+        unit="TFLOP/s",
+        work={"inference": 2 * m * k * n},
+        build=functools.partial(providers, m, k, n, device, copies),
+        params=dict(m=m, k=k, n=n, dtype="float16", **params),
+    )
 
 
 def _mlp_providers(tokens, d, f, dry_run, device, copies) -> dict[str, Provider]:

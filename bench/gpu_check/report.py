@@ -247,48 +247,54 @@ def _correctness_md(result: dict) -> list[str]:
     return lines
 
 
+def _times(r: dict, key: str, digits: int) -> str:
+    """"median (min–max)" of ``r[key]``."""
+    t = r[key]
+    return f"{t['median']:.{digits}f} ({t['min']:.{digits}f}–{t['max']:.{digits}f})"
+
+
+def _ratio_text(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}×"
+
+
+def _column_rows(results: dict, names, needed: str, cells) -> list[str]:
+    """One table row per column in ``names`` that ran; a row saying why where ``needed`` is missing."""
+    lines = []
+    for name in names:
+        r = results.get(name)
+        if r is None:
+            continue
+        lines.append(f"| {name} | " + (" | ".join(cells(name, r)) if needed in r else
+                                         f"{r.get('error') or r.get('skipped')} |") + " |")  # fmt: skip
+    return lines
+
+
 def _model_md(model: dict) -> list[str]:
-    lines = ["## Whole model", ""]
-    train = model.get("train", {})
+    train, infer = model.get("train", {}), model.get("infer", {})
+
+    def train_cells(name, r):
+        ref = train.get("HF SDPA, 50% padding" if "padding" in name else "HF SDPA", {})
+        peak = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "–"
+        return [f"{r['tokens_per_s']:,.0f}", _times(r, "step_ms", 1), peak,
+                _ratio_text(_ratio(r, ref, "tokens_per_s")), _ratio_text(_ratio(r, ref, "peak_bytes")),
+                f"{r['first_step_s']:.1f}"]  # fmt: skip
+
+    def infer_cells(name, r):
+        base = infer.get(INFER_COLUMNS[0], {})
+        speed = base["latency_ms"]["median"] / r["latency_ms"]["median"] if "latency_ms" in base else None
+        cosine = f"{r['cosine_vs_fp16']:.5f}" if "cosine_vs_fp16" in r else "–"
+        return [_times(r, "latency_ms", 2), f"{r['sequences_per_s']:,.0f}", _ratio_text(speed), cosine]
+
+    lines = ["## Whole model"]
     if train:
-        base = train.get("HF SDPA", {})
-        lines += ["BertForMaskedLM training step (AdamW, bf16 autocast); speed and peak vs HF SDPA on the same "
+        lines += ["", "BertForMaskedLM training step (AdamW, bf16 autocast); speed and peak vs HF SDPA on the same "
                   "batch (the padded columns vs HF SDPA, 50% padding).", "",
                   "| column | tokens/s | step ms (min–max) | peak GiB | speed vs HF SDPA | peak vs HF SDPA | first step s |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
-        for name in TRAIN_COLUMNS:
-            r = train.get(name)
-            if r is None:
-                continue
-            if "tokens_per_s" not in r:
-                lines.append(f"| {name} | {r.get('error') or r.get('skipped')} | | | | | |")
-                continue
-            ref = train.get("HF SDPA, 50% padding", {}) if "padding" in name else base
-            speed = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}×" if "tokens_per_s" in ref else "–"
-            peak = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "–"
-            peak_ratio = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}×" if r.get("peak_bytes") and ref.get(
-                "peak_bytes") else "–"  # fmt: skip
-            ms = r["step_ms"]
-            lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {ms['median']:.1f} ({ms['min']:.1f}–{ms['max']:.1f}) "
-                         f"| {peak} | {speed} | {peak_ratio} | {r['first_step_s']:.1f} |")  # fmt: skip
-    infer = model.get("infer", {})
+                  "|---|---|---|---|---|---|---|", *_column_rows(train, TRAIN_COLUMNS, "tokens_per_s", train_cells)]  # fmt: skip
     if infer:
-        base = infer.get("HF SDPA fp16", {})
         lines += ["", "BertModel inference (no grad), latency of a synchronised forward:", "",
                   "| column | latency ms (min–max) | sequences/s | speed vs fp16 | output cosine vs fp16 |",
-                  "|---|---|---|---|---|"]  # fmt: skip
-        for name in INFER_COLUMNS:
-            r = infer.get(name)
-            if r is None:
-                continue
-            if "latency_ms" not in r:
-                lines.append(f"| {name} | {r.get('error') or r.get('skipped')} | | | |")
-                continue
-            ms = r["latency_ms"]
-            speed = f"{base['latency_ms']['median'] / ms['median']:.2f}×" if "latency_ms" in base else "–"
-            cosine = f"{r['cosine_vs_fp16']:.5f}" if "cosine_vs_fp16" in r else "–"
-            lines.append(f"| {name} | {ms['median']:.2f} ({ms['min']:.2f}–{ms['max']:.2f}) | "
-                         f"{r['sequences_per_s']:,.0f} | {speed} | {cosine} |")  # fmt: skip
+                  "|---|---|---|---|---|", *_column_rows(infer, INFER_COLUMNS, "latency_ms", infer_cells)]  # fmt: skip
     return lines
 
 
