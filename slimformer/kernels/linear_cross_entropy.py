@@ -124,8 +124,10 @@ def _chunk_buffer(x, width: int) -> torch.Tensor:
     """(rows, width rounded up to 16) buffer that every chunk's logits are written into:
     each row starts 16-element aligned and has columns up to a multiple of 16 even in a
     last, narrower chunk, so the kernels move whole 16-byte vectors there too (an odd
-    row stride or column count would make them scalar)."""
-    return torch.empty(x.shape[0], _padded(width), dtype=x.dtype, device=x.device)
+    row stride or column count would make them scalar). Zeroed, not empty: the columns
+    past a chunk must hold finite values, as torch's CPU bf16 GEMM (2.13, one thread)
+    reads a row-strided operand's padding and lets a NaN or inf there into the product."""
+    return torch.zeros(x.shape[0], _padded(width), dtype=x.dtype, device=x.device)
 
 
 def _chunk_logits(x, weight, bias, start, stop, buffer):

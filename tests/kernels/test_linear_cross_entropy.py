@@ -61,6 +61,32 @@ def test_matches_torch(path, dtype, rows, hidden, vocab, smoothing, reduction, m
         assert_within_reference_error(name, grad, same_grad, exact_grad)
 
 
+def test_uninitialized_memory_never_reaches_the_result(path, monkeypatch):
+    # torch 2.13's CPU bf16 GEMM on one thread reads a row-strided operand's padding: the
+    # chunk buffer's columns past the chunk once held garbage that made dx NaN under
+    # autocast (here every new tensor starts as NaN, on one intra-op thread as in CI)
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poisoned(factory):
+        def make(*args, **kwargs):
+            tensor = factory(*args, **kwargs)
+            return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+        return make
+
+    monkeypatch.setattr(torch, "empty", poisoned(empty))
+    monkeypatch.setattr(torch, "empty_like", poisoned(empty_like))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, weight, bias, labels = _inputs(21, 32, 200, torch.float32)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, grads = _loss_and_grads(linear_cross_entropy, x, weight, bias, labels)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.isfinite(t).all() for t in (loss, *grads))
+
+
 def test_chunk_width_bounds_the_temporary():
     assert lce._chunk_width(300, 30522) * 300 <= lce._CHUNK_ELEMENTS
     assert lce._chunk_width(1, 30522) == 30522
