@@ -29,6 +29,9 @@ later and adds the other's row; no float atomics), or by PyTorch after the wide 
 Rows wider than 16384 (forward) or 8192 (backward) are processed in 4096-column blocks
 (``_norm_*_wide_*kernel``), so no row has to fit in registers; the forward then splits each
 row into segments over the SMs when there are fewer rows than SMs.
+
+float64 inputs (``torch.autograd.gradcheck``, float64 models) always take the PyTorch
+reference, on every device, with float64 statistics and accumulators.
 """
 
 import math
@@ -53,7 +56,7 @@ from slimformer.kernels.philox import (
 )
 
 MAX_HIDDEN_SIZE = 65536
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Rebuilding x̂ = (y - b) / w amplifies y's rounding error by 1 + |b| / |w|.
 _MAX_BIAS_OVER_WEIGHT = 7.0
 _MIN_ABS_WEIGHT = 1e-3
@@ -674,38 +677,48 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     return dx, dresidual, dw, db
 
 
-def _dropout_scale_rows(seed, start: int, stop: int, n_cols: int, spec: _NormSpec, device) -> torch.Tensor:
-    """keep · scale in fp32 for rows start:stop of the (M, n_cols) rows, as the kernels draw it."""
+def _runs_kernels(x: torch.Tensor) -> bool:
+    return use_triton(x) and x.dtype != torch.float64
+
+
+def _reference_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The references' compute dtype for tensors of ``dtype``: fp32, or fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _dropout_scale_rows(seed, start: int, stop: int, n_cols: int, spec: _NormSpec, dtype, device) -> torch.Tensor:
+    """keep · scale in ``dtype`` for rows start:stop of the (M, n_cols) rows, as the kernels draw it."""
     keep = dropout_keep_block(seed, torch.arange(start, stop, device=device), 0, n_cols, n_cols, spec.dropout_p)
-    return keep.float().mul_(spec.dropout_scale)
+    return keep.to(dtype).mul_(spec.dropout_scale)
 
 
 def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Size):
     """PyTorch statement of ``_norm_fwd``: same outputs, same dtypes, same mask, in blocks of
-    rows (torch's fused CPU LayerNorm for the normalisation)."""
+    rows (torch's fused CPU LayerNorm for the normalisation), in fp32, or fp64 for fp64."""
     M, N = x.shape
     fused = _input_is_fused(seed, residual, spec)
     store_h = fused and (spec.return_residual or not spec.rebuild_from_output)
     keep_mean = not spec.is_rms and not spec.rebuild_from_output
     h_dtype = _h_dtype(x, residual)
+    acc = _reference_dtype(h_dtype)
     # new tensors, not views: an output of the differentiable op can be modified in place
     y = torch.empty(shape, dtype=spec.out_dtype, device=x.device)
     h_out = torch.empty(shape, dtype=h_dtype, device=x.device) if store_h else None
-    mean = torch.empty(M, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(M, dtype=torch.float32, device=x.device)
-    w = None if weight is None else weight.float()
-    b = None if bias is None else bias.float()
+    mean = torch.empty(M, dtype=acc, device=x.device)
+    rstd = torch.empty(M, dtype=acc, device=x.device)
+    w = None if weight is None else weight.to(acc)
+    b = None if bias is None else bias.to(acc)
     for start, stop in reference_row_blocks(M, N):
-        h = x[start:stop].float()
+        h = x[start:stop].to(acc)
         if seed is not None and not spec.dropout_after:
-            h = h * _dropout_scale_rows(seed, start, stop, N, spec, x.device)
+            h = h * _dropout_scale_rows(seed, start, stop, N, spec, acc, x.device)
         if residual is not None:
-            h = h + residual[start:stop].float()
+            h = h + residual[start:stop].to(acc)
         if fused:
             h = h.to(h_dtype)
             if store_h:
                 h_out.view(M, N)[start:stop] = h
-            h = h.float()
+            h = h.to(acc)
         if spec.is_rms:
             rstd[start:stop] = torch.rsqrt(h.square().mean(dim=1) + spec.eps)
             y_rows = h * rstd[start:stop, None]
@@ -714,7 +727,7 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
             y_rows, block_mean, block_rstd = torch.native_layer_norm(h, [N], w, b, spec.eps)
             mean[start:stop], rstd[start:stop] = block_mean.view(-1), block_rstd.view(-1)
         if spec.dropout_after and seed is not None:
-            y_rows = y_rows.mul_(_dropout_scale_rows(seed, start, stop, N, spec, x.device))
+            y_rows = y_rows.mul_(_dropout_scale_rows(seed, start, stop, N, spec, acc, x.device))
         y.view(M, N)[start:stop] = y_rows
     if M and not N:  # no blocks: the statistics of empty rows, as the row formulas give them
         mean.fill_(math.nan)
@@ -724,19 +737,21 @@ def _norm_fwd_reference(x, residual, weight, bias, seed, spec: _NormSpec, shape:
 
 def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec):
     """PyTorch statement of ``_norm_bwd``, in blocks of rows (torch's LayerNorm backward
-    for LayerNorm; with a rebuilt x̂ it runs on x̂ with mean 0 and rstd 1, then scales by rstd)."""
+    for LayerNorm; with a rebuilt x̂ it runs on x̂ with mean 0 and rstd 1, then scales by rstd),
+    in the forward's compute dtype (rstd's)."""
     M, N = dy.shape
+    acc = rstd.dtype
     dx = torch.empty((M, N), dtype=x_dtype, device=dy.device)
     separate_dresidual = residual_dtype is not None and (seed is not None or residual_dtype != x_dtype)
     dresidual = torch.empty((M, N), dtype=residual_dtype, device=dy.device) if separate_dresidual else None
-    w = None if weight is None else weight.float()
-    b = None if bias is None else bias.float()
-    dw = None if weight is None else torch.zeros(N, dtype=torch.float32, device=dy.device)
-    db = None if bias is None else torch.zeros(N, dtype=torch.float32, device=dy.device)
+    w = None if weight is None else weight.to(acc)
+    b = None if bias is None else bias.to(acc)
+    dw = None if weight is None else torch.zeros(N, dtype=acc, device=dy.device)
+    db = None if bias is None else torch.zeros(N, dtype=acc, device=dy.device)
     for start, stop in reference_row_blocks(M, N):
-        dy_rows, saved_rows = dy[start:stop].float(), saved[start:stop].float()
+        dy_rows, saved_rows = dy[start:stop].to(acc), saved[start:stop].to(acc)
         if spec.dropout_after and seed is not None:
-            dy_rows = dy_rows * _dropout_scale_rows(seed, start, stop, N, spec, dy.device)
+            dy_rows = dy_rows * _dropout_scale_rows(seed, start, stop, N, spec, acc, dy.device)
         block_rstd = rstd[start:stop, None]
         if spec.rebuild_from_output:
             x_hat = saved_rows if b is None else saved_rows - b
@@ -765,11 +780,11 @@ def _norm_bwd_reference(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dty
         if db is not None:
             db += dy_rows.sum(dim=0) if db_rows is None else db_rows
         if dh_out is not None:
-            dh += dh_out[start:stop].float()
+            dh += dh_out[start:stop].to(acc)
         if dresidual is not None:
             dresidual[start:stop] = dh
         if seed is not None and not spec.dropout_after:
-            dh.mul_(_dropout_scale_rows(seed, start, stop, N, spec, dy.device))
+            dh.mul_(_dropout_scale_rows(seed, start, stop, N, spec, acc, dy.device))
         dx[start:stop] = dh
     if residual_dtype is not None and dresidual is None:
         dresidual = dx
@@ -823,7 +838,7 @@ def _norm_op(
                  dropout_after)  # fmt: skip
     rows = _as_rows(x, spec)
     residual_rows = None if residual is None else _as_rows(residual, spec)
-    fwd = _norm_fwd if use_triton(x) else _norm_fwd_reference
+    fwd = _norm_fwd if _runs_kernels(x) else _norm_fwd_reference
     # y and h come back in x's shape and are not views: outputs may be changed in place.
     y, h, mean, rstd = fwd(rows, residual_rows, weight, bias, seed, spec, x.shape)
     return (
@@ -842,12 +857,13 @@ def _(x, residual, weight, bias, seed, is_rms, normalized_ndim, eps, dropout_p, 
     rows = math.prod(x.shape[: x.dim() - normalized_ndim])
     fused = _input_is_fused(seed, residual, spec)
     h = torch.empty(x.shape, dtype=_h_dtype(x, residual), device=x.device) if _stores_h(fused, spec) else None
-    mean = torch.empty(rows, dtype=torch.float32, device=x.device) if _keeps_mean(spec) else None
+    stats = _reference_dtype(x.dtype)  # the kernels' fp32 too
+    mean = torch.empty(rows, dtype=stats, device=x.device) if _keeps_mean(spec) else None
     return (
         torch.empty(x.shape, dtype=out_dtype, device=x.device),
         absent_output(x.device) if h is None else h,
         absent_output(x.device) if mean is None else mean,
-        torch.empty(rows, dtype=torch.float32, device=x.device),
+        torch.empty(rows, dtype=stats, device=x.device),
     )
 
 
@@ -879,7 +895,7 @@ def _norm_backward_op(
     is dx itself (no dropout, one dtype), dw and db where there is no weight / bias."""
     spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, False, x_dtype, dropout_after)
     shape = dy.shape
-    bwd = _norm_bwd if use_triton(dy) else _norm_bwd_reference
+    bwd = _norm_bwd if _runs_kernels(saved) else _norm_bwd_reference
     dx, dresidual, dw, db = bwd(
         _as_rows(dy.contiguous(), spec),
         None if dh_out is None else _as_rows(dh_out.contiguous(), spec),
@@ -1272,15 +1288,19 @@ def _check_tensor(name: str, tensor, x: torch.Tensor, shape, autocast: bool) -> 
     if tensor.device != x.device:
         raise ValueError(f"{name} must be on the input's device {x.device}, got {tensor.device}")
     if tensor.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+        raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {tensor.dtype}")
+    if torch.float64 in (x.dtype, tensor.dtype) and tensor.dtype != x.dtype:
+        # autocast casts no float64 tensor, so eager torch fails on this pair too
+        raise TypeError(f"{name} dtype must match input dtype {x.dtype} when either is float64, got {tensor.dtype}")
     if not autocast and tensor.dtype != x.dtype:
         raise TypeError(f"{name} dtype must match input dtype {x.dtype} outside autocast, got {tensor.dtype}")
 
 
 def _output_dtype(x: torch.Tensor, residual: torch.Tensor | None, autocast: bool) -> torch.dtype:
-    # CUDA autocast runs layer_norm/rms_norm in float32; elsewhere the norm's input
-    # h = x + residual sets it (the types promote under autocast, as eager x + residual does).
-    return torch.float32 if autocast and x.device.type == "cuda" else _h_dtype(x, residual)
+    # CUDA autocast runs layer_norm/rms_norm in float32 (float64 stays float64); elsewhere the
+    # norm's input h = x + residual sets it (the types promote under autocast, as eager x + residual does).
+    cuda_autocast = autocast and x.device.type == "cuda" and x.dtype != torch.float64
+    return torch.float32 if cuda_autocast else _h_dtype(x, residual)
 
 
 def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms,
@@ -1290,7 +1310,7 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"input must be float32, float16 or bfloat16, got {x.dtype}")
+        raise TypeError(f"input must be float32, float16, bfloat16 or float64, got {x.dtype}")
     shape, n_cols = _normalized_size(x, normalized_shape)
     autocast = torch.is_autocast_enabled(x.device.type)
     _check_tensor("weight", weight, x, shape, autocast)
@@ -1322,6 +1342,12 @@ def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, mem
     return (y, h) if spec.return_residual else y
 
 
+def default_rms_norm_eps(x) -> float:
+    """torch's RMSNorm eps for ``eps=None``: the machine epsilon of x's accumulation type."""
+    dtype = x.dtype if isinstance(x, torch.Tensor) and x.dtype.is_floating_point else torch.float32
+    return torch.finfo(_reference_dtype(dtype)).eps
+
+
 def _checked_memory_mode(memory_efficient: bool, weight, bias) -> bool:
     """The functional's ``memory_efficient``: kept only when the weights allow rebuilding."""
     if not isinstance(memory_efficient, bool):
@@ -1345,8 +1371,11 @@ def layer_norm(
 
     Computes h = dropout(input, dropout_p) + residual, then y = LayerNorm(h) * weight + bias.
 
-    input: (..., *normalized_shape), float32/float16/bfloat16, at most 65536 features.
-    weight, bias: normalized_shape, same dtype as input (outside autocast), or None.
+    input: (..., *normalized_shape), float32/float16/bfloat16 (the fused kernel) or float64
+        (the PyTorch reference in float64, on any device: ``torch.autograd.gradcheck``),
+        at most 65536 features.
+    weight, bias: normalized_shape, same dtype as input (outside autocast, and always
+        with float64), or None.
     residual: same shape as input, or None. dropout_p: in [0, 1); pass 0 in eval.
     memory_efficient: save the output instead of h and rebuild x̂ from it in backward,
         when ``output_rebuilds_input(weight, bias)`` says that is exact enough (checked
@@ -1378,12 +1407,12 @@ def rms_norm(
     """``torch.nn.functional.rms_norm`` with fused dropout and residual add.
 
     Computes h = dropout(input, dropout_p) + residual, then y = h / sqrt(mean(h^2) + eps) * weight.
-    eps defaults to float32's machine epsilon, as torch does for the dtypes supported
-    here (it uses the eps of the fp32 accumulation type). Other arguments, the return
-    value and the errors are those of ``layer_norm``.
+    eps defaults to the machine epsilon of the accumulation type, as in torch: float32's,
+    float64's for float64 input. Other arguments, the return value and the errors are
+    those of ``layer_norm``.
     """
     if eps is None:
-        eps = torch.finfo(torch.float32).eps
+        eps = default_rms_norm_eps(input)
     memory_efficient = _checked_memory_mode(memory_efficient, weight, None)
     return _fused_norm(
         input, normalized_shape, weight, None, eps, residual, dropout_p, memory_efficient, return_residual, True

@@ -27,6 +27,11 @@ tensors (safetensors-friendly). ``weight_scale`` is an fp32 buffer whose values
 Scales, ``smooth`` and the 16-bit weight keep their dtype under ``model.half()`` /
 ``.to(dtype)``; only their device follows. Loading a state_dict saved from a layer of
 another mode is an error. These are inference layers: backward raises RuntimeError.
+
+``quantized_state(name, tensor)`` turns one float tensor of the nn.Linear a layer
+replaces into the layer's state_dict entries; ``from_float`` and transformers'
+quantize-on-load (``slimformer.transformers_quantizer``) both go through it, so the two
+give the same bits.
 """
 
 import torch
@@ -107,6 +112,18 @@ class _InferenceLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, mode={self.mode!r}"
         )
+
+    def _check_state_name(self, name: str) -> None:
+        names = ("weight", "bias") if self.bias is not None else ("weight",)
+        if name not in names:
+            raise ValueError(f"name must be one of {names}, got {name!r}")
+
+    @staticmethod
+    def _converted(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        converted = tensor.detach().to(dtype)
+        if not bool(torch.isfinite(converted).all()):
+            raise ValueError(f"linear.{name} must be finite in {dtype} to convert, got NaN or infinity")
+        return converted
 
 
 class Linear8bit(_InferenceLinear):

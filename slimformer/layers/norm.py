@@ -14,8 +14,15 @@ one host sync per step; call ``refresh_memory_mode()`` after writing through ``.
 import torch
 from torch import nn
 
-from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, check_eps, check_normalized_shape
-from slimformer.layers.sharing import NotScriptable, has_call_hooks, share_parameters
+from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, check_eps, check_normalized_shape, default_rms_norm_eps
+from slimformer.layers.sharing import (
+    NotScriptable,
+    TorchDropout,
+    TorchLayerNorm,
+    TorchRMSNorm,
+    has_call_hooks,
+    share_parameters,
+)
 
 
 class _MemoryModeMixin(NotScriptable):
@@ -59,7 +66,7 @@ class _MemoryModeMixin(NotScriptable):
         return f"{super().extra_repr()}, memory_efficient={self.memory_efficient}, saves_output={self.saves_output}"
 
 
-class LayerNorm(_MemoryModeMixin, nn.LayerNorm):
+class LayerNorm(_MemoryModeMixin, TorchLayerNorm):
     """``torch.nn.LayerNorm`` on the fused kernel.
 
     Same arguments as torch, plus ``memory_efficient`` (save the output, not the input,
@@ -68,7 +75,7 @@ class LayerNorm(_MemoryModeMixin, nn.LayerNorm):
     it is exactly ``nn.LayerNorm.forward``.
     """
 
-    _torch_class = nn.LayerNorm
+    _torch_class = TorchLayerNorm
 
     def __init__(
         self,
@@ -93,10 +100,10 @@ class LayerNorm(_MemoryModeMixin, nn.LayerNorm):
         )  # fmt: skip
 
 
-class RMSNorm(_MemoryModeMixin, nn.RMSNorm):
+class RMSNorm(_MemoryModeMixin, TorchRMSNorm):
     """``torch.nn.RMSNorm`` on the fused kernel; extras as in ``slimformer.LayerNorm``."""
 
-    _torch_class = nn.RMSNorm
+    _torch_class = TorchRMSNorm
 
     def __init__(
         self,
@@ -115,7 +122,7 @@ class RMSNorm(_MemoryModeMixin, nn.RMSNorm):
         self._init_memory_mode(memory_efficient)
 
     def forward(self, input, residual=None, *, dropout_p: float = 0.0, return_residual: bool = False):
-        eps = torch.finfo(torch.float32).eps if self.eps is None else self.eps
+        eps = default_rms_norm_eps(input) if self.eps is None else self.eps
         return _fused_norm(
             input, self.normalized_shape, self.weight, None, eps, residual, dropout_p,
             self._rebuilds_input(), return_residual, True,
@@ -155,7 +162,7 @@ class LayerNormDropout(LayerNorm):
         return f"{super().extra_repr()}, dropout_p={self._dropout.p}"
 
 
-class DropoutInNorm(nn.Dropout):
+class DropoutInNorm(TorchDropout):
     """The place of a dropout that the ``LayerNormDropout`` before it applies: returns its
     input unchanged, or runs ``nn.Dropout`` when that LayerNorm does not fuse it. Keeps
     ``p`` and the train/eval mode, which the LayerNorm reads."""
@@ -167,12 +174,12 @@ class DropoutInNorm(nn.Dropout):
 def fuse_with_dropout(norm: nn.LayerNorm, dropout: nn.Dropout) -> tuple[LayerNormDropout, DropoutInNorm]:
     """The ``LayerNormDropout`` and ``DropoutInNorm`` to put in the places of ``norm`` and
     ``dropout``, sharing their Parameters, attributes and hooks (no copies)."""
-    if type(norm) is not nn.LayerNorm:
+    if type(norm) is not TorchLayerNorm:
         raise TypeError(f"norm must be a torch.nn.LayerNorm, got {type(norm).__name__}")
-    if type(dropout) is not nn.Dropout:
+    if type(dropout) is not TorchDropout:
         raise TypeError(f"dropout must be a torch.nn.Dropout, got {type(dropout).__name__}")
     fused_norm = LayerNormDropout.from_torch(norm)
-    fused_dropout = share_parameters(DropoutInNorm, dropout, nn.Dropout, ("p", "inplace"))
+    fused_dropout = share_parameters(DropoutInNorm, dropout, TorchDropout, ("p", "inplace"))
     # plain attributes, not submodules: the module tree and state_dict stay the original's
     object.__setattr__(fused_norm, "_dropout", fused_dropout)
     object.__setattr__(fused_dropout, "_norm", fused_norm)

@@ -5,6 +5,15 @@ import copy
 
 from torch import nn
 
+# torch's classes as the modules defining them hold them. The global drop-in pattern
+# (``torch.nn.MultiheadAttention = slimformer.MultiheadAttention``) rebinds only torch.nn's
+# names, so a check against ``nn.MultiheadAttention`` would then refuse torch's own modules.
+from torch.nn.modules.activation import MultiheadAttention as TorchMultiheadAttention
+from torch.nn.modules.dropout import Dropout as TorchDropout
+from torch.nn.modules.linear import Linear as TorchLinear
+from torch.nn.modules.normalization import LayerNorm as TorchLayerNorm, RMSNorm as TorchRMSNorm
+from torch.nn.modules.transformer import TransformerEncoderLayer as TorchTransformerEncoderLayer
+
 # nn.Module's per-call hooks (forward, forward-pre, backward), with their flags
 _CALL_HOOKS = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -18,7 +27,7 @@ def share_parameters(cls: type, module: nn.Module, torch_class: type, attributes
 
     ``cls.__init__`` is not run (it would allocate new Parameters); the caller sets the
     layer's own extra attributes afterwards. Raises TypeError unless ``module`` is a
-    ``torch_class``.
+    ``torch_class`` (one of the classes above, which a slimformer module also is).
     """
     if not isinstance(module, torch_class):
         raise TypeError(f"module must be a torch.nn.{torch_class.__name__}, got {type(module).__name__}")
@@ -40,6 +49,11 @@ def share_parameters(cls: type, module: nn.Module, torch_class: type, attributes
 def has_call_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has forward(-pre) or backward hooks of its own."""
     return any(getattr(module, name) for name in _CALL_HOOKS)
+
+
+def any_has_call_hooks(*modules) -> bool:
+    """Whether any of ``modules`` that is an ``nn.Module`` (a plain function is not) has call hooks."""
+    return any(isinstance(module, nn.Module) and has_call_hooks(module) for module in modules)
 
 
 def has_user_hooks(module: nn.Module) -> bool:
