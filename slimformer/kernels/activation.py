@@ -20,6 +20,8 @@ Activations: ``relu``, ``gelu`` (exact: z Φ(z), Φ to about 6e-7 on the Triton 
 ``gelu_tanh`` (tanh approximation) and ``swiglu``, for which fc1 produces [gate | up] side
 by side (2·F columns) and a = silu(gate) · up. Elementwise math runs in fp32; outputs keep
 the input dtype. The dropout mask is a (rows, F) dropout matrix (see ``philox.py``).
+float64 inputs (``torch.autograd.gradcheck``, float64 models) always take the PyTorch
+reference, on every device, computing and accumulating in float64.
 """
 
 import math
@@ -206,49 +208,60 @@ def _activation_bwd(da, h, seed, activation, dropout_p):
     return dh
 
 
+def _runs_kernels(x: torch.Tensor) -> bool:
+    return use_triton(x) and x.dtype != torch.float64
+
+
+def _reference_dtype(x: torch.Tensor) -> torch.dtype:
+    """The references' compute dtype: fp32, or fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _activation_value(z: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(z) in fp32 for the single-input activations (the kernel's functions, torch's CPU ops)."""
+    """act(z) in z's dtype for the single-input activations (the kernel's functions, torch's CPU ops)."""
     if activation == "relu":
         return z.clamp_min(0.0)
     return torch.nn.functional.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 def _activation_input_grad(da: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
-    """da · act'(z) in fp32 for the single-input activations."""
+    """da · act'(z) in their dtype for the single-input activations."""
     if activation == "relu":
         return torch.ops.aten.threshold_backward(da, z, 0.0)
     return torch.ops.aten.gelu_backward(da, z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
 def _halves(h: torch.Tensor, activation: str):
-    """(gate, up) for swiglu, else (h, None), in fp32."""
+    """(gate, up) for swiglu, else (h, None), in the reference dtype."""
     if activation == "swiglu":
-        gate, up = rearrange(h.float(), "m (two n) -> two m n", two=2)
+        gate, up = rearrange(h.to(_reference_dtype(h)), "m (two n) -> two m n", two=2)
         return gate, up
-    return h.float(), None
+    return h.to(_reference_dtype(h)), None
 
 
-def _dropout_scale_rows(seed, start, stop, n_cols, dropout_p, device) -> torch.Tensor:
-    """keep · scale in fp32 for rows start:stop of an (M, n_cols) matrix, as the kernels draw it."""
+def _dropout_scale_rows(seed, start, stop, n_cols, dropout_p, dtype, device) -> torch.Tensor:
+    """keep · scale in ``dtype`` for rows start:stop of an (M, n_cols) matrix, as the kernels draw it."""
     keep = dropout_keep_block(seed, torch.arange(start, stop, device=device), 0, n_cols, n_cols, dropout_p)
-    return keep.float().mul_(dropout_threshold(dropout_p)[1])
+    return keep.to(dtype).mul_(dropout_threshold(dropout_p)[1])
 
 
 def _activated_rows(h_rows, start, seed, activation, dropout_p) -> torch.Tensor:
-    """dropout(act(h)) in fp32 for the rows of h from row ``start`` on (the mask's rows)."""
+    """dropout(act(h)) in the reference dtype for the rows of h from row ``start`` on (the mask's rows)."""
     z, up = _halves(h_rows, activation)
     a = torch.nn.functional.silu(z).mul_(up) if activation == "swiglu" else _activation_value(z, activation)
     if seed is not None:
-        a.mul_(_dropout_scale_rows(seed, start, start + len(h_rows), a.shape[1], dropout_p, h_rows.device))
+        a.mul_(_dropout_scale_rows(seed, start, start + len(h_rows), a.shape[1], dropout_p, a.dtype, h_rows.device))
     return a
 
 
 def _input_grad_rows(da_rows, h_rows, start, seed, activation, dropout_p) -> torch.Tensor:
-    """The gradient of h in fp32 from that of dropout(act(h)), for rows from ``start`` on."""
-    da_rows = da_rows.float()
+    """The gradient of h in the reference dtype from that of dropout(act(h)), for rows from ``start`` on."""
+    da_rows = da_rows.to(_reference_dtype(da_rows))
     if seed is not None:
         n_cols = da_rows.shape[1]
-        da_rows = da_rows * _dropout_scale_rows(seed, start, start + len(da_rows), n_cols, dropout_p, da_rows.device)
+        da_rows = da_rows * _dropout_scale_rows(
+            seed, start, start + len(da_rows), n_cols, dropout_p, da_rows.dtype, da_rows.device
+        )
     z, up = _halves(h_rows, activation)
     if activation == "swiglu":
         return torch.cat([torch.ops.aten.silu_backward(da_rows * up, z), da_rows.mul_(torch.nn.functional.silu(z))], 1)
@@ -288,20 +301,21 @@ def _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p, dx):
     """(dw1, db1, dw2) of the MLP on the PyTorch path, dx written into ``dx``, in blocks
     of rows: a block of h (recomputed from x when not kept), of the activation, of its
     gradient and of dh is all that is alive besides the gradients; dW1, db1 and dW2
-    accumulate in fp32."""
-    dw1 = torch.zeros(w1.shape, dtype=torch.float32, device=x.device)
-    dw2 = torch.zeros(w2.shape, dtype=torch.float32, device=x.device)
-    db1 = None if b1 is None else torch.zeros(w1.shape[0], dtype=torch.float32, device=x.device)
+    accumulate in the reference dtype."""
+    acc = _reference_dtype(x)
+    dw1 = torch.zeros(w1.shape, dtype=acc, device=x.device)
+    dw2 = torch.zeros(w2.shape, dtype=acc, device=x.device)
+    db1 = None if b1 is None else torch.zeros(w1.shape[0], dtype=acc, device=x.device)
     for start, stop in reference_row_blocks(x.shape[0], w1.shape[0]):
         x_rows, dout_rows = x[start:stop], dout[start:stop]
         h_rows = torch.nn.functional.linear(x_rows, w1, b1) if h is None else h[start:stop]
         a = _activated_rows(h_rows, start, seed, activation, dropout_p).to(x.dtype)
-        dw2.addmm_(dout_rows.t().float(), a.float())
+        dw2.addmm_(dout_rows.t().to(acc), a.to(acc))
         dh = _input_grad_rows(dout_rows @ w2, h_rows, start, seed, activation, dropout_p).to(x.dtype)
         dx[start:stop] = dh @ w1
-        dw1.addmm_(dh.t().float(), x_rows.float())
+        dw1.addmm_(dh.t().to(acc), x_rows.to(acc))
         if db1 is not None:
-            db1 += dh.sum(0, dtype=torch.float32)
+            db1 += dh.sum(0, dtype=acc)
     return dw1.to(w1.dtype), None if db1 is None else db1.to(b1.dtype), dw2.to(w2.dtype)
 
 
@@ -333,7 +347,7 @@ def _mlp_op(
     recompute_fc1: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, h) on (M, D) rows; h is an empty placeholder with ``recompute_fc1``."""
-    if use_triton(x):
+    if _runs_kernels(x):
         h = torch.nn.functional.linear(x, w1, b1)
         out = torch.nn.functional.linear(_activation(h, seed, activation, dropout_p), w2, b2)
     else:
@@ -364,8 +378,8 @@ def _mlp_backward_op(
     """(dw1, db1, dw2, db2), the input gradient written into ``dx`` (x's shape), h
     recomputed from x when None; db1 / db2 are empty placeholders without biases."""
     dout = dout.contiguous()
-    db2 = dout.sum(0, dtype=torch.float32).to(dout.dtype) if has_b2 else absent_output(x.device)
-    if not use_triton(x):
+    db2 = dout.sum(0, dtype=_reference_dtype(dout)).to(dout.dtype) if has_b2 else absent_output(x.device)
+    if not _runs_kernels(x):
         with torch.autocast(x.device.type, enabled=False):  # as in the forward
             dw1, db1, dw2 = _mlp_bwd_reference(dout, x, w1, b1, w2, h, seed, activation, dropout_p, dx)
         return dw1, absent_output(x.device) if db1 is None else db1, dw2, db2
@@ -418,12 +432,13 @@ def _check_linear(name: str, weight: torch.Tensor, bias, in_features: int, x: to
 
 
 def _autocast_inputs(x, tensors):
-    """Cast like the Linear layers autocast would (a no-op outside autocast)."""
+    """Cast like the Linear layers autocast would (a no-op outside autocast; autocast casts
+    no float64 tensor)."""
     if not torch.is_autocast_enabled(x.device.type):
         return x, tensors
     dtype = torch.get_autocast_dtype(x.device.type)
-    cast = [None if t is None else t.to(dtype) for t in tensors]
-    return x.to(dtype), cast
+    x, *cast = (t if t is None or t.dtype == torch.float64 else t.to(dtype) for t in (x, *tensors))
+    return x, cast
 
 
 def fused_mlp(
@@ -438,7 +453,8 @@ def fused_mlp(
 ) -> torch.Tensor:
     """fc2(dropout(act(fc1(x)))) keeping only fc1's output for backward (or nothing).
 
-    x: (..., D) float32/float16/bfloat16. fc1_weight: (F, D), or (2F, D) for "swiglu"
+    x: (..., D) float32/float16/bfloat16, or float64 (the PyTorch reference in float64, on
+    any device: ``torch.autograd.gradcheck``). fc1_weight: (F, D), or (2F, D) for "swiglu"
     ([gate | up] rows); fc1_bias: its rows or None. fc2_weight: (D_out, F); fc2_bias:
     (D_out,) or None. activation: "relu", "gelu", "gelu_tanh" or "swiglu". dropout_p in
     [0, 1) (pass 0 in eval), masks regenerated from a Philox seed drawn from torch's
@@ -446,9 +462,9 @@ def fused_mlp(
     Returns (..., D_out) in x's dtype (the autocast dtype under autocast, like nn.Linear).
     Raises ValueError/TypeError naming the argument on bad shapes, dtypes or devices.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+    if not isinstance(x, torch.Tensor) or x.dtype not in (*FLOAT_DTYPES, torch.float64):
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"x must be a float32, float16 or bfloat16 torch.Tensor, got {got}")
+        raise TypeError(f"x must be a float32, float16, bfloat16 or float64 torch.Tensor, got {got}")
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (..., D_in), got a 0-d tensor")
     if activation not in ACTIVATIONS:

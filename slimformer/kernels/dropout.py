@@ -6,7 +6,8 @@ seed, one Philox call per 16 elements of a row, so backward regenerates it:
 
     d_residual = d_out,   dx = d_out · keep · scale,   scale = 1 / (1 - p_eff)
 
-Only the int64 seed is saved.
+Only the int64 seed is saved. float64 tensors (``torch.autograd.gradcheck``, float64
+models) always take the PyTorch reference, on every device, in float64.
 """
 
 import torch
@@ -86,15 +87,17 @@ def _dropout_scale(x, residual, seed, dropout_p, out_dtype):
 
 
 def _dropout_scale_reference(x, residual, seed, dropout_p, out_dtype):
-    """PyTorch statement of ``_dropout_scale``, in blocks of rows of the (M, N) dropout matrix."""
+    """PyTorch statement of ``_dropout_scale``, in blocks of rows of the (M, N) dropout matrix,
+    in fp32, or fp64 where a tensor is fp64."""
     M, N = _matrix_shape(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     rows_x, rows_out = x.view(M, N), out.view(M, N)
     rows_residual = None if residual is None else residual.view(M, N)
     scale = dropout_threshold(dropout_p)[1]
+    acc = torch.promote_types(torch.promote_types(x.dtype, out_dtype), torch.float32)
     for start, stop in reference_row_blocks(M, N):
         keep = dropout_keep_block(seed, torch.arange(start, stop, device=x.device), 0, N, N, dropout_p)
-        block = keep.float().mul_(scale).mul_(rows_x[start:stop])
+        block = keep.to(acc).mul_(scale).mul_(rows_x[start:stop])
         if rows_residual is not None:
             block += rows_residual[start:stop]
         rows_out[start:stop] = block
@@ -102,7 +105,8 @@ def _dropout_scale_reference(x, residual, seed, dropout_p, out_dtype):
 
 
 def _apply_dropout(x, residual, seed, dropout_p, out_dtype):
-    fn = _dropout_scale if use_triton(x) else _dropout_scale_reference
+    runs_kernel = use_triton(x) and torch.float64 not in (x.dtype, out_dtype)
+    fn = _dropout_scale if runs_kernel else _dropout_scale_reference
     return fn(x, residual, seed, dropout_p, out_dtype)
 
 
@@ -149,16 +153,16 @@ _dropout_add_op.register_autograd(_dropout_add_backward, setup_context=_dropout_
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, training: bool = True) -> torch.Tensor:
     """``residual + F.dropout(x, dropout_p, training)`` without keeping the mask.
 
-    x, residual: same shape and device, float32/float16/bfloat16; the result has their
-    promoted dtype, as ``residual + x`` has (a bf16 branch under autocast added to an fp32
-    residual stream gives fp32). dropout_p in [0, 1). The mask is drawn from torch's
+    x, residual: same shape and device, float32/float16/bfloat16 or float64 (the PyTorch
+    reference, on any device); the result has their promoted dtype, as ``residual + x`` has
+    (a bf16 branch under autocast added to an fp32 residual stream gives fp32). dropout_p in [0, 1). The mask is drawn from torch's
     generator (``torch.manual_seed`` reproduces it). Raises ValueError/TypeError naming
     the argument on mismatches.
     """
     for name, tensor in (("x", x), ("residual", residual)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in FLOAT_DTYPES:
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (*FLOAT_DTYPES, torch.float64):
             got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise TypeError(f"{name} must be a float32, float16 or bfloat16 torch.Tensor, got {got}")
+            raise TypeError(f"{name} must be a float32, float16, bfloat16 or float64 torch.Tensor, got {got}")
     if residual.shape != x.shape:
         raise ValueError(f"residual must have x's shape {list(x.shape)}, got {list(residual.shape)}")
     if residual.device != x.device:

@@ -120,7 +120,7 @@ class _InferenceLinear(nn.Module):
 
     @staticmethod
     def _converted(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        converted = tensor.detach().to(dtype)
+        converted = tensor.detach().to(dtype, copy=True)
         if not bool(torch.isfinite(converted).all()):
             raise ValueError(f"linear.{name} must be finite in {dtype} to convert, got NaN or infinity")
         return converted
@@ -129,10 +129,11 @@ class _InferenceLinear(nn.Module):
 class Linear8bit(_InferenceLinear):
     """nn.Linear with an int8 weight and per-output-channel fp32 scales; see the module docstring.
 
-    Constructor: the sizes of nn.Linear, ``mode`` ("int8" or "int8-weight-only") and
-    ``dtype`` for the bias (default float32). The weight starts at zero: build it with
-    ``from_float`` or load a state_dict. forward: input (..., in_features) float32,
-    float16 or bfloat16 -> (..., out_features) in the same dtype.
+    Constructor: the sizes of nn.Linear, ``mode`` ("int8" or "int8-weight-only"),
+    ``dtype`` for the bias (default float32) and ``smoothed`` (mode "int8": ``smooth``
+    is (in_features,), all ones until set, instead of empty). The weight starts at zero:
+    build it with ``from_float`` or load a state_dict. forward: input (..., in_features)
+    float32, float16 or bfloat16 -> (..., out_features) in the same dtype.
     """
 
     _fixed_dtype_buffers = ("weight_scale", "smooth")
@@ -147,15 +148,19 @@ class Linear8bit(_InferenceLinear):
         dtype=None,
         *,
         mode: str = "int8",
+        smoothed: bool = False,
     ) -> None:
         if mode not in INT8_MODES:
             raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
+        if smoothed and mode != "int8":
+            raise ValueError(f"smoothed applies to mode 'int8' only, got mode {mode!r}")
         super().__init__(in_features, out_features)
         self.mode = mode
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("weight_scale", torch.ones(out_features, dtype=torch.float32, device=device))
         if mode == "int8":
-            self.register_buffer("smooth", torch.ones(0, dtype=torch.float32, device=device))
+            smooth_features = in_features if smoothed else 0
+            self.register_buffer("smooth", torch.ones(smooth_features, dtype=torch.float32, device=device))
             self._smooth_key = None
         bias_tensor = torch.zeros(out_features, dtype=dtype or torch.float32, device=device) if bias else None
         self.register_buffer("bias", bias_tensor)
@@ -172,9 +177,7 @@ class Linear8bit(_InferenceLinear):
         _check_linear(linear)
         if mode not in INT8_MODES:
             raise ValueError(f"mode must be one of {INT8_MODES}, got {mode!r}")
-        if linear.bias is not None and not bool(torch.isfinite(linear.bias).all()):
-            raise ValueError("linear.bias must be finite to convert, got NaN or infinity")
-        weight = linear.weight.detach()
+        device = linear.weight.device
         if smooth is not None:
             if mode != "int8":
                 raise ValueError(f"smooth applies to mode 'int8' only, got mode {mode!r}")
@@ -182,30 +185,49 @@ class Linear8bit(_InferenceLinear):
                 raise ValueError(f"smooth must have shape [{linear.in_features}], got {list(smooth.shape)}")
             if not bool((torch.isfinite(smooth) & (smooth > 0)).all()):
                 raise ValueError("smooth must be finite and positive")
-            weight = weight.float() / smooth.to(weight.device, torch.float32)
         layer = cls(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
-            device=weight.device,
+            device=device,
             dtype=None if linear.bias is None else linear.bias.dtype,
             mode=mode,
+            smoothed=smooth is not None,
         )
-        q, scale = quantize_per_channel(weight)
-        if weight.device.type == "cpu":
+        if smooth is not None:
+            layer.smooth = smooth.to(device, torch.float32, copy=True)
+        state = {} if linear.bias is None else layer.quantized_state("bias", linear.bias)
+        state.update(layer.quantized_state("weight", linear.weight))
+        if device.type == "cpu":
             int8_cpu.extension()  # built (or found in the cache) now rather than in the first forward
-        with torch.no_grad():
-            layer.weight.copy_(q)
-            layer.weight_scale.copy_(scale)
-            if smooth is not None:
-                layer.smooth = smooth.to(weight.device, torch.float32, copy=True)
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias.detach())
+        for name, tensor in state.items():
+            setattr(layer, name, tensor)
         return layer
+
+    def quantized_state(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This layer's state_dict entries for ``tensor``, the float ``name`` ("weight" or
+        "bias") of the nn.Linear it replaces: the weight divided by ``smooth`` (if set) and
+        quantized (``weight``, ``weight_scale`` and, mode "int8", ``smooth``), or the bias
+        in the layer's dtype; on ``tensor``'s device. Raises ValueError on another name or a
+        tensor with NaN or infinity."""
+        self._check_state_name(name)
+        if name == "bias":
+            return {"bias": self._converted("bias", tensor, self.bias.dtype)}
+        weight = tensor.detach()
+        smooth = self._buffers.get("smooth")
+        if smooth is not None and smooth.numel():
+            weight = weight.float() / smooth.to(weight.device, torch.float32)
+        q, scale = quantize_per_channel(weight)
+        state = {"weight": q, "weight_scale": scale}
+        if smooth is not None:
+            state["smooth"] = smooth if smooth.numel() else torch.ones(0, device=weight.device)
+        return state
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         scale = destination[prefix + "weight_scale"]
+        if scale.is_meta:  # a skeleton (transformers builds one before loading) has no values to compare
+            return
         as_bfloat16 = scale.detach().to(torch.bfloat16)
         if torch.equal(as_bfloat16.float(), scale.detach()):
             destination[prefix + "weight_scale"] = as_bfloat16
@@ -293,16 +315,18 @@ class Linear16bit(_InferenceLinear):
         ValueError if a weight or bias does not fit in ``dtype`` (NaN, infinity or overflow)."""
         _check_linear(linear)
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device, dtype)
-        with torch.no_grad():
-            for name in ("weight", "bias"):
-                source = getattr(linear, name)
-                if source is None:
-                    continue
-                converted = source.detach().to(dtype)
-                if not bool(torch.isfinite(converted).all()):
-                    raise ValueError(f"linear.{name} must be finite in {dtype} to convert, got NaN or infinity")
-                getattr(layer, name).copy_(converted)
+        names = ("weight",) if linear.bias is None else ("weight", "bias")
+        state = {k: v for name in names for k, v in layer.quantized_state(name, getattr(linear, name)).items()}
+        for name, tensor in state.items():
+            setattr(layer, name, tensor)
         return layer
+
+    def quantized_state(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: tensor in the layer's dtype} for the float ``name`` ("weight" or "bias") of
+        the nn.Linear it replaces. Raises ValueError on another name or a tensor that is not
+        finite in the layer's dtype."""
+        self._check_state_name(name)
+        return {name: self._converted(name, tensor, self.weight.dtype)}
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) or input.dtype not in FLOAT_DTYPES:

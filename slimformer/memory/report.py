@@ -21,10 +21,15 @@ inputs), and returns a ``MemoryReport`` that prints as a rich table:
   and its loss (the masked-LM logits and softmax of eager HF, slimformer's fused
   loss), with the base model's output when the head keeps it;
 * the step's **peak**: the most memory allocated at any moment of a forward+backward,
-  above what was allocated before it (activations, gradients and temporaries), measured
-  by ``slimformer.memory.peak_memory``: ``torch.cuda.max_memory_allocated`` on CUDA, the
-  bytes of live tensor storages on CPU. This, not the kept activations, decides whether
-  a run fits. On CUDA also the median time of that step.
+  above what was allocated before it (activations, gradients and temporaries), and of
+  the same step followed by AdamW's update (its state allocated by a warm-up step
+  before, as in training), measured by ``slimformer.memory.peak_memory``:
+  ``torch.cuda.max_memory_allocated`` on CUDA, the bytes of live tensor storages on CPU.
+  This, not the kept activations, decides whether a run fits. Where the update raises
+  the peak above the forward+backward's, the gradients and the update's temporaries set
+  it, not the activations, and no recompute policy lowers it: the table says so. The
+  update runs with learning rate 0, so the weights stay as they were. On CUDA also the
+  median time of a forward+backward.
 
 The layers are the blocks of the model's ``nn.ModuleList`` with the most parameters
 (``encoder.layer`` of a HF BERT, ``layers`` of ``nn.TransformerEncoder``) unless named.
@@ -99,6 +104,13 @@ class ModelMemory:
     peak_bytes: int | None = None  # forward+backward peak above what was allocated before
     step_seconds: float | None = None  # CUDA: median forward+backward time
     base: tuple[str, ActivationMemory] | None = None  # (name, the base model measured alone) when it has a head
+    update_peak_bytes: int | None = None  # the same step followed by AdamW's update; None: no update measured
+
+    @property
+    def update_sets_peak(self) -> bool:
+        """Whether AdamW's update (gradients + its temporaries) raised the step's peak above
+        the forward+backward's, so that activations do not decide it."""
+        return None not in (self.update_peak_bytes, self.peak_bytes) and self.update_peak_bytes > self.peak_bytes
 
     @property
     def activation_bytes(self) -> int:
@@ -165,6 +177,9 @@ class MemoryReport:
         add("training total", [m.training_bytes for m in self.models])
         if any(m.peak_bytes is not None for m in self.models):
             add("step peak, fwd+bwd", [m.peak_bytes for m in self.models])
+        if any(m.update_peak_bytes is not None for m in self.models):
+            add("step peak, fwd+bwd + AdamW update", [m.update_peak_bytes for m in self.models])
+            table.add_row("step peak set by", *(_peak_setter(m) for m in self.models))
         if any(m.step_seconds is not None for m in self.models):
             table.add_row(
                 "step time, fwd+bwd (ms)",
@@ -208,7 +223,9 @@ class MemoryReport:
         if methods:
             lines.append(
                 "Step peak: the most allocated during a forward+backward (after a warm-up step), above what was "
-                f"allocated before ({', '.join(sorted(methods))})."
+                f"allocated before ({', '.join(sorted(methods))}); then with AdamW's update after it (state allocated "
+                "before, learning rate 0). Set by AdamW update: the gradients and the update's temporaries set the "
+                "peak, not the activations, and no recompute policy lowers it."
             )
         return "\n".join(lines)
 
@@ -230,6 +247,12 @@ class MemoryReport:
         console = Console(file=io.StringIO(), width=_TEXT_WIDTH, color_system=None)
         console.print(self.table())
         return console.file.getvalue()
+
+
+def _peak_setter(model: ModelMemory) -> str:
+    if model.update_peak_bytes is None:
+        return "-"
+    return "AdamW update" if model.update_sets_peak else "fwd+bwd"
 
 
 def _unit(largest: int) -> tuple[str, int]:
@@ -321,8 +344,10 @@ def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], args: t
     return [captured[layer] for _, layer in layers]
 
 
-def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, float | None]:
-    """(peak bytes above the allocation before, median seconds on CUDA, else None) of forward+backward."""
+def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, int | None, float | None]:
+    """Peak bytes above the allocation before of forward+backward, and of forward+backward
+    followed by AdamW's update (None where no parameter gets a dense gradient); median
+    forward+backward seconds on CUDA, else None."""
 
     def step() -> None:
         outputs = [t for t in _tensors(model(*args, **kwargs)) if t.requires_grad]
@@ -332,12 +357,20 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> 
 
     model.zero_grad(set_to_none=True)
     step()  # warm-up: backward kernels compile, the allocator fills its cache
+    optimizer = _adamw_without_steps(model)
+    if optimizer is not None:
+        optimizer.step()  # its state exists before the measured step, as in training
     model.zero_grad(set_to_none=True)
     with peak_memory(device) as peak:
         step()
+        backward_peak = peak.peak_so_far()
+        if optimizer is not None:
+            optimizer.step()
+    update_peak = None if optimizer is None else peak.bytes
+    del optimizer  # and its state
     if device.type != "cuda":
         model.zero_grad(set_to_none=True)
-        return peak.bytes, None
+        return backward_peak, update_peak, None
     times = []
     for _ in range(_TIMED_STEPS):
         model.zero_grad(set_to_none=True)
@@ -348,7 +381,17 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> 
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     model.zero_grad(set_to_none=True)
-    return peak.bytes, statistics.median(times)
+    return backward_peak, update_peak, statistics.median(times)
+
+
+def _adamw_without_steps(model: nn.Module) -> torch.optim.AdamW | None:
+    """AdamW over the parameters that have a gradient, at learning rate 0: it computes its
+    whole update (the same temporaries) and leaves the weights as they are. None where no
+    parameter has a gradient or one is sparse (which AdamW refuses)."""
+    parameters = [p for p in model.parameters() if p.grad is not None]
+    if not parameters or any(p.grad.is_sparse for p in parameters):
+        return None
+    return torch.optim.AdamW(parameters, lr=0.0)
 
 
 def measurement_steps(model: nn.Module, layers: Sequence[str] | None = None) -> int:
@@ -367,10 +410,11 @@ def measure_model(
     """Measure one model's training memory (one column of a report) on its device.
 
     ``inputs`` as for ``report``. Runs one forward to catch the layers' inputs, one per
-    layer, one for the whole model, a warm-up and a measured forward+backward step, and
-    on CUDA 5 timed ones (gradients are set to None after them). ``progress``, if given,
-    is called with a description after each of those steps (``measurement_steps(model)``
-    times), e.g. a progress bar's update.
+    layer, one for the whole model, a warm-up and a measured forward+backward step, each
+    followed by an AdamW update at learning rate 0 (the weights stay as they are), and
+    on CUDA 5 timed forward+backward steps (gradients are set to None after them).
+    ``progress``, if given, is called with a description after each of those steps
+    (``measurement_steps(model)`` times), e.g. a progress bar's update.
     """
     args, kwargs = _arguments(inputs)
     named = _named_layers(model, layers)
@@ -394,8 +438,8 @@ def measure_model(
         base_args, base_kwargs = layer_inputs[-1]
         base_memory = (base[0], measure_activation_memory(base[1], *base_args, **base_kwargs))
         done(f"{base[0]} measured alone")
-    peak, seconds = _step(model, args, kwargs, device)
-    done("forward+backward steps measured")
+    peak, update_peak, seconds = _step(model, args, kwargs, device)
+    done("training steps measured")
     activations = measure_activation_memory(model, *args, **kwargs)
     done("whole forward measured")
     return ModelMemory(
@@ -409,6 +453,7 @@ def measure_model(
         peak_bytes=peak,
         step_seconds=seconds,
         base=base_memory,
+        update_peak_bytes=update_peak,
     )
 
 
@@ -432,8 +477,9 @@ def report(
 
     Returns a ``MemoryReport``: ``print(report(...))`` (or ``.print()``) shows the table,
     its ``models`` hold the numbers (``ModelMemory``). Each model runs about three
-    forwards and two or more forward+backward steps (see ``measure_model``), after which
-    its gradients are None. ``progress`` shows a tqdm bar on stderr (one step per layer).
+    forwards and two or more forward+backward steps with two AdamW updates at learning
+    rate 0 (see ``measure_model``), after which its weights are unchanged and its
+    gradients None. ``progress`` shows a tqdm bar on stderr (one step per layer).
     """
     models = dict(model) if isinstance(model, Mapping) else {"model": model}
     if not models:
