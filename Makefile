@@ -26,8 +26,10 @@ $(STAMP): pyproject.toml Makefile
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --dist loadgroup tests
 
+# Writes into bench/results/local/ (git-ignored) and refuses to replace a report there:
+# make bench ARGS=--overwrite, or ARGS='--out DIR'; ARGS='-k add_layer_norm' for one family.
 bench: $(STAMP)
-	$(PY) -m bench.report
+	$(PY) -m bench.report $(ARGS)
 
 # The GPU check (docs/gpu-check.md): run on a GPU machine with the machine's own python3
 # (torch, triton, transformers, pytest, pytest-xdist); nothing is installed. E.g.
@@ -36,8 +38,9 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m bench.gpu_check $(ARGS)
 
 # Registers, spills, shared memory, MMA/load kinds and hot-loop SASS of every kernel for
-# sm_90 and sm_80, compiled without a GPU (bench/results/compile-sm*.md); e.g.
-# make compile-report ARGS='-k "attn d128" --arch sm90'
+# sm_90 and sm_80, compiled without a GPU (bench/results/local/compile-sm*.md; the committed
+# ones are renewed with ARGS='--out bench/results --overwrite'); e.g.
+# make compile-report ARGS='-k "attn d128" --arch sm90'; ARGS=--list names every case
 compile-report: $(STAMP)
 	env -u TRITON_INTERPRET $(PY) -m bench.compile_report $(ARGS)
 

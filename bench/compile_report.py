@@ -3,14 +3,19 @@ and report what the compiled code costs: ``python -m bench.compile_report`` (``m
 compile-report``).
 
     python -m bench.compile_report                     # both targets, every case
-    python -m bench.compile_report -k "attn d128"      # cases whose name contains it
+    python -m bench.compile_report --list              # the cases' names (and families)
+    python -m bench.compile_report -k "attn d128"      # cases whose name contains every word
     python -m bench.compile_report --arch sm90 --tag before-9d633e7
     python -m bench.compile_report --json out.json     # raw records too
+    python -m bench.compile_report --out bench/results --overwrite   # replace the committed reports
 
 No GPU is needed: launches are captured on CPU tensors with the GPU's code paths
 (``kernel_capture``), specialised exactly as the JIT would, compiled by Triton and ptxas
 and read back with cuobjdump (``compiled_code``). See ``compile_figures`` for the
-estimates' model. Writes ``bench/results/compile-<sm>[-<tag>].md`` and ``.png``.
+estimates' model. Writes ``compile-<sm>[-<tag>].md`` and ``.png`` into
+``bench/results/local/`` (git-ignored) unless ``--out DIR`` names another folder, and
+replaces no file that exists unless ``--overwrite`` is given; the committed reports are in
+``bench/results/``.
 """
 
 import argparse
@@ -26,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+# bench.compile_tutorial's measurement of Triton's tutorial, which the report quotes (git-ignored).
 TUTORIAL_REFERENCE = RESULTS / "tutorial-attention-reference.json"
+FAMILIES = ("attention", "norm", "dropout", "activation", "loss", "gemm")
 
 
 @dataclass
@@ -550,7 +557,7 @@ def write_reports(collections, tag: str, selection: str, out_dir: Path) -> list[
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for collection in collections:
-        stem = f"compile-{collection.device.sm}" + (f"-{tag}" if tag else "")
+        stem = report_stem(collection.device.sm, tag)
         png = out_dir / f"{stem}.png"
         has_plot = plot(collection, png)
         md = out_dir / f"{stem}.md"
@@ -571,6 +578,11 @@ def records_json(collections) -> dict:
     return dict(records=records, problems=problems, capture_errors=capture_errors)
 
 
+def report_stem(sm: str, tag: str) -> str:
+    """The name of a report's files without the suffix: ``compile-sm90``, ``compile-sm90-<tag>``."""
+    return f"compile-{sm}" + (f"-{tag}" if tag else "")
+
+
 def select(cases, pattern: str | None, ci_only: bool):
     if ci_only:
         cases = [c for c in cases if c.ci]
@@ -580,37 +592,53 @@ def select(cases, pattern: str | None, ci_only: bool):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", dest="pattern", help="only cases whose name contains every word of this")
-    parser.add_argument("--family", choices=["attention", "norm", "dropout", "activation", "loss", "gemm"], nargs="+")
+    from bench.harness import add_output_arguments, refuse_to_replace, shown
+
+    parser = argparse.ArgumentParser(prog="python -m bench.compile_report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-k", dest="pattern", metavar="WORDS",
+                        help="only the cases whose name contains every one of these words, in any order and case "
+                        "(e.g. -k \"attn d128 causal\", -k layer-norm); --list shows the names")  # fmt: skip
+    parser.add_argument("--list", action="store_true", help="print the selected cases' families and names, and exit")
+    parser.add_argument("--family", choices=FAMILIES, nargs="+")
     parser.add_argument("--arch", nargs="+", default=["sm90", "sm80"], choices=["sm90", "sm80", "sm86"])
     parser.add_argument("--ci", action="store_true", help="only the CI's representative cases")
     parser.add_argument("-j", "--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) - 1)))
     parser.add_argument("--no-cache", action="store_true", help="recompile everything")
     parser.add_argument("--tag", default="", help="suffix of the report's file names, e.g. before-9d633e7")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    add_output_arguments(parser)
     parser.add_argument("--json", type=Path, help="also write every record as JSON to this file")
     parser.add_argument("--no-report", action="store_true", help="write no markdown / plot")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        parser.error("unset TRITON_INTERPRET: the report compiles kernels for the GPU")
 
     from bench.compile_cases import all_cases
-    from bench.kernel_capture import DEVICES
 
     cases = select(all_cases(), args.pattern, args.ci)
     if args.family:
         cases = [c for c in cases if c.family in args.family]
     if not cases:
-        parser.error(f"no case matches {args.pattern!r}")
-    collections = collect(cases, [DEVICES[a] for a in args.arch], args.jobs, not args.no_cache, not args.quiet)
+        parser.error("no case matches the selection (-k, --family, --ci); --list alone shows every case's name")
+    if args.list:
+        width = max(len(c.family) for c in cases)
+        print("\n".join(f"{c.family:<{width}}  {c.name}" for c in cases))
+        return 0
+
+    from bench.kernel_capture import DEVICES
+
+    devices = [DEVICES[a] for a in args.arch]
+    if not args.no_report:
+        paths = [args.out / f"{report_stem(d.sm, args.tag)}{suffix}" for d in devices for suffix in (".md", ".png")]
+        refuse_to_replace(parser, paths, args.overwrite)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: the report compiles kernels for the GPU")
+    collections = collect(cases, devices, args.jobs, not args.no_cache, not args.quiet)
     if args.json:
         args.json.write_text(json.dumps(records_json(collections)))
+        print(f"wrote {shown(args.json)}", file=sys.stderr)
     if not args.no_report:
         selection = "".join(f" {a}" for a in (argv if argv is not None else sys.argv[1:]))
-        for path in write_reports(collections, args.tag, selection, args.out_dir):
-            print(f"wrote {path}", file=sys.stderr)
+        for path in write_reports(collections, args.tag, selection, args.out):
+            print(f"wrote {shown(path)}", file=sys.stderr)
     problems = [p for c in collections for p in limit_violations(c)]
     for problem in problems:
         print(f"[{problem}]", file=sys.stderr)

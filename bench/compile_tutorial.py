@@ -1,18 +1,20 @@
 """Measure the Triton tutorial's fused attention (06-fused-attention.py) the way the
 compile report measures slimformer's, as a reference for its tables.
 
-    python -m bench.compile_tutorial PATH/TO/06-fused-attention.py [--commit SHA]
+    python -m bench.compile_tutorial PATH/TO/06-fused-attention.py [--commit SHA] [--overwrite]
 
 The tutorial is not part of slimformer (nor copied into it): pass a copy of it from
 triton-lang/triton. Its launches are captured on CPU tensors exactly like ours
 (``kernel_capture``: on sm_90 it takes its TMA path, on sm_80 block pointers), every
 forward autotune config is compiled, and the figures are written to
-``bench/results/tutorial-attention-reference.json``, which the report quotes.
+``bench/results/tutorial-attention-reference.json`` (git-ignored), which the report
+quotes; an existing one is replaced only with ``--overwrite``.
 """
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -66,10 +68,16 @@ def measure(path: str, arch: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from bench.harness import refuse_to_replace, shown
+
+    parser = argparse.ArgumentParser(prog="python -m bench.compile_tutorial", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a copy of python/tutorials/06-fused-attention.py")
     parser.add_argument("--commit", default="unknown", help="the triton-lang/triton commit the copy is from")
+    parser.add_argument("--overwrite", action="store_true", help=f"replace {shown(TUTORIAL_REFERENCE)}")
     args = parser.parse_args(argv)
+    if not Path(args.path).is_file():
+        parser.error(f"path must be a copy of 06-fused-attention.py, got {args.path!r}, which is no file")
+    refuse_to_replace(parser, [TUTORIAL_REFERENCE], args.overwrite)
     rows = [row for arch in ("sm90", "sm80") for row in measure(args.path, arch)]
     source = (
         f"triton-lang/triton `python/tutorials/06-fused-attention.py` at {args.commit}, fp16, batch {BATCH}, "
@@ -81,7 +89,7 @@ def main(argv=None) -> int:
     for row in rows:
         if row["best"]:
             print(f"sm{row['arch']} d{row['head_dim']} best fwd config {row['config']}: {row['tile']} warp-instr / 128²")
-    print(f"wrote {TUTORIAL_REFERENCE}", file=sys.stderr)
+    print(f"wrote {shown(TUTORIAL_REFERENCE)}", file=sys.stderr)
     return 0
 
 

@@ -15,9 +15,14 @@ and minimum cosine similarity of the mean-pooled, L2-normalised sentence embeddi
 96 sentences to fp32's (as sentence-transformers pools MiniLM). Size: the bytes of
 ``save_quantized`` (safetensors) or ``torch.save`` of quantize_dynamic's state_dict.
 
-    python -m bench.int8_inference      # prints and writes results/<device>-int8.md and .png
+    python -m bench.int8_inference      # prints and writes bench/results/local/<device>-int8.md and .png
+    python -m bench.int8_inference --out DIR [--overwrite]
+
+It replaces no file that exists unless ``--overwrite`` is given; the committed reference
+results are in ``bench/results/``.
 """
 
+import argparse
 import copy
 import statistics
 import sys
@@ -231,17 +236,24 @@ def int8_inference_section(device: torch.device, plot_path: Path, log=print) -> 
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from bench.harness import device_name
-    from bench.report import RESULTS, device_slug
+    from bench.harness import add_output_arguments, device_slug, refuse_to_replace, shown
 
+    parser = argparse.ArgumentParser(prog="python -m bench.int8_inference", description=__doc__.split("\n\n")[0])
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
     device = torch.device("cpu")
     name = device_name(device)
     slug = device_slug(name, "cpu")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    lines = int8_inference_section(device, RESULTS / f"{slug}-int8.png", log=print)
-    (RESULTS / f"{slug}-int8.md").write_text("\n".join([f"# {name}", "", *lines]) + "\n")
+    markdown, plot = args.out / f"{slug}-int8.md", args.out / f"{slug}-int8.png"
+    refuse_to_replace(parser, [markdown, plot], args.overwrite)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lines = int8_inference_section(device, plot, log=print)
+    markdown.write_text("\n".join([f"# {name}", "", *lines]) + "\n")
     print("\n".join(lines))
+    print("wrote " + " and ".join(shown(path) for path in (markdown, plot) if path.exists()))
+    return 0
 
 
 if __name__ == "__main__":

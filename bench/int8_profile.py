@@ -17,9 +17,14 @@ epilogue, no conversion: the floor of any float-GEMM weight-only kernel), ``int8
 quantize_dynamic. On CPU ``int8-weight-only`` runs no float GEMM: the activation rounded
 per token to 16-bit fixed point, two int8 halves in one ``torch._int_mm``.
 
-    python -m bench.int8_profile        # prints and writes results/<device>-int8-profile.md
+    python -m bench.int8_profile        # prints and writes bench/results/local/<device>-int8-profile.md
+    python -m bench.int8_profile --out DIR [--overwrite]
+
+It replaces no file that exists unless ``--overwrite`` is given; the committed reference
+results are in ``bench/results/``.
 """
 
+import argparse
 import copy
 import statistics
 import sys
@@ -173,16 +178,22 @@ def int8_profile_section(log=print) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from bench.harness import device_name
-    from bench.report import RESULTS, device_slug
+    from bench.harness import add_output_arguments, device_slug, refuse_to_replace, shown
 
-    device = torch.device("cpu")
-    name = device_name(device)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    parser = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
+    add_output_arguments(parser)
+    args = parser.parse_args(argv)
+    name = device_name(torch.device("cpu"))
+    markdown = args.out / f"{device_slug(name, 'cpu')}-int8-profile.md"
+    refuse_to_replace(parser, [markdown], args.overwrite)
+    args.out.mkdir(parents=True, exist_ok=True)
     lines = int8_profile_section(log=print)
-    (RESULTS / f"{device_slug(name, 'cpu')}-int8-profile.md").write_text("\n".join([f"# {name}", "", *lines]) + "\n")
+    markdown.write_text("\n".join([f"# {name}", "", *lines]) + "\n")
     print("\n".join(lines))
+    print(f"wrote {shown(markdown)}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def mlm_memory_section(device: torch.device, log=print) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.mlm_memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=512)

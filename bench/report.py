@@ -1,21 +1,31 @@
-"""Run the benchmarks in bench/ and report them: ``python -m bench.report [pytest args]``.
+"""Run the benchmarks in bench/ and report them: ``python -m bench.report``.
+
+    python -m bench.report                          # everything (make bench): many minutes
+    python -m bench.report -k add_layer_norm        # a partial run: what -k selects
+    python -m bench.report -k norm -- --benchmark-min-rounds=3   # after --: more pytest arguments
+    python -m bench.report --out DIR [--overwrite]  # write elsewhere / replace files of the same names
 
 Runs pytest on bench/ in a subprocess with ``--benchmark-json`` (which keeps every
-round's time; extra arguments such as ``-k add_layer_norm`` are passed on), then
-prints one table per family/op/mode with rich and writes
+round's time), then prints one table per family/op/mode with rich and writes, into
+``bench/results/local/`` (git-ignored) unless ``--out DIR`` names another folder,
 
-    bench/results/<device-slug>.md            header, tables, targets, memory, skipped benchmarks
-    bench/results/<device-slug>-<family>.png  metric vs the swept size, per op and mode
-    bench/results/<device-slug>-bert-memory.png  a BERT's activation memory vs sequence length
-    bench/results/<device-slug>-int8.png  INT8 inference of all-MiniLM-L6-v2: latency and fidelity per mode
+    <device-slug>.md            header, tables, targets, memory, skipped benchmarks
+    <device-slug>-<family>.png  metric vs the swept size, per op and mode
+    <device-slug>-bert-memory.png  a BERT's activation memory vs sequence length
+    <device-slug>-int8.png  INT8 inference of all-MiniLM-L6-v2: latency and fidelity per mode
 
 and, on a CPU, the unpadded-BERT section (``bench.unpad``, selected as ``-k unpad``).
+The committed reference results are in ``bench/results/``: a run replaces no file that
+exists in its folder unless ``--overwrite`` is given (it checks before running), and
+prints the files it wrote.
 
-A run that selects benchmarks (``-k EXPR``, ``-m EXPR`` or test paths) is partial: its
-files are named ``<device-slug>-partial-<selection>*`` and the full report is left as it
-is. ``-k`` also selects the memory sections, matched like a test name: the norm table
-as ``norm_memory``, the torch.compile section (CPU) as ``compile_memory``, each column
-of the BERT section as ``bert_memory <column>``
+Its own options are parsed first (``--help`` prints them and runs nothing); ``-k EXPR``
+and ``-m MARKEXPR`` go on to pytest, as do test paths and, after ``--``, any other
+pytest argument. A run that selects benchmarks (``-k``, ``-m`` or test paths) is
+partial: its files are named ``<device-slug>-partial-<selection>*`` and the full report
+is left as it is. ``-k`` also selects the memory sections, matched like a test name:
+the norm table as ``norm_memory``, the torch.compile section (CPU) as
+``compile_memory``, each column of the BERT section as ``bert_memory <column>``
 (``-k "bert_memory and not sdpa"``, ``-k "bert_memory and (eager or none)"``), the
 masked-LM section (``bench/mlm_memory.py``) as ``mlm_memory``.
 
@@ -27,6 +37,7 @@ GPU it also checks the norm targets (``TARGET``) and the attention targets
 (``ATTENTION_TARGETS``).
 """
 
+import argparse
 import json
 import os
 import re
@@ -56,15 +67,22 @@ from bench.compile_memory import SHAPE as COMPILE_SHAPE  # noqa: E402
 from bench.compile_memory import lines as compile_memory_lines  # noqa: E402
 from bench.compile_memory import measure as measure_compile_memory  # noqa: E402
 from bench.cpu_step import measure_times, time_lines  # noqa: E402
-from bench.harness import report_machine_info  # noqa: E402
+from bench.harness import (  # noqa: E402
+    ROOT,
+    add_output_arguments,
+    device_slug,
+    refuse_to_replace,
+    report_machine_info,
+    shown,
+)
 from bench.int8_inference import int8_inference_section  # noqa: E402
 from bench.mlm_memory import mlm_memory_section  # noqa: E402
 from slimformer.recompute import POLICIES  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 from bench.unpad import report_lines as unpad_lines  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+# One plot per family, named after its benchmark file, bench/test_<family>_bench.py.
+FAMILIES = tuple(sorted(p.name[len("test_") : -len("_bench.py")] for p in ROOT.glob("bench/test_*_bench.py")))
 UNIT_SCALE = {"GB/s": 1e9, "TFLOP/s": 1e12}
 # A table gets a "vs X" column for each of these providers that it has.
 BASELINES = ("torch", "torch.compile", "sdpa-flash", "sdpa-efficient", "sdpa-cudnn", "sdpa-math")
@@ -108,6 +126,9 @@ class Result:
         return self.family, self.op, self.mode
 
 
+# The report's sections besides the benchmarks, as -k names them (and "bert_memory <column>"); the
+# last three run on a CPU only.
+SECTIONS = ("norm_memory", "mlm_memory", "int8_inference", "cpu_step", "unpad", "compile_memory")
 LOG_WIDTH = 120  # the console width when the output is a log, not a terminal
 _NO_TESTS_COLLECTED = 5  # pytest's exit code when the selection leaves no benchmark
 
@@ -409,12 +430,6 @@ def plot(results: list[Result], device: str, device_type: str, path: Path) -> No
     plt.close(fig)
 
 
-def device_slug(device: str, device_type: str) -> str:
-    """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``; a CPU model gets a ``cpu-`` prefix."""
-    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    return f"cpu-{slug}" if device_type == "cpu" else slug
-
-
 def memory_lines(machine: dict) -> list[str]:
     """The activation-memory section, measured now on the benchmark device in its dtype."""
     device = torch.device(machine["bench_device_type"])
@@ -430,9 +445,21 @@ def memory_lines(machine: dict) -> list[str]:
     ]
 
 
-def write_report(data: dict | None, skipped: list[str], console: Console, chosen: Selection) -> list[Path]:
-    """Print and write the report of one pytest-benchmark JSON run (None: no benchmark
-    selected); return the files written."""
+def section_names() -> list[str]:
+    """What ``-k`` matches for each section: ``SECTIONS`` and each column of the BERT memory section."""
+    bert_columns = [*BERT_BASELINES, *(f"slimformer ({policy})" for policy in POLICIES)]
+    return [*SECTIONS, *(f"bert_memory {column}" for column in bert_columns)]
+
+
+def report_paths(out: Path, stem: str) -> list[Path]:
+    """Every file a report named ``stem`` may write into ``out``."""
+    plots = [*FAMILIES, "bert-memory", "int8"]
+    return [out / f"{stem}.md", *(out / f"{stem}-{plot}.png" for plot in plots)]
+
+
+def write_report(data: dict | None, skipped: list[str], console: Console, chosen: Selection, out: Path) -> list[Path]:
+    """Print the report of one pytest-benchmark JSON run (None: no benchmark selected),
+    write it into ``out``; return the files written."""
     machine = data["machine_info"] if data else report_machine_info()
     device, device_type = machine["bench_device"], machine["bench_device_type"]
     benchmarks = data["benchmarks"] if data else []
@@ -456,10 +483,10 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         memory = memory_lines(machine)
         console.print(Markdown("\n".join(memory)))
         md += ["", *memory]
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     stem = chosen.stem(device_slug(device, device_type))
-    written = [RESULTS / f"{stem}.md"]
-    bert_plot = RESULTS / f"{stem}-bert-memory.png"
+    written = [out / f"{stem}.md"]
+    bert_plot = out / f"{stem}-bert-memory.png"
     bert = bert_memory_section(
         torch.device(device_type),
         bert_plot,
@@ -475,7 +502,7 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         console.print(Markdown("\n".join(mlm)))
         md += ["", *mlm]
     if chosen.selects("int8_inference"):
-        int8_plot = RESULTS / f"{stem}-int8.png"
+        int8_plot = out / f"{stem}-int8.png"
         int8 = int8_inference_section(torch.device(device_type), int8_plot, log=console.log)
         console.print("\n".join(int8), markup=False, highlight=False, soft_wrap=True)
         md += ["", *int8]
@@ -500,28 +527,53 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         md += ["", "## Skipped", "", *(f"- {reason}" for reason in skipped)]
     written[0].write_text("\n".join(md) + "\n")
     for family, group in group_by(results, lambda r: r.family).items():
-        written.append(RESULTS / f"{stem}-{family}.png")
+        written.append(out / f"{stem}-{family}.png")
         plot(group, device, device_type, written[-1])
     return written
 
 
-def main(pytest_args: list[str]) -> None:
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.report",
+        description="Run the pytest-benchmark suite in bench/ and the memory sections, print the tables, and write "
+        "a Markdown report with its plots (make bench; a full run takes many minutes).",
+        epilog="Other pytest arguments go after --, e.g. python -m bench.report -k norm -- --benchmark-min-rounds=3. "
+        "See bench/README.md.",
+    )  # fmt: skip
+    parser.add_argument(
+        "-k", metavar="EXPR", dest="keyword",
+        help="pytest -k: only the benchmarks and the sections whose names match, as pytest matches test names "
+        f"(sections: {', '.join(SECTIONS)}, bert_memory <column>); a partial run",
+    )  # fmt: skip
+    parser.add_argument("-m", metavar="MARKEXPR", dest="marker", help="pytest -m: only benchmarks so marked")
+    parser.add_argument("pytest_args", nargs="*", metavar="PYTEST_ARG",
+                        help="test paths, and after -- any other pytest argument")  # fmt: skip
+    add_output_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
+    parser = _parser()
+    args = parser.parse_args(argv)
+    pytest_args = [*(["-k", args.keyword] if args.keyword else []), *(["-m", args.marker] if args.marker else [])]
+    pytest_args += args.pytest_args
     chosen = selection(pytest_args)
+    machine = report_machine_info()
+    stem = chosen.stem(device_slug(machine["bench_device"], machine["bench_device_type"]))
+    refuse_to_replace(parser, report_paths(args.out, stem), args.overwrite)
+    print(f"bench.report: the report goes to {shown(args.out / stem)}.md", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         json_path = Path(tmp) / "benchmarks.json"
         skipped = run_benchmarks(json_path, pytest_args)
         data = json.loads(json_path.read_text()) if json_path.exists() else None
     console = Console() if sys.stdout.isatty() else Console(width=LOG_WIDTH)  # logs: don't cut columns at 80
-    bert_columns = [*BERT_BASELINES, *(f"slimformer ({policy})" for policy in POLICIES)]
-    memory_selected = chosen.selects("norm_memory") or any(chosen.selects(f"bert_memory {c}") for c in bert_columns)
-    memory_selected = memory_selected or any(chosen.selects(name) for name in ("unpad", "mlm_memory", "compile_memory"))
-    if data is None and not memory_selected:
-        sys.exit("no benchmark and no memory section selected; no report written")
-    for path in write_report(data, skipped, console, chosen):
-        console.print(f"wrote {path.relative_to(ROOT)}")
+    if data is None and not any(chosen.selects(name) for name in section_names()):
+        sys.exit("no benchmark and no section selected; no report written")
+    for path in write_report(data, skipped, console, chosen, args.out):
+        console.print(f"wrote {shown(path)}")
     console.print(f"bench.report took {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -283,7 +283,9 @@ def render(rows: list[Row], title: str) -> Table:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python examples/finetune_classifier.py", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("model_dir", nargs="?", type=Path, help="HF BERT folder (default: all-MiniLM-L6-v2)")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16)

@@ -41,7 +41,7 @@ def layer_memory(seq: int) -> dict[tuple[str, str], float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python examples/layer_memory.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
     args = parser.parse_args(argv)
     if args.seq < 1:

@@ -529,7 +529,7 @@ def render(rows: list[Row], title: str) -> Table:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python examples/quantize_bert.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", nargs="?", type=Path, help="HF BERT folder (default: all-MiniLM-L6-v2)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per mode (median reported)")

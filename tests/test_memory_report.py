@@ -130,6 +130,27 @@ def test_table(measured):
     assert "step time" not in text
 
 
+def _cells(report: MemoryReport, label: str) -> list[str]:
+    """The model columns of the table's row ``label``."""
+    row = next(line for line in str(report).splitlines() if line.startswith(f"│ {label} "))
+    return [cell.strip() for cell in row.split("│")[2:-1]]
+
+
+def test_step_peak_says_when_adamw_update_sets_it(measured):
+    # The encoders' activations at batch 2 x seq 32 outweigh their gradients: the forward+backward sets the peak.
+    for column in measured.models:
+        assert column.update_peak_bytes == column.peak_bytes and not column.update_sets_peak
+    assert _cells(measured, "step peak set by") == ["fwd+bwd", "fwd+bwd"]
+    # One wide Linear on one row keeps almost nothing: its gradients and AdamW's temporaries set the peak.
+    wide = nn.Linear(512, 512)
+    weight = wide.weight.detach().clone()
+    result = sf.memory.report(wide, torch.randn(1, 512), progress=False)
+    column = result.models[0]
+    assert column.update_peak_bytes > column.peak_bytes >= column.gradient_bytes and column.update_sets_peak
+    assert _cells(result, "step peak set by") == ["AdamW update"]
+    assert torch.equal(wide.weight, weight)  # the update ran at learning rate 0
+
+
 def test_layer_rows_collapse_only_equal_neighbours_and_units():
     def memory(kib):
         return ActivationMemory(kib * 1024, kib * 1024, (), ())

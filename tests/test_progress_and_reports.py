@@ -95,7 +95,7 @@ def _benchmark(op, provider, size, seconds):
     }  # fmt: skip
 
 
-def test_bench_report_selection_and_partial_files(tmp_path, monkeypatch):
+def test_bench_report_selection_and_partial_files(tmp_path):
     pytest.importorskip("matplotlib")
     from rich.console import Console
 
@@ -109,7 +109,6 @@ def test_bench_report_selection_and_partial_files(tmp_path, monkeypatch):
     assert not memory.selects("bert_memory sdpa") and not memory.selects("norm_memory")
     assert not bench_report.selection(["--benchmark-min-rounds=3"]).partial
 
-    monkeypatch.setattr(bench_report, "RESULTS", tmp_path)
     machine = {
         "bench_device": "Test CPU", "bench_device_type": "cpu", "torch": "t", "triton": "t", "cuda": None,
         "python_version": "3", "torch_threads": 1,
@@ -123,7 +122,8 @@ def test_bench_report_selection_and_partial_files(tmp_path, monkeypatch):
         ],
     }
     (tmp_path / "cpu-test-cpu.md").write_text("the full report\n")
-    written = bench_report.write_report(data, [], Console(width=bench_report.LOG_WIDTH, quiet=True), chosen)
+    console = Console(width=bench_report.LOG_WIDTH, quiet=True)
+    written = bench_report.write_report(data, [], console, chosen, tmp_path)
     stem = "cpu-test-cpu-partial-layer-norm-and-not-rms"
     assert [p.name for p in written] == [f"{stem}.md", f"{stem}-norm.png"]
     assert (tmp_path / "cpu-test-cpu.md").read_text() == "the full report\n"  # untouched

@@ -357,7 +357,7 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> 
 
     model.zero_grad(set_to_none=True)
     step()  # warm-up: backward kernels compile, the allocator fills its cache
-    optimizer = _adamw_without_steps(model)
+    optimizer = _adamw_at_rate_zero(model)
     if optimizer is not None:
         optimizer.step()  # its state exists before the measured step, as in training
     model.zero_grad(set_to_none=True)
@@ -367,7 +367,7 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> 
         if optimizer is not None:
             optimizer.step()
     update_peak = None if optimizer is None else peak.bytes
-    del optimizer  # and its state
+    del optimizer  # frees its state
     if device.type != "cuda":
         model.zero_grad(set_to_none=True)
         return backward_peak, update_peak, None
@@ -384,7 +384,7 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> 
     return backward_peak, update_peak, statistics.median(times)
 
 
-def _adamw_without_steps(model: nn.Module) -> torch.optim.AdamW | None:
+def _adamw_at_rate_zero(model: nn.Module) -> torch.optim.AdamW | None:
     """AdamW over the parameters that have a gradient, at learning rate 0: it computes its
     whole update (the same temporaries) and leaves the weights as they are. None where no
     parameter has a gradient or one is sparse (which AdamW refuses)."""
