@@ -104,7 +104,7 @@ def make_trainer(args: argparse.Namespace, model, dataset, output_dir: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="examples/trainer_mlm.py", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python examples/trainer_mlm.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=2)
