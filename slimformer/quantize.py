@@ -19,13 +19,19 @@ is fused into the per-token quantization kernel (``Linear8bit.smooth`` = 1 / s).
 
 ``save_quantized`` / ``load_quantized`` write and read ``model.safetensors`` (the plain
 state_dict, less the empty ``smooth`` of unsmoothed "int8" layers) plus
-``slimformer_quantization.json`` (the mode of each converted module).
+``slimformer_quantization.json`` (the mode of each converted module). A transformers
+``PreTrainedModel`` that ``quantize`` or ``load_quantized`` converts also gets
+transformers' record of it (``slimformer.transformers_quantizer``), so that
+``model.save_pretrained(dir)`` writes the same state_dict with the modes in
+``config.json``'s ``quantization_config`` and ``from_pretrained(dir)`` reloads it;
+``load_quantized`` reads such a directory too.
 ``fidelity_report`` measures each quantized layer's SQNR on the float model's own
 inputs to that layer, and the agreement of the two models' outputs.
 """
 
 import json
 import math
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +52,9 @@ DEFAULT_SKIP = ("classifier", "cls", "qa_outputs", "lm_head", "score")
 DEFAULT_SMOOTH_ALPHA = 0.5
 CONFIG_FILE = "slimformer_quantization.json"
 WEIGHTS_FILE = "model.safetensors"
+# save_pretrained's file, and the quant_method under which transformers knows slimformer.
+TRANSFORMERS_CONFIG_FILE = "config.json"
+TRANSFORMERS_QUANT_METHOD = "slimformer"
 _CONFIG_FORMAT = 1
 # SmoothQuant factors are kept within this range of 1 so no channel is scaled to nothing.
 _MAX_SMOOTH_RATIO = 1e4
@@ -58,6 +67,22 @@ def _is_skipped(name: str, module: nn.Module, skip: SkipRule) -> bool:
         return bool(skip(name, module))
     parts = name.split(".")
     return any(name == s or name.startswith(s + ".") or s in parts for s in skip)
+
+
+def _check_module(name: str, value) -> None:
+    if not isinstance(value, nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {type(value).__name__}")
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def _directory(value) -> Path:
+    if not isinstance(value, (str, Path)):
+        raise TypeError(f"directory must be a str or pathlib.Path, got {type(value).__name__}")
+    return Path(value)
 
 
 def _check_skip(skip) -> None:
@@ -101,7 +126,7 @@ def _linear_aliases(model: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names for names in names_by_module.values()}
 
 
-def _linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.Linear], dict[str, list[str]]]:
+def linears_to_convert(model: nn.Module, skip: SkipRule) -> tuple[dict[str, nn.Linear], dict[str, list[str]]]:
     """({first name: Linear} to convert, {first name: every name}); raises ValueError for a
     shared Linear that ``skip`` skips under some of its names only."""
     fused = {
@@ -134,8 +159,9 @@ def calibrate_activations(model: nn.Module, linears: Mapping[str, nn.Linear], ca
 
     Runs ``model`` in eval mode without grad on each batch (a progress bar counts them).
     Returns {name: (in_features,) fp32 tensor}. Raises ValueError if calibration yields
-    no batch, or a Linear saw no input.
+    no batch, or a Linear saw no input; TypeError if model is not an nn.Module.
     """
+    _check_module("model", model)
     maxima: dict[str, torch.Tensor] = {}
 
     def recorder(name):
@@ -168,8 +194,11 @@ def smoothing_factors(activation_max: torch.Tensor, weight: torch.Tensor, alpha:
     """SmoothQuant's input multipliers 1 / s, s_j = a_j^α / w_j^(1-α), for one Linear.
 
     activation_max: (K,) max |x_j|; weight: (N, K). Channels that were always zero, or
-    whose weight column is zero, keep multiplier 1. Returns (K,) fp32.
+    whose weight column is zero, keep multiplier 1. Returns (K,) fp32. Raises TypeError
+    if either is not a tensor.
     """
+    _check_tensor("activation_max", activation_max)
+    _check_tensor("weight", weight)
     a = activation_max.float()
     w = weight.detach().abs().amax(dim=0).float().to(a.device)
     usable = (a > 0) & (w > 0)
@@ -186,7 +215,8 @@ def _convert(name: str, linear: nn.Linear, mode: str, smooth: torch.Tensor | Non
         raise ValueError(f"cannot quantize {name!r}: {err}") from err
 
 
-def _swap(model: nn.Module, replacements: Mapping[str, nn.Module]) -> None:
+def swap_modules(model: nn.Module, replacements: Mapping[str, nn.Module]) -> None:
+    """Put each of ``replacements`` ({dotted name: module}) in ``model`` under its name."""
     for name, module in replacements.items():
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, module)
@@ -213,11 +243,12 @@ def quantize(
     smooth_alpha: SmoothQuant's migration strength in [0, 1] (default 0.5 with
         calibration); needs calibration.
     Returns ``model``. Raises ValueError on an unknown mode, no Linear left to convert,
-    a calibration that yields nothing, a bad smooth_alpha, or a non-finite weight (the
-    model is then unchanged); TypeError on a bad model or skip.
+    a calibration that yields nothing, a bad smooth_alpha, a non-finite weight, or a
+    transformers model quantized by another method (the model is then unchanged);
+    TypeError on a bad model or skip.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _check_module("model", model)
+    _check_not_quantized_by_transformers(model)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     _check_skip(skip)
@@ -228,7 +259,7 @@ def quantize(
             raise ValueError("smooth_alpha needs calibration batches (calibration=...)")
         if not 0.0 <= smooth_alpha <= 1.0:
             raise ValueError(f"smooth_alpha must be in [0, 1], got {smooth_alpha}")
-    linears, aliases = _linears_to_convert(model, skip)
+    linears, aliases = linears_to_convert(model, skip)
     if not linears:
         raise ValueError(f"model has no torch.nn.Linear left to quantize (skip={skip!r})")
 
@@ -238,12 +269,37 @@ def quantize(
         maxima = calibrate_activations(model, linears, calibration)
         smooth = {name: smoothing_factors(maxima[name], linear.weight, alpha) for name, linear in linears.items()}
     replacements = {name: _convert(name, linear, mode, smooth.get(name)) for name, linear in linears.items()}
-    _swap(model, {alias: replacements[name] for name in replacements for alias in aliases[name]})
+    swap_modules(model, {alias: replacements[name] for name in replacements for alias in aliases[name]})
+    _record_in_transformers(model)
     return model
 
 
+def _check_not_quantized_by_transformers(model: nn.Module) -> None:
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is not None and method != TRANSFORMERS_QUANT_METHOD:
+        raise ValueError(
+            f"model was quantized by transformers with {getattr(method, 'value', method)!r}: "
+            "load its float checkpoint to quantize it with slimformer"
+        )
+
+
+def _record_in_transformers(model: nn.Module) -> None:
+    """Give a transformers model the record ``save_pretrained`` writes and ``from_pretrained``
+    reads; transformers is not imported for it (a model of its can only exist once it is)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        from slimformer.transformers_quantizer import record_quantization
+
+        record_quantization(model)
+
+
 def quantized_modules(model: nn.Module) -> dict[str, str]:
-    """{module name: mode} of every slimformer quantized layer in ``model`` (a shared layer under each name)."""
+    """{module name: mode} of every slimformer quantized layer in ``model`` (a shared layer under each name).
+
+    Raises TypeError if model is not an nn.Module.
+    """
+    _check_module("model", model)
     return {
         name: m.mode
         for name, m in model.named_modules(remove_duplicate=False)
@@ -255,12 +311,13 @@ def save_quantized(model: nn.Module, directory: str | Path) -> Path:
     """Write ``model``'s state_dict to ``directory/model.safetensors`` and the mode of each
     quantized module to ``directory/slimformer_quantization.json``. Returns the directory.
 
-    Raises ValueError if ``model`` has no quantized module.
+    Raises ValueError if ``model`` has no quantized module; TypeError if model is not an
+    nn.Module or directory not a str or Path.
     """
     modules = quantized_modules(model)
+    directory = _directory(directory)
     if not modules:
         raise ValueError("model has no slimformer quantized layer: call slimformer.quantize(model, mode) first")
-    directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     # An empty smooth only marks an "int8" state_dict, which the config does in the file.
     handles = [m.register_state_dict_post_hook(_drop_empty_smooth) for m in model.modules() if isinstance(m, Linear8bit)]
@@ -282,72 +339,118 @@ def _drop_empty_smooth(module, state_dict, prefix, local_metadata) -> None:
 def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     """Quantize a freshly built float ``model`` as recorded in ``directory`` and load its weights.
 
-    ``model`` must have the architecture that was saved (its float weights are replaced,
-    in place, on the device they are on). Everything is checked before the first module
-    is swapped, so an error leaves ``model`` untouched. Returns ``model``. Every error
-    names the file (and the module, where one is at fault): FileNotFoundError without
-    the two files; ValueError for a file that cannot be read (not a directory, truncated
-    or corrupt safetensors, a config that is not JSON or not a slimformer config, an
-    unknown mode) or a module of the config that is missing or not an nn.Linear; and
-    RuntimeError if the weights do not fit (missing, unexpected or mis-shaped keys, a
-    tensor of another dtype than the layer's, or another quantization mode).
+    directory: what ``save_quantized`` wrote, or what a transformers model's
+    ``save_pretrained`` wrote after slimformer quantized it (its ``config.json`` holds the
+    record; ``from_pretrained`` loads it too, without a float model). ``model`` must have
+    the architecture that was saved (its float weights are replaced, in place, on the
+    device they are on). Everything is checked before the first module is swapped, so an
+    error leaves ``model`` untouched. Returns ``model``. Every error names the file (and
+    the module, where one is at fault): FileNotFoundError without the record or the
+    weights; ValueError for a file that cannot be read (not a directory, truncated or
+    corrupt safetensors, a config that is not JSON or not a slimformer config, a
+    config.json without slimformer's quantization_config, an unknown mode) or a module
+    of the config that is missing or not an nn.Linear; RuntimeError if the weights do
+    not fit (missing, unexpected or mis-shaped keys, a tensor of another dtype than the
+    layer's, or another quantization mode); and TypeError if model is not an nn.Module
+    or directory not a str or Path.
     """
-    directory = Path(directory)
+    _check_module("model", model)
+    _check_not_quantized_by_transformers(model)
+    directory = _directory(directory)
     if not directory.is_dir():
         kind = "a file" if directory.exists() else "missing"
         error = ValueError if directory.exists() else FileNotFoundError
         raise error(f"load_quantized needs the directory save_quantized wrote, got {str(directory)!r} ({kind})")
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    modules = _read_config(config_path)
-    aliases = _linear_aliases(model)
-    present = {alias for names in aliases.values() for alias in names}
-    missing = sorted(set(modules) - present)
-    if missing:
-        raise ValueError(
-            f"{config_path}: model has no nn.Linear named {missing[:5]}: it is not the architecture that was saved"
-        )
+    modules, config_path = _read_config(directory)
+    modes, aliases = recorded_conversions(model, modules, config_path)
+    weights_path = directory / WEIGHTS_FILE
     state = _read_weights(weights_path)
     replacements = {}
-    for first, names in aliases.items():
-        modes = {modules.get(name) for name in names}
-        if len(modes) > 1:
-            raise ValueError(
-                f"{config_path} gives the Linear shared as {names} several modes: {sorted(map(str, modes))}"
-            )
-        mode = modes.pop()
+    for first, mode in modes.items():
         if mode == "int8":
             state.setdefault(f"{first}.smooth", torch.ones(0))  # dropped by save_quantized
-        if mode is not None:
-            replacements[first] = _convert(first, model.get_submodule(first), mode, None)
-            _load_module_state(replacements[first], first, state, weights_path)
+        replacements[first] = _convert(first, model.get_submodule(first), mode, None)
+        _load_module_state(replacements[first], first, state, weights_path)
     swaps = {alias: replacements[first] for first in replacements for alias in aliases[first]}
     try:
         _check_remaining_state(model, set(swaps), state)
     except RuntimeError as error:
         raise RuntimeError(f"{weights_path}: {error}") from None
-    _swap(model, swaps)
+    swap_modules(model, swaps)
     # Every key was checked above (tensors tied together, of which save_model kept one
     # name, load through that name).
     model.load_state_dict(state, strict=False)
+    _record_in_transformers(model)
     return model
 
 
-def _read_config(path: Path) -> dict[str, str]:
-    """{module name: mode} from a ``save_quantized`` config; errors name the file."""
+def recorded_conversions(
+    model: nn.Module, modules: Mapping[str, str], source
+) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """({first name: mode}, {first name: every name}) of the nn.Linears of ``model`` that
+    ``modules`` (a record: {name: mode}, as ``quantized_modules`` gives it) converts.
+
+    Raises ValueError, naming ``source``, for a recorded name that is no nn.Linear of
+    ``model``, or a shared Linear whose names the record gives several modes.
+    """
+    aliases = _linear_aliases(model)
+    present = {alias for names in aliases.values() for alias in names}
+    missing = sorted(set(modules) - present)
+    if missing:
+        raise ValueError(
+            f"{source}: model has no nn.Linear named {missing[:5]}: it is not the architecture that was saved"
+        )
+    modes = {}
+    for first, names in aliases.items():
+        found = {modules.get(name) for name in names}
+        if len(found) > 1:
+            raise ValueError(f"{source} gives the Linear shared as {names} several modes: {sorted(map(str, found))}")
+        mode = found.pop()
+        if mode is not None:
+            modes[first] = mode
+    return modes, {first: aliases[first] for first in modes}
+
+
+def _read_config(directory: Path) -> tuple[dict[str, str], Path]:
+    """{module name: mode} and the file it came from: ``save_quantized``'s config, else the
+    slimformer quantization_config of ``save_pretrained``'s config.json; errors name the file."""
+    path = directory / CONFIG_FILE
+    if path.exists():
+        config = _read_json(path)
+        if not isinstance(config, dict) or config.get("format") != _CONFIG_FORMAT:
+            raise ValueError(f"{path} is not a slimformer quantization config (format {_CONFIG_FORMAT})")
+        return checked_modes(config.get("modules"), path), path
+    path = directory / TRANSFORMERS_CONFIG_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no slimformer quantization config (save_quantized writes it)")
+        raise FileNotFoundError(
+            f"{directory} has neither {CONFIG_FILE} (save_quantized writes it) nor {TRANSFORMERS_CONFIG_FILE} "
+            "(a transformers model's save_pretrained writes it)"
+        )
+    config = _read_json(path)
+    quantization = config.get("quantization_config") if isinstance(config, dict) else None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method != TRANSFORMERS_QUANT_METHOD:
+        raise ValueError(
+            f"{path} has no slimformer quantization_config (quant_method {method!r}): a float or otherwise "
+            "quantized checkpoint, which transformers' from_pretrained loads"
+        )
+    return checked_modes(quantization.get("modules"), path), path
+
+
+def _read_json(path: Path):
     try:
-        config = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{path}: cannot read the slimformer quantization config: {error}") from error
-    if not isinstance(config, dict) or config.get("format") != _CONFIG_FORMAT:
-        raise ValueError(f"{path} is not a slimformer quantization config (format {_CONFIG_FORMAT})")
-    modules = config.get("modules")
+
+
+def checked_modes(modules, source) -> dict[str, str]:
+    """``modules`` if it maps module names to modes; else ValueError naming ``source``."""
     if not isinstance(modules, dict) or not all(isinstance(name, str) for name in modules):
-        raise ValueError(f"{path}: 'modules' must map module names to modes, got {modules!r:.80}")
+        raise ValueError(f"{source}: 'modules' must map module names to modes, got {modules!r:.80}")
     for name, mode in modules.items():
         if mode not in MODES:
-            raise ValueError(f"{path}: module {name!r} has mode {mode!r}, not one of {MODES}")
+            raise ValueError(f"{source}: module {name!r} has mode {mode!r}, not one of {MODES}")
     return modules
 
 
@@ -418,7 +521,12 @@ def _decibels(signal: float, noise: float) -> float:
 
 
 def sqnr_db(actual: torch.Tensor, exact: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio 10 log10(Σ exact² / Σ (actual - exact)²), in dB."""
+    """Signal-to-quantization-noise ratio 10 log10(Σ exact² / Σ (actual - exact)²), in dB.
+
+    Raises TypeError if either is not a tensor.
+    """
+    _check_tensor("actual", actual)
+    _check_tensor("exact", exact)
     exact = exact.double()
     return _decibels(exact.square().sum().item(), (actual.double() - exact).square().sum().item())
 
@@ -480,8 +588,10 @@ def fidelity_report(
     mode without grad. output_fn maps a model's output to the tensor to compare (default:
     the tensor itself, ``last_hidden_state``, ``logits`` or the first element).
     Raises ValueError if inputs yields nothing or the models do not have the same
-    module names for the quantized layers.
+    module names for the quantized layers; TypeError if a model is not an nn.Module.
     """
+    _check_module("float_model", float_model)
+    _check_module("quantized_model", quantized_model)
     layers = {name: m for name, m in quantized_model.named_modules() if isinstance(m, (Linear8bit, Linear16bit))}
     originals = dict(float_model.named_modules())
     unmatched = sorted(name for name in layers if not isinstance(originals.get(name), nn.Linear))

@@ -9,12 +9,14 @@ from torch import nn
 
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import (
+    calibrate_activations,
     fidelity_report,
     load_quantized,
     quantize,
     quantized_modules,
     save_quantized,
     smoothing_factors,
+    sqnr_db,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -319,3 +321,26 @@ def test_load_errors_name_the_file_and_leave_the_model_untouched(tmp_path, damag
         load_quantized(fresh, directory)
     assert not quantized_modules(fresh)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
+
+
+def test_arguments_of_the_wrong_type_raise_type_errors_naming_them(tmp_path):
+    model = quantize(tiny_bert(), "int8")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        load_quantized("model", tmp_path)
+    with pytest.raises(TypeError, match="directory must be a str or pathlib.Path, got int"):
+        load_quantized(tiny_bert(), 3)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got OrderedDict"):
+        save_quantized(model.state_dict(), tmp_path)
+    with pytest.raises(TypeError, match="directory must be a str or pathlib.Path, got NoneType"):
+        save_quantized(model, None)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        quantized_modules("model")
+    with pytest.raises(TypeError, match="quantized_model must be a torch.nn.Module, got str"):
+        fidelity_report(tiny_bert(), "quantized", batches(1))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        calibrate_activations("model", {}, batches(1))
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor, got list"):
+        smoothing_factors(torch.ones(2), [[1.0, 2.0]], alpha=0.5)
+    with pytest.raises(TypeError, match="exact must be a torch.Tensor, got float"):
+        sqnr_db(torch.ones(2), 1.0)
+    assert not list(tmp_path.iterdir())

@@ -328,6 +328,10 @@ class Linear16bit(_InferenceLinear):
         self._check_state_name(name)
         return {name: self._converted(name, tensor, self.weight.dtype)}
 
+    def dequantized_weight(self) -> torch.Tensor:
+        """The (out_features, in_features) weight in fp32."""
+        return self.weight.float()
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not isinstance(input, torch.Tensor) or input.dtype not in FLOAT_DTYPES:
             got = input.dtype if isinstance(input, torch.Tensor) else type(input).__name__
