@@ -1,4 +1,20 @@
-"""slimformer: fused Triton kernels and drop-in layers for memory-lean Transformers."""
+"""slimformer: fused Triton kernels and drop-in layers for memory-lean Transformers.
+
+Where transformers is installed, slimformer's attention is registered with it as
+"slimformer" (``register_transformers_attention``) and its quantization as quant method
+"slimformer" (``SlimformerInt8Config``) as soon as both are imported, in either order, so
+that ``attn_implementation="slimformer"`` and ``from_pretrained`` of a slimformer-quantized
+checkpoint work without a call. Importing
+slimformer does not import transformers: that would add about 2 s (``transformers`` and
+``transformers.modeling_utils``, which holds the registry) to every import. When
+transformers is not imported yet, a finder on ``sys.meta_path`` waits for
+``transformers.modeling_utils`` to be loaded, registers right after, and removes itself.
+"""
+
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 
 from slimformer._version import __version__
 
@@ -27,6 +43,7 @@ __all__ = [
     "MultiheadAttention",
     "RMSNorm",
     "SelfAttention",
+    "SlimformerInt8Config",
     "TransformerEncoderLayer",
     "attention",
     "dropout_add",
@@ -47,3 +64,61 @@ __all__ = [
     "unpatch",
     "varlen_attention",
 ]
+
+_REGISTRY_MODULE = "transformers.modeling_utils"
+
+
+def _register_with_transformers() -> None:
+    """slimformer's attention as attn_implementation "slimformer", and its quantization as
+    quant method "slimformer" (``SlimformerInt8Config``: a saved int8 checkpoint then loads
+    into int8 layers through ``from_pretrained``)."""
+    # An optional integration: a transformers this registration does not fit must still import.
+    try:
+        register_transformers_attention()
+        import slimformer.transformers_quantizer  # noqa: F401  (registers on import)
+    except Exception as error:
+        warnings.warn(
+            f"slimformer could not register with transformers ({type(error).__name__}: {error}); "
+            "attn_implementation='slimformer' and quant method 'slimformer' are unavailable",
+            stacklevel=2,
+        )
+
+
+def __getattr__(name: str):
+    # SlimformerInt8Config subclasses a transformers class: imported when asked for, so that
+    # importing slimformer does not import transformers
+    if name == "SlimformerInt8Config":
+        from slimformer.transformers_quantizer import SlimformerInt8Config
+
+        return SlimformerInt8Config
+    raise AttributeError(f"module 'slimformer' has no attribute {name!r}")
+
+
+class _RegisterAfterLoading(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``transformers.modeling_utils`` through the other finders, once, and registers
+    slimformer's attention right after the module has run; the module keeps its own loader."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _REGISTRY_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        _register_with_transformers()
+
+
+if _REGISTRY_MODULE in sys.modules:
+    _register_with_transformers()
+elif importlib.util.find_spec("transformers") is not None:
+    sys.meta_path.insert(0, _RegisterAfterLoading())

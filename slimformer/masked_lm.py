@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from slimformer.layers.mlm_head import masked_token_loss
+from slimformer.unpad import forward_with_signature
 
 # model class -> how its head is laid out: "predictions" (BERT: cls.predictions with
 # transform + decoder), "pretraining" (the same, beside cls.seq_relationship for
@@ -78,7 +79,9 @@ def masked_lm_problem(model: torch.nn.Module) -> str | None:
 
 class FusedMaskedLM:
     """Forward of a patched ``*ForMaskedLM`` model, mixed before the model's own class
-    (see the module docstring). ``fused_loss`` (default True) switches the fused loss off."""
+    (see the module docstring); it takes the model's own arguments, and
+    ``inspect.signature`` of it is the model's (transformers' Trainer keeps the dataset
+    columns it names). ``fused_loss`` (default True) switches the fused loss off."""
 
     fused_loss = True
 
@@ -133,6 +136,7 @@ def fused_masked_lm_class(model_class: type) -> type:
             "_original_class": model_class,
             "_forward_signature": inspect.signature(model_class.forward),
             "_output_class": _output_class(model_class),
+            "forward": forward_with_signature(FusedMaskedLM.forward, model_class.forward),
         }
         _FUSED_CLASSES[model_class] = type(f"Fused{model_class.__name__}", (FusedMaskedLM, model_class), namespace)
     return _FUSED_CLASSES[model_class]

@@ -61,25 +61,38 @@ quantized model, ``sf.quantize`` of a patched one, with or without ``unpad``). T
 Linears are read by the fused MLP kernel while they are float nn.Linears without hooks;
 quantized or hooked, they are called as modules (fc1, the activation, fc2). A call
 runs the layer's original, unfused forward instead, for that call only, when it asks
-for ``output_attentions`` (as ``MultiheadAttention(need_weights=True)`` does: the
-weights are formed only there; under ``attn_implementation="sdpa"`` transformers then
-warns that sdpa gives none), when a submodule the fused forward does not call
-(``attention``, ``attention.self``, ``attention.output``, ``intermediate``, ``output``,
-the dropouts, LayerNorms and the activation) has a forward or backward hook
+for the attention weights, by the ``output_attentions`` argument or by
+``config.output_attentions`` (read at each call, as transformers' output capture reads
+it; the weights are formed only there), when it passes a cache (``cache`` or
+``past_key_values``, which the original attention writes) or a mask that is not a
+tensor (flex attention's ``BlockMask``), when a submodule the fused forward does not
+call (``attention``, ``attention.self``, ``attention.output``, ``intermediate``,
+``output``, the dropouts, LayerNorms and the activation) has a forward or backward hook
 (transformers' inactive output-capturing hooks excepted) or was replaced by a module of
-another type (the MLP Linears by anything but nn.Linear or sf.quantize's), and with
-``past_key_values``. Other limits: decoder layers (causal, cache,
+another type (the MLP Linears by anything but nn.Linear or sf.quantize's). The original
+gets the call's arguments as they came. Other limits: decoder layers (causal, cache,
 cross-attention) and activations other than gelu / gelu_new / gelu_pytorch_tanh /
 relu are left; ``chunk_size_feed_forward`` is not needed (the fused MLP keeps less
-than a chunked one) and is ignored. The attention mask transformers builds for the
-model's ``attn_implementation`` is read as it is: eager's and sdpa's (batch, 1, seq,
-seq) masks are shared by all layers, "slimformer"'s (see
-``register_transformers_attention``) is only (batch, seq). A BERT-family encoder
-model with fused layers is switched from "eager" or "sdpa" to "slimformer" (transformers
-builds the full mask under ``torch.compile`` even without padding); its calls that ask
-for the attention weights, or whose attention module has hooks, form them in PyTorch,
-as eager does. ``patch_summary(model).attn_implementation_before`` says what it was,
-and ``unpatch`` switches it back.
+than a chunked one) and is ignored.
+
+The attention implementation is the user's: ``patch`` never changes
+``config._attn_implementation`` (transformers' default, "sdpa", or what was asked for,
+reads back the same), and ``model.set_attn_implementation`` after the patch is honoured.
+The fused layers run the fused kernel under "eager", "sdpa", "slimformer" and flash
+attention alike, since the result is the same: they read the mask transformers builds
+for the implementation as it is (eager's and sdpa's (batch, 1, seq, seq) masks, shared by
+all layers, or a (batch, seq) padding mask). A call that asks for the attention weights
+runs the original layer, so the implementation answers as it would unpatched: "eager"
+returns the weights, "slimformer" forms them in PyTorch, "sdpa" returns none (and
+transformers warns). Under ``torch.compile`` transformers builds the (batch, 1, seq,
+seq) mask of "eager" and "sdpa" even without padding (4 MiB at batch 4, seq 512 in
+fp32, kept for backward); ``model.set_attn_implementation("slimformer")`` (registered
+when transformers is imported, see ``register_transformers_attention``) passes the
+(batch, seq) padding mask instead.
+
+Every class ``patch`` makes at run time (``Fused<Layer>``, ``Fused<Model>``,
+``Unpadded<Model>``) has the original's ``forward`` signature, as ``inspect.signature``
+reads it: transformers' Trainer keeps the dataset columns the model takes.
 
 Patch before wrapping the model (DDP, FSDP, ``torch.compile``). Hooks registered on a
 swapped module before the patch move to its replacement; hooks added afterwards are
@@ -103,14 +116,14 @@ from slimformer.kernels.attention import attention
 from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
 from slimformer.kernels.projection import projections
 from slimformer.kernels.varlen_attention import varlen_attention
-from slimformer.layers.attention import MultiheadAttention, register_transformers_attention
+from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.norm import LayerNorm, RMSNorm, fuse_with_dropout
 from slimformer.layers.sharing import NotScriptable, has_user_hooks as _has_user_hooks
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
 from slimformer.recompute import check_policy
-from slimformer.unpad import PackedSequences, is_unpaddable_base_model, unpadded_class
+from slimformer.unpad import PackedSequences, forward_with_signature, is_unpaddable_base_model, unpadded_class
 
 __all__ = [
     "FusedBertFamilyLayer",
@@ -174,24 +187,22 @@ _BYPASSED = {
 # hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
 # calibration's, which so see the real tokens only in an unpadded model).
 _MLP_LINEARS = ("intermediate.dense", "output.dense")
+# The names under which a layer's call may get a cache (``cache`` from transformers 5.24 on).
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
 
 
 def _kernel_masks(attention_mask, batch: int, seq: int):
     """The mask transformers 5 hands a BERT encoder layer, as ``attention``'s
     ``(attn_mask, key_padding_mask)``.
 
-    That mask is None (no padding under sdpa), a (batch, 1, seq, seq) bool mask with
-    True = attend (sdpa) or additive float mask (eager), both passed on and read block
-    by block, or (batch, seq) with 0 = padding (flash attention, or slimformer's
-    registered implementation), which becomes a key padding mask.
+    That mask is None (no padding, outside torch.compile), a (batch, 1, seq, seq) bool
+    mask with True = attend (sdpa) or additive float mask (eager), both passed on and read
+    block by block, or (batch, seq) with 0 = padding (flash attention, or slimformer's
+    registered implementation), which becomes a key padding mask. Other masks (flex
+    attention's BlockMask) never reach it: the layer runs its original forward.
     """
     if attention_mask is None:
         return None, None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(
-            f"attention_mask must be a torch.Tensor or None in a patched layer, got "
-            f"{type(attention_mask).__name__}; use attn_implementation 'sdpa' or 'eager'"
-        )
     if attention_mask.shape == (batch, seq):
         return None, attention_mask == 0
     if attention_mask.dim() == 4:
@@ -218,37 +229,26 @@ class FusedBertFamilyLayer(NotScriptable):
     of the two LayerNorms may keep its output instead of its input, re-decided whenever
     their weights change, see ``slimformer.kernels.norm.MemoryModes``).
 
-    ``forward(hidden_states, attention_mask=None, ...)`` takes what the original does and
-    returns the layer output (batch, seq, hidden) in hidden_states' dtype.
+    ``forward(hidden_states, attention_mask=None, ...)`` takes what the original does (and
+    ``inspect.signature`` of it is the original's) and returns the layer output (batch,
+    seq, hidden) in hidden_states' dtype.
     """
 
     # sf.quantize may swap its inference Linears in: the forward calls them as modules.
     accepts_quantized_linears = True
 
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        encoder_hidden_states=None,
-        encoder_attention_mask=None,
-        past_key_values=None,
-        **kwargs,
-    ):
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         packed = isinstance(attention_mask, PackedSequences)
-        if past_key_values is not None or kwargs.get("output_attentions") or self._unfused_reason():
+        reason = self._call_reason(attention_mask, args, kwargs) or self._unfused_reason()
+        if reason is not None:
             if packed:
                 raise RuntimeError(
-                    "an unpadded (packed) batch reached a layer that must run its original forward "
-                    f"({self._unfused_reason() or 'output_attentions / past_key_values'}); call the base model, "
-                    "which runs such calls padded"
+                    f"an unpadded (packed) batch reached a layer that must run its original forward ({reason}); "
+                    "call the base model, which runs such calls padded"
                 )
-            # The original attention writes the cache (an encoder layer gets one only when
-            # a caller passes it explicitly) and forms the attention weights; hooks and
-            # replaced submodules need the original's calls.
-            return super().forward(
-                hidden_states, attention_mask, encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask, past_key_values=past_key_values, **kwargs,
-            )  # fmt: skip
+            # The caller's arguments as they came: the original names the cache ``cache``
+            # in transformers 5.24 and maps a ``past_key_values`` onto it.
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
         policy = check_policy(self.recompute)
         if packed:
             attn_mask, padding = attention_mask, None
@@ -262,6 +262,22 @@ class FusedBertFamilyLayer(NotScriptable):
             h, y = checkpoint(self._attention_mlp, hidden_states, attn_mask, padding, "none", use_reentrant=False)
             return self._add_norm(h, y, self.output)
         return self._add_norm(*self._attention_mlp(hidden_states, attn_mask, padding, policy), self.output)
+
+    def _call_reason(self, attention_mask, args, kwargs) -> str | None:
+        """Why this call, by its arguments, must run the original forward, or None.
+
+        The original attention writes a cache (an encoder layer gets one only when a caller
+        passes it) and forms the attention weights, which transformers collects when they
+        are asked for, by argument or in the config (as its ``capture_outputs`` decides).
+        A mask that is not a tensor (flex attention's BlockMask) is read by the original."""
+        if any(value is not None for value in args) or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+            return "a cache or encoder inputs were passed"
+        config = getattr(self.attention.self, "config", None)
+        if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+            return "attentions were asked for"
+        if not (attention_mask is None or isinstance(attention_mask, (torch.Tensor, PackedSequences))):
+            return f"its attention_mask is a {type(attention_mask).__name__}"
+        return None
 
     def _unfused_reason(self) -> str | None:
         """Why this call must run the original forward (see the module docstring), or None."""
@@ -394,9 +410,11 @@ _FUSED_CLASSES: dict[tuple[type, type], type] = {}
 
 
 def _fused_class(layer_class: type, mixin: type = FusedBertFamilyLayer) -> type:
-    """``Fused<Layer>``: ``mixin``'s forward over ``layer_class``, made once per class."""
+    """``Fused<Layer>``: ``mixin``'s forward, under ``layer_class``'s forward signature, over
+    ``layer_class``; made once per class."""
     if (mixin, layer_class) not in _FUSED_CLASSES:
-        namespace = {"__module__": __name__, "_original_class": layer_class}
+        forward = forward_with_signature(mixin.forward, layer_class.forward)
+        namespace = {"__module__": __name__, "_original_class": layer_class, "forward": forward}
         _FUSED_CLASSES[mixin, layer_class] = type(f"Fused{layer_class.__name__}", (mixin, layer_class), namespace)
     return _FUSED_CLASSES[mixin, layer_class]
 
@@ -452,8 +470,7 @@ def _left_role_reason(module: nn.Module) -> str | None:
             "layers, torch.nn.TransformerEncoderLayer and torch.nn.MultiheadAttention)"
         )
         if from_transformers:
-            reason += "; run it on slimformer's kernel with slimformer.register_transformers_attention() and "
-            reason += "model.set_attn_implementation('slimformer')"
+            reason += "; run it on slimformer's kernel with model.set_attn_implementation('slimformer')"
         return reason
     if _ROLES["MLP"].search(name):
         return (
@@ -632,18 +649,20 @@ class PatchSummary:
     model_type: str
     swapped: tuple[Swap, ...]
     left: tuple[Left, ...]
+    # the policy patch gave the swapped layers that take one (None: none given, or none takes one)
     recompute: str | None
     # nn.TransformerEncoders whose nested-tensor fast path patch turned off (their
     # layers are slimformer's now, which take padded tensors and a padding mask)
     nested_tensor_off: tuple[nn.Module, ...] = ()
     patched: bool = True
     class_swaps: tuple[ClassSwap, ...] = ()
-    # the model's attn_implementation before patch switched it to slimformer's registered
-    # one (see ``_switch_attention``); None where it was left
-    attn_implementation_before: str | None = None
+    # the policy patch was given where no swapped module takes one (``recompute`` is then None)
+    unused_recompute: str | None = None
 
     def title(self) -> str:
         call = f"slimformer.patch({self.model_type}, recompute={self.recompute!r})"
+        if self.unused_recompute is not None:
+            call = f"slimformer.patch({self.model_type}, recompute={self.unused_recompute!r} applies to nothing)"
         if not self.patched:
             call = f"{self.model_type}, not patched"
         return f"{call}: {len(self.swapped) + len(self.class_swaps)} swapped, {len(self.left)} left"
@@ -741,36 +760,6 @@ def _plan_unpad(root: nn.Module) -> tuple[list[ClassSwap], list[Left]]:
     return swaps, left
 
 
-def _switch_attention(root: nn.Module, swaps) -> str | None:
-    """Switch a HuggingFace BERT-family encoder whose layers were fused from the "eager" or
-    "sdpa" attention implementation to slimformer's registered one; returns the
-    implementation switched from, or None where nothing was switched.
-
-    transformers builds eager's and sdpa's (batch, 1, seq, seq) mask whenever it cannot
-    look at the mask's values, which includes every torch.compile'd forward (4 MiB at
-    batch 4, seq 512 in fp32, kept for backward); slimformer's mask function passes the
-    (batch, seq) padding mask. The fused layers read either. Calls that ask for the
-    attention weights run the original layer forward, whose attention call then forms them
-    in PyTorch (``register_transformers_attention``). Decoders and cross-attention are left
-    (their layers are not fused), and so are models whose class does not take a
-    registered implementation."""
-    config = getattr(root, "config", None)
-    if (
-        not any(isinstance(swap.replacement, FusedBertFamilyLayer) for swap in swaps)
-        or not hasattr(root, "set_attn_implementation")
-        or getattr(config, "_attn_implementation", None) not in ("eager", "sdpa")
-        or getattr(config, "is_decoder", False)
-        or getattr(config, "add_cross_attention", False)
-    ):
-        return None
-    before, name = config._attn_implementation, register_transformers_attention()
-    try:
-        root.set_attn_implementation(name)
-    except ValueError:  # a model class that refuses registered implementations keeps its own
-        return None
-    return before if config._attn_implementation == name else None
-
-
 def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -> nn.Module:
     """Swap slimformer's fused layers into ``model`` in place (see the module docstring).
 
@@ -779,7 +768,9 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
             ``torch.compile``.
         recompute: policy for the swapped layers that take one ("none", "qkv", "mlp",
             "qkv+mlp", "full"); None leaves them at "none". ``slimformer.recompute``
-            changes it later.
+            changes it later. A policy that no swapped module takes (a GPT-2, whose
+            norms only are swapped) warns with a ``UserWarning``, and the summary says
+            it applies to nothing.
         unpad: also unpad BERT-family base models (``slimformer.unpad``): with a padded
             ``attention_mask``, every layer runs on the real tokens only, and padded
             positions of ``last_hidden_state`` are zeros. Off by default.
@@ -847,9 +838,18 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
             class_swap.module.__class__ = unpadded_class(class_swap.original_class)
         class_swaps += unpad_swaps
         left += unpad_left
+    unused = None
+    if recompute is not None and not any(hasattr(swap.replacement, "recompute") for swap in swaps):
+        unused, recompute = recompute, None
+        warnings.warn(
+            f"slimformer.patch: recompute={unused!r} applies to nothing in {model_type}: none of the modules "
+            "it swapped takes a recompute policy (fused BERT-family encoder layers and "
+            "torch.nn.TransformerEncoderLayer do)",
+            stacklevel=2,
+        )
     summary = PatchSummary(
         model_type, tuple(swaps), tuple(left), recompute, nested_off, class_swaps=tuple(class_swaps),
-        attn_implementation_before=_switch_attention(root, swaps),
+        unused_recompute=unused,
     )  # fmt: skip
     setattr(root, _RECORD, summary)
     # Decide the norms' memory modes now (one host sync): a model compiled before its first
@@ -912,8 +912,6 @@ def unpatch(model: nn.Module) -> nn.Module:
         encoder.use_nested_tensor = True
     for class_swap in summary.class_swaps:
         class_swap.module.__class__ = class_swap.original_class
-    if summary.attn_implementation_before is not None:
-        model.set_attn_implementation(summary.attn_implementation_before)
     delattr(model, _RECORD)
     swapped_self = summary.swapped and summary.swapped[0].parent is None
     return summary.swapped[0].original if swapped_self else model

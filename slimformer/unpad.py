@@ -26,8 +26,9 @@ before or after the patch): INT8's activation scales are per token, so a token's
 output depends on its own row only, packed or padded.
 
 Calls that cannot be unpadded run the original, padded forward: no ``attention_mask``
-(nothing to remove) or a 4-d one, ``output_attentions``, encoder-decoder inputs
-(``encoder_hidden_states``, ``past_key_values``, ``use_cache``), a decoder config, or an
+(nothing to remove) or a 4-d one, attentions asked for (``output_attentions``, as an
+argument or in the config), encoder-decoder inputs (``encoder_hidden_states``, a cache
+as ``cache`` or ``past_key_values``, ``use_cache``), a decoder config, or an
 encoder layer that is not fused or runs its original forward this call (hooks, replaced
 submodules: see ``slimformer.patch``), and ``torch.export`` (the packed length is the
 mask's token count, a value an exported graph cannot take its shapes from; under
@@ -36,8 +37,10 @@ model turns it off. With left padding the pooler reads position 0, which is padd
 zero row where HF pools the padding token's state (neither is a [CLS] embedding).
 """
 
+import functools
 import inspect
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +62,12 @@ _BASE_MODELS = frozenset(
         ("transformers.models.roc_bert.modeling_roc_bert", "RoCBertModel"),
     }
 )
+
+
+# Arguments of a call that runs padded: encoder-decoder inputs and a cache, which the
+# original attention writes (transformers 5.24 names it ``cache`` and maps a
+# ``past_key_values`` onto it).
+_DECODER_ARGUMENTS = ("encoder_hidden_states", "cache", "past_key_values")
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,23 @@ def _first_positions(packed: torch.Tensor, packing: PackedSequences, first_is_to
     return torch.where(first_is_token.view(-1, *[1] * (packed.dim() - 1)), first, 0.0)
 
 
+def forward_with_signature(forward, original):
+    """A copy of ``forward``, a mixin's ``forward(self, ...)``, that ``inspect.signature``
+    reports as ``original``'s: for a class made at run time over ``original``'s class, so
+    that what reads a model's parameters from its forward (transformers' Trainer choosing
+    the dataset columns to keep, its model tests, PEFT) sees the original's. The mixin
+    takes every call the original takes. A copy of the function rather than a wrapper: no
+    extra frame, so a graph break inside it stays one break under ``torch.compile``."""
+    signed = types.FunctionType(
+        forward.__code__, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+    )
+    functools.update_wrapper(signed, forward)
+    signed.__kwdefaults__ = forward.__kwdefaults__
+    signed.__signature__ = inspect.signature(original)
+    del signed.__wrapped__  # the signature is original's, not the mixin's
+    return signed
+
+
 def is_unpaddable_base_model(module: nn.Module) -> bool:
     """Whether ``module`` is one of the base models ``patch(unpad=True)`` can unpad."""
     kind = getattr(type(module), "_original_class", type(module))
@@ -138,7 +164,8 @@ def is_unpaddable_base_model(module: nn.Module) -> bool:
 
 class UnpaddedEncoderModel:
     """Forward of an unpadded base model, mixed before the model's own class (see the
-    module docstring). ``unpad`` (default True) turns it off."""
+    module docstring); it takes the model's own arguments, and ``inspect.signature`` of
+    it is the model's. ``unpad`` (default True) turns it off."""
 
     unpad = True
     # sf.quantize may swap its inference Linears in (the pooler's is called as a module).
@@ -185,10 +212,9 @@ class UnpaddedEncoderModel:
             return "torch.export (the packed length depends on the mask's values)"
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             return "no 2-d attention_mask"
-        if self.config.is_decoder or any(
-            arguments.get(name) is not None for name in ("encoder_hidden_states", "past_key_values")
-        ):
-            return "decoder / encoder-decoder call"
+        given = {**extra, **arguments}
+        if self.config.is_decoder or any(given.get(name) is not None for name in _DECODER_ARGUMENTS):
+            return "a decoder or encoder-decoder call, or a cache"
         if arguments.get("use_cache"):
             return "use_cache"
         if extra.get("output_attentions", getattr(self.config, "output_attentions", False)):
@@ -228,6 +254,7 @@ def unpadded_class(model_class: type) -> type:
             "__module__": __name__,
             "_original_class": model_class,
             "_forward_signature": inspect.signature(model_class.forward),
+            "forward": forward_with_signature(UnpaddedEncoderModel.forward, model_class.forward),
         }
         name = f"Unpadded{model_class.__name__}"
         _UNPADDED_CLASSES[model_class] = type(name, (UnpaddedEncoderModel, model_class), namespace)

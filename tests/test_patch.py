@@ -46,8 +46,6 @@ def torch_path(monkeypatch):
 
 def _model(name="BertForMaskedLM", dropout=0.1, attn="eager", **config):
     config_class, model_class = MODELS[name]
-    if attn == "slimformer":  # the kernel behind transformers' attention interface, unpatched
-        sf.register_transformers_attention()
     torch.manual_seed(0)
     config = config_class(
         **{**TINY, **config}, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation=attn
@@ -291,9 +289,11 @@ def test_unsupported_layers_are_left_with_reasons(torch_path):
 def test_summary_prints_as_text_and_rich_table(torch_path):
     from rich.console import Console
 
-    model = patch(_model("RobertaModel", hidden_act="silu"), recompute="mlp")
+    with pytest.warns(UserWarning, match="recompute='mlp' applies to nothing"):  # its layers are left
+        model = patch(_model("RobertaModel", hidden_act="silu"), recompute="mlp")
     text = str(patch_summary(model))
-    assert text.splitlines()[0] == "slimformer.patch(RobertaModel, recompute='mlp'): 6 swapped, 2 left"
+    title = "slimformer.patch(RobertaModel, recompute='mlp' applies to nothing): 6 swapped, 2 left"
+    assert text.splitlines()[0] == title
     assert "embeddings.LayerNorm" in text and "left: hidden_act 'silu'" in text
     console = Console(record=True, width=200)
     console.print(patch_summary(model))
@@ -451,25 +451,27 @@ def test_hooks_registered_before_patching_still_run(torch_path):
     assert calls == ["LayerNorm", "BertLayer", "TransformerEncoderLayer", "LayerNorm"]
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_patch_switches_to_slimformers_attention_and_unpatch_switches_back(torch_path, attn):
-    # the layers then get the (batch, seq) padding mask, never a (batch, 1, seq, seq) one
+# A padded batch: eager's and sdpa's (batch, 1, seq, seq) masks, "slimformer"'s (batch, seq).
+MASK_SHAPES = {"eager": (3, 1, 11, 11), "sdpa": (3, 1, 11, 11), "slimformer": (3, 11)}
+
+
+@pytest.mark.parametrize("attn", list(MASK_SHAPES))
+def test_patch_keeps_the_attention_implementation_and_reads_its_mask(torch_path, attn):
     model = patch(_model("BertForMaskedLM", dropout=0.0, attn=attn))
-    assert model.config._attn_implementation == "slimformer"
-    assert patch_summary(model).attn_implementation_before == attn
+    assert model.config._attn_implementation == attn
     masks = []
     model.bert.encoder.layer[1].register_forward_pre_hook(
         lambda module, args, kwargs: masks.append(tuple(kwargs.get("attention_mask", args[1]).shape)), with_kwargs=True
     )
     ids, mask = _batch(model.config)
     model(ids, attention_mask=mask)
-    assert masks == [tuple(ids.shape)]
+    assert masks == [MASK_SHAPES[attn]]
     assert unpatch(model).config._attn_implementation == attn
 
 
-def test_decoder_keeps_its_attention_implementation(torch_path):
-    model = patch(_model("BertModel", is_decoder=True), recompute="qkv")
-    assert patch_summary(model).attn_implementation_before is None
+def test_decoder_layers_are_left_and_a_policy_for_them_warns(torch_path):
+    with pytest.warns(UserWarning, match="recompute='qkv' applies to nothing in BertModel"):
+        model = patch(_model("BertModel", is_decoder=True), recompute="qkv")
     assert model.config._attn_implementation == "eager"
 
 
