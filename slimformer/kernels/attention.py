@@ -1593,6 +1593,22 @@ def _causal_bias_as_mask(
     return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(seq_k - seq_q), False
 
 
+def _check_causal_without_mask(attn_mask, is_causal: bool) -> None:
+    """SDPA's rule (its math reference raises on every device; the fused CPU and CUDA
+    backends let 4-d calls through): is_causal=True takes no explicit attn_mask."""
+    if is_causal and attn_mask is not None:
+        raise RuntimeError(
+            "Explicit attn_mask should not be set when is_causal=True (as in scaled_dot_product_attention): pass "
+            "attn_mask=None, or the causal mask folded into attn_mask with is_causal=False; got attn_mask of shape "
+            f"{tuple(attn_mask.shape)}"
+        )
+
+
+def _autocast_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as autocast casts an input: floating point to ``dtype``, except float64."""
+    return x.to(dtype) if x.is_floating_point() and x.dtype != torch.float64 else x
+
+
 def _as_batch_heads(x: torch.Tensor) -> torch.Tensor:
     """(..., heads, seq, d) -> (batch, heads, seq, d), the leading dims flattened (a view)."""
     return x.reshape(-1, *x.shape[-3:])
@@ -1622,7 +1638,7 @@ def attention(
     """Scaled dot-product attention that never materialises the score matrix.
 
     Same contract and argument names as ``torch.nn.functional.scaled_dot_product_attention``,
-    plus ``key_padding_mask``; all masks may be combined.
+    plus ``key_padding_mask``, which combines with ``attn_mask`` or ``is_causal``.
 
     Args:
         query: (..., heads, seq_q, head_dim) with any number of leading (batch) dims,
@@ -1641,7 +1657,8 @@ def attention(
         dropout_p: attention dropout probability in [0, 1), applied whenever it is > 0 (as
             in SDPA). The mask is drawn from torch's generator, so ``torch.manual_seed``
             reproduces it, and regenerated in backward rather than stored.
-        is_causal: row i attends keys j <= i (top-left aligned, as in SDPA).
+        is_causal: row i attends keys j <= i (top-left aligned, as in SDPA); attn_mask
+            must then be None (SDPA's rule), ``key_padding_mask`` may be given.
         scale: score scale, default ``1 / sqrt(head_dim)``.
         enable_gqa: allow fewer kv heads than query heads.
         key_padding_mask: bool (..., seq_k) with query's leading dims, True = padding (as
@@ -1661,9 +1678,12 @@ def attention(
         in the inputs, ``scale`` or the mask propagate as in SDPA.
 
     Raises:
-        TypeError: a non-tensor input, dtypes other than float16/bfloat16/float32/float64
-            or not matching, a mask of the wrong dtype, a dropout_p or scale that is
-            not a real number.
+        TypeError: a non-tensor or nested input, dtypes other than
+            float16/bfloat16/float32/float64 or not matching, a mask of the wrong dtype, a
+            dropout_p or scale that is not a real number.
+        RuntimeError: an attn_mask tensor with is_causal=True, as SDPA raises (its fused
+            CPU and CUDA backends accept 4-d calls; its math reference and the
+            documentation refuse them).
         ValueError: wrong ranks or shapes (unlike SDPA, value must have key's shape: a
             value head_dim other than query's is not supported), kv heads that do not
             divide the query heads, head_dim outside [1, 256], dropout_p outside [0, 1),
@@ -1673,6 +1693,11 @@ def attention(
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.is_nested:
+            raise TypeError(
+                f"{name} must be a dense (strided) tensor, got a nested tensor: pad the sequences and pass "
+                "key_padding_mask, or pack them for slimformer.varlen_attention"
+            )
         if tensor.dim() < 3:
             raise ValueError(
                 f"{name} must be at least 3-d (..., heads, seq, head_dim), got shape {tuple(tensor.shape)}"
@@ -1680,7 +1705,7 @@ def attention(
     if torch.is_autocast_enabled(query.device.type):
         # as autocast casts SDPA's q, k, v (masks keep their dtype)
         dtype = torch.get_autocast_dtype(query.device.type)
-        query, key, value = (t.to(dtype) if t.is_floating_point() else t for t in (query, key, value))
+        query, key, value = (_autocast_cast(t, dtype) for t in (query, key, value))
     if query.dtype not in (*_DTYPES, torch.float64):
         raise TypeError(f"query must be float16, bfloat16, float32 or float64, got {query.dtype}")
     for name, tensor in (("key", key), ("value", value)):
@@ -1716,6 +1741,7 @@ def attention(
     if isinstance(attn_mask, CausalBias):
         attn_mask, is_causal = _causal_bias_as_mask(attn_mask, is_causal, seq_q, seq_k, query.device)
     _check_masks(attn_mask, key_padding_mask, query.device, batch_shape, heads, seq_q, seq_k)
+    _check_causal_without_mask(attn_mask, is_causal)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if query.dim() != 4:
         attn_mask = _mask_as_batch_heads(attn_mask, batch_shape)
@@ -1752,7 +1778,8 @@ def self_attention(
     dropout seed) stay alive; otherwise the projection (q, k, v) is kept.
 
     Args:
-        x: (batch, seq, embed), float16, bfloat16 or float32.
+        x: (batch, seq, embed), float16, bfloat16 or float32 (the fused kernels), or
+            float64 (the PyTorch reference in float64, on any device).
         qkv_weight: (3 · embed, embed), the q, k, v rows stacked as in
             ``nn.MultiheadAttention.in_proj_weight``; x's dtype and device.
         qkv_bias: (3 · embed,) or None.
@@ -1760,28 +1787,30 @@ def self_attention(
         attn_mask, dropout_p, is_causal, key_padding_mask, deterministic: as in ``attention``.
 
     Raises:
-        TypeError: x not float16/bfloat16/float32, weights of another dtype (outside
-            autocast), a mask of the wrong dtype.
+        TypeError: x not float16/bfloat16/float32/float64, weights of another dtype
+            (outside autocast, or float64), a mask of the wrong dtype.
         ValueError: wrong shapes, num_heads not dividing embed, head_dim > 256,
             dropout_p outside [0, 1), masks that do not fit, tensors on other devices.
+        RuntimeError: an attn_mask with is_causal=True (as ``attention``).
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3:
         raise ValueError(f"x must be 3-d (batch, seq, embed), got shape {tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dtype not in (*_DTYPES, torch.float64):
+        raise TypeError(f"x must be float16, bfloat16, float32 or float64, got {x.dtype}")
     batch, seq, embed = x.shape
     weights = [("qkv_weight", qkv_weight, (3 * embed, embed))]
     if qkv_bias is not None:
         weights.append(("qkv_bias", qkv_bias, (3 * embed,)))
-    autocast = torch.is_autocast_enabled(x.device.type)
+    # autocast casts no float64 tensor: with float64 on either side the dtypes must match
+    autocast = torch.is_autocast_enabled(x.device.type) and x.dtype != torch.float64
     for name, tensor, shape in weights:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.shape != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}")
-        if tensor.dtype != x.dtype and not autocast:
+        if tensor.dtype != x.dtype and (not autocast or tensor.dtype == torch.float64):
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {tensor.dtype}")
         if tensor.device != x.device:
             raise ValueError(f"{name} must be on x's device {x.device}, got {tensor.device}")
@@ -1792,6 +1821,7 @@ def self_attention(
     _check_head_dim(embed // num_heads)
     _check_dropout_p(dropout_p, seq, seq)
     _check_masks(attn_mask, key_padding_mask, x.device, (batch,), num_heads, seq, seq)
+    _check_causal_without_mask(attn_mask, is_causal)
     if not recompute_qkv:
         q, k, v = _split_heads(F.linear(x, qkv_weight, qkv_bias), num_heads)
         out = attention(

@@ -155,9 +155,9 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, train
 
     x, residual: same shape and device, float32/float16/bfloat16 or float64 (the PyTorch
     reference, on any device); the result has their promoted dtype, as ``residual + x`` has
-    (a bf16 branch under autocast added to an fp32 residual stream gives fp32). dropout_p in [0, 1). The mask is drawn from torch's
-    generator (``torch.manual_seed`` reproduces it). Raises ValueError/TypeError naming
-    the argument on mismatches.
+    (a bf16 branch under autocast added to an fp32 residual stream gives fp32).
+    dropout_p in [0, 1). The mask is drawn from torch's generator (``torch.manual_seed``
+    reproduces it). Raises ValueError/TypeError naming the argument on mismatches.
     """
     for name, tensor in (("x", x), ("residual", residual)):
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in (*FLOAT_DTYPES, torch.float64):

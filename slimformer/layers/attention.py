@@ -15,10 +15,10 @@ from einops import rearrange
 from torch import nn
 
 from slimformer.kernels.attention import attention, self_attention
-from slimformer.layers.sharing import NotScriptable, has_user_hooks, share_parameters
+from slimformer.layers.sharing import NotScriptable, TorchMultiheadAttention, has_user_hooks, share_parameters
 
 
-class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
+class MultiheadAttention(NotScriptable, TorchMultiheadAttention):
     """``torch.nn.MultiheadAttention`` on ``slimformer.attention``.
 
     Same constructor, parameters, ``state_dict`` and ``forward`` signature, plus the
@@ -33,8 +33,11 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
 
     Masks follow torch: ``key_padding_mask`` (N, S) and ``attn_mask`` (L, S) or
     (N · num_heads, L, S), bool with True = not allowed, or float added to the scores.
-    ``is_causal=True`` applies the causal mask in the kernel and, as torch does when it
-    can, does not read ``attn_mask`` (a hint, which here may also be omitted).
+    ``is_causal=True`` is torch's hint that ``attn_mask`` is the causal mask: as torch
+    does, the kernel then applies the causal mask without reading ``attn_mask``, unless a
+    ``key_padding_mask`` is given too, when ``attn_mask`` is applied as given. Unlike
+    torch, the hint may come without ``attn_mask`` (with ``need_weights=False``).
+    float64 layers run the PyTorch reference in float64, on any device.
     """
 
     _copied_attributes = (
@@ -68,7 +71,7 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention, *, recompute_qkv: bool = False, deterministic: bool = True):
         """The slimformer layer for ``module``, sharing its Parameters (no copies)."""
-        layer = share_parameters(cls, module, nn.MultiheadAttention, cls._copied_attributes)
+        layer = share_parameters(cls, module, TorchMultiheadAttention, cls._copied_attributes)
         layer.recompute_qkv = recompute_qkv
         layer.deterministic = deterministic
         return layer
@@ -98,7 +101,7 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
                 key_padding_mask = key_padding_mask.unsqueeze(0)
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        attn_mask, key_padding_mask = self.kernel_masks(attn_mask, key_padding_mask, query, key, is_causal)
+        attn_mask, key_padding_mask, is_causal = self.kernel_masks(attn_mask, key_padding_mask, query, key, is_causal)
         dropout_p = self.dropout if self.training else 0.0
         if self_attending and self._qkv_same_embed_dim:
             out = self_attention(
@@ -156,11 +159,19 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
         return (None,) * 3 if self.in_proj_bias is None else self.in_proj_bias.chunk(3)
 
     def kernel_masks(self, attn_mask, key_padding_mask, query, key, is_causal):
-        """torch's masks (True = not allowed) as ``slimformer.attention``'s (True = may
-        attend, or additive (N, H, L, S)-broadcastable float) plus a bool padding mask."""
+        """(attn_mask, key_padding_mask, is_causal) for ``slimformer.attention`` from torch's
+        masks (True = not allowed) and causal hint, for batch-first (N, L, E) ``query`` and
+        ``key``: a mask with True = may attend, or additive (N, H, L, S)-broadcastable
+        float; a bool padding mask; whether the kernel applies the causal mask."""
         batch, seq_q, seq_k = query.shape[0], query.shape[1], key.shape[1]
+        if is_causal and attn_mask is not None and key_padding_mask is not None:
+            is_causal = False  # torch merges the hinted mask with the padding and applies both as given
         if is_causal:
             attn_mask = None
+            if key_padding_mask is not None and key_padding_mask.dtype != torch.bool:
+                # an additive padding mask reaches the kernel as attn_mask, which is_causal excludes
+                causal = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).tril()
+                attn_mask, is_causal = causal, False
         elif attn_mask is not None:
             if attn_mask.dim() == 3:
                 if attn_mask.shape != (batch * self.num_heads, seq_q, seq_k):
@@ -182,7 +193,7 @@ class MultiheadAttention(NotScriptable, nn.MultiheadAttention):
             else:
                 attn_mask = attn_mask + padding
             key_padding_mask = None
-        return attn_mask, key_padding_mask
+        return attn_mask, key_padding_mask, is_causal
 
     def extra_repr(self) -> str:
         return f"recompute_qkv={self.recompute_qkv}, deterministic={self.deterministic}"

@@ -9,6 +9,7 @@ backward. Whether the weights allow rebuilding the input from the output is re-d
 whenever they change (an optimizer step, ``load_state_dict``, an in-place edit under
 ``no_grad``: see ``slimformer.kernels.norm.MemoryModes``), for every layer at once with
 one host sync per step; call ``refresh_memory_mode()`` after writing through ``.data``.
+float64 layers run the PyTorch reference in float64, on any device.
 """
 
 import torch

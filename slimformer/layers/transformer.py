@@ -14,6 +14,10 @@ fc1, ``full`` checkpoints the whole layer but its last op (see ``slimformer.reco
 
 Inputs are (batch, seq, d_model) with ``batch_first=True``; sequence-first inputs are
 transposed to a batch-first copy on entry (one more activation kept for backward).
+
+When a submodule that torch's forward calls (outside its inference fast path) has
+forward or backward hooks, the layer runs torch's forward instead, so that they fire
+with torch's arguments; ``self_attn`` and the norms still run their fused kernels then.
 """
 
 import torch
@@ -26,7 +30,13 @@ from slimformer.kernels.attention import self_attention
 from slimformer.kernels.dropout import dropout_add
 from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.norm import LayerNorm
-from slimformer.layers.sharing import NotScriptable, share_parameters
+from slimformer.layers.sharing import (
+    NotScriptable,
+    TorchLinear,
+    TorchTransformerEncoderLayer,
+    any_has_call_hooks,
+    share_parameters,
+)
 from slimformer.recompute import check_policy
 
 _SUPPORTED_ACTIVATIONS = '"relu", "gelu", F.relu, F.gelu, torch.relu, nn.ReLU(), nn.GELU() or nn.GELU("tanh")'
@@ -43,11 +53,16 @@ def fused_activation_name(activation) -> str:
     raise ValueError(f"activation must be one of {_SUPPORTED_ACTIVATIONS} to be fused, got {activation!r}")
 
 
-class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
+class TransformerEncoderLayer(NotScriptable, TorchTransformerEncoderLayer):
     """Drop-in ``torch.nn.TransformerEncoderLayer``; extra keyword ``recompute`` (a policy).
 
     ``forward(src, src_mask=None, src_key_padding_mask=None, is_causal=False)`` takes
-    torch's masks (bool True = not allowed, or additive float).
+    torch's masks (bool True = not allowed, or additive float) and causal hint (as in
+    ``slimformer.MultiheadAttention``). float64 layers run the PyTorch references in
+    float64, on any device. With hooks on a submodule that torch's forward calls
+    (``self_attn``, ``norm1``, ``norm2``, ``linear1``, ``linear2``, ``dropout``,
+    ``dropout1``, ``dropout2``, a module ``activation``) the call runs torch's forward,
+    where they fire; the recompute policy does not apply to it.
     """
 
     def __init__(
@@ -94,9 +109,9 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
                 or ``linear1``/``linear2`` are not plain ``nn.Linear`` (quantized, say: the
                 fused MLP reads their float weights).
         """
-        layer = share_parameters(cls, module, nn.TransformerEncoderLayer, ("norm_first", "activation"))
+        layer = share_parameters(cls, module, TorchTransformerEncoderLayer, ("norm_first", "activation"))
         for name in ("linear1", "linear2"):
-            if type(getattr(module, name)) is not nn.Linear:
+            if type(getattr(module, name)) is not TorchLinear:
                 kind = type(getattr(module, name)).__name__
                 raise ValueError(f"{name} must be a torch.nn.Linear for the fused MLP, got {kind}")
         layer.fused_activation = fused_activation_name(module.activation)
@@ -117,13 +132,15 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
                 f"src must be (batch, seq, d_model) or (seq, batch, d_model) or (seq, d_model) with d_model = "
                 f"{d_model}, got shape {tuple(src.shape)}"
             )
+        if self._submodules_have_hooks():
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal)
         batch_first = self.self_attn.batch_first
         x = src if batch_first or src.dim() == 2 else src.transpose(0, 1)
         batched = x.dim() == 3
         if not batched:
             x = x.unsqueeze(0)
             src_key_padding_mask = None if src_key_padding_mask is None else src_key_padding_mask.unsqueeze(0)
-        attn_mask, padding = self.self_attn.kernel_masks(src_mask, src_key_padding_mask, x, x, is_causal)
+        attn_mask, padding, is_causal = self.self_attn.kernel_masks(src_mask, src_key_padding_mask, x, x, is_causal)
         if self.recompute == "full" and torch.is_grad_enabled():
             # The last op (norm2, or the pre-LN residual add) runs outside the checkpoint:
             # it keeps at most its output, the next layer's input that a checkpoint keeps
@@ -136,6 +153,13 @@ class TransformerEncoderLayer(NotScriptable, nn.TransformerEncoderLayer):
         if not batched:
             return out.squeeze(0)
         return out if batch_first else out.transpose(0, 1)
+
+    def _submodules_have_hooks(self) -> bool:
+        """Whether a module that torch's forward calls has hooks (the fused path calls none)."""
+        return any_has_call_hooks(
+            self.self_attn, self.norm1, self.norm2, self.linear1, self.linear2, self.dropout, self.dropout1,
+            self.dropout2, self.activation,
+        )  # fmt: skip
 
     # Each dropout's p is read from torch's module for it (dropout1 after the attention,
     # dropout inside the MLP, dropout2 after it): under torch.compile a p that dynamo made

@@ -85,6 +85,38 @@ def test_reference_in_small_row_blocks(monkeypatch, activation, recompute_fc1):
     _check_mlp(activation, torch.float32, 97, 24, 200, 0.2, recompute_fc1)
 
 
+@pytest.mark.parametrize(
+    "activation, recompute_fc1", [("relu", False), ("gelu", True), ("gelu_tanh", False), ("swiglu", True)]
+)
+def test_float64_matches_eager_float64_and_passes_gradcheck(backend, activation, recompute_fc1):
+    # float64 takes the PyTorch reference in float64 on every device (with "triton", the
+    # branch CUDA tensors take): elementwise math and weight-gradient sums included
+    rows, d_model, d_ff, p = 5, 4, 6, 0.2
+    leaves = [t.requires_grad_() for t in _mlp_inputs(rows, d_model, d_ff, activation, torch.float64)]
+    torch.manual_seed(SEED)
+    keep = dropout_keep_block(new_dropout_seed(torch.device("cpu")), torch.arange(rows), 0, d_ff, d_ff, p)
+
+    def ours(*t):
+        torch.manual_seed(SEED)
+        return fused_mlp(*t, activation, p, recompute_fc1)
+
+    out, expected = ours(*leaves), _eager_mlp(*leaves, activation, keep, p)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    dy = torch.randn(rows, d_model, dtype=torch.float64)
+    for g, g_ref in zip(torch.autograd.grad(out, leaves, dy), torch.autograd.grad(expected, leaves, dy)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(ours, leaves, fast_mode=True)
+
+
+def test_float64_stays_float64_under_autocast_like_linear(backend):
+    x, w1, b1, w2, b2 = _mlp_inputs(3, 4, 6, "gelu", torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = fused_mlp(x, w1, b1, w2, b2, "gelu"), _eager_mlp(x, w1, b1, w2, b2, "gelu", None, 0.0)
+    assert out.dtype == expected.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_no_bias_and_leading_dims(backend):
     torch.manual_seed(0)
     x = torch.randn(2, 3, 8, requires_grad=True)
@@ -180,10 +212,13 @@ class TestBadInput:
             fused_mlp(x, torch.randn(12, 8, device="meta"), None, torch.randn(8, 12), None)
         with pytest.raises(ValueError, match="even number of rows"):
             fused_mlp(x, torch.randn(13, 8), None, torch.randn(8, 6), None, "swiglu")
-        with pytest.raises(TypeError, match="x must be a float32, float16 or bfloat16"):
+        with pytest.raises(TypeError, match="x must be a float32, float16, bfloat16 or float64 torch.Tensor, got"):
             fused_mlp(x.long(), torch.randn(12, 8), None, torch.randn(8, 12), None)
-        with pytest.raises(TypeError, match="x must be a float32, float16 or bfloat16"):
+        with pytest.raises(TypeError, match="fc1_weight dtype must match input dtype torch.float64, got torch.float32"):
             fused_mlp(x.double(), torch.randn(12, 8), None, torch.randn(8, 12), None)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts no float64 tensor, as nn.Linear's
+            with pytest.raises(TypeError, match="fc2_weight dtype must match input dtype torch.bfloat16"):
+                fused_mlp(x, torch.randn(12, 8), None, torch.randn(8, 12, dtype=torch.float64), None)
         with pytest.raises(ValueError, match="x must have at least one dimension"):
             fused_mlp(torch.tensor(1.0), torch.randn(12, 8), None, torch.randn(8, 12), None)
 

@@ -112,6 +112,17 @@ def _inputs(case: Case, dtype: torch.dtype, device: str = "cpu"):
     return q, k, v, grad, attn_mask, key_padding_mask
 
 
+def _mask_arguments(case: Case, attn_mask) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) to pass for a case: is_causal takes no attn_mask (SDPA's
+    rule), so a causal case with a mask has the causal mask folded into it."""
+    if not case.causal or attn_mask is None:
+        return attn_mask, case.causal
+    future = torch.ones(case.seq_q, case.seq_k, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & ~future, False
+    return attn_mask.masked_fill(future, -math.inf), False
+
+
 def _bias(case: Case, attn_mask, key_padding_mask, device: str = "cpu") -> torch.Tensor:
     """All of a case's masks as one additive fp32 mask of shape (batch, heads, seq_q, seq_k)."""
     bias = torch.zeros(case.batch, case.heads, case.seq_q, case.seq_k, device=device)
@@ -149,9 +160,10 @@ def _forward_backward(fn, q, k, v, grad):
 def _check_case(case: Case, dtype: torch.dtype, ulps: float, device: str, deterministic: bool = True) -> None:
     q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, dtype, device)
     bias = _bias(case, attn_mask, key_padding_mask, device)
+    attn_mask, is_causal = _mask_arguments(case, attn_mask)
     got = _forward_backward(
         lambda q, k, v: attention(
-            q, k, v, attn_mask=attn_mask, is_causal=case.causal, enable_gqa=True,
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True,
             key_padding_mask=key_padding_mask, deterministic=deterministic,
         ),
         q, k, v, grad,
@@ -474,10 +486,11 @@ def _check_dropout(
 ) -> None:
     q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, dtype, device)
     bias = _bias(case, attn_mask, key_padding_mask, device)
+    attn_mask, is_causal = _mask_arguments(case, attn_mask)
     torch.manual_seed(1234)
     got = _forward_backward(
         lambda q, k, v: attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=case.causal, enable_gqa=True,
+            q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, enable_gqa=True,
             key_padding_mask=key_padding_mask, deterministic=deterministic,
         ),
         q, k, v, grad,
@@ -531,13 +544,14 @@ def test_reference_in_small_query_blocks_matches(monkeypatch, case):
         torch.manual_seed(5)
         return _forward_backward(
             lambda q, k, v: attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=0.2, is_causal=case.causal, enable_gqa=True,
+                q, k, v, attn_mask=attn_mask, dropout_p=0.2, is_causal=is_causal, enable_gqa=True,
                 key_padding_mask=key_padding_mask,
             ),
             q, k, v, grad,
         )
 
     q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, torch.float32)
+    attn_mask, is_causal = _mask_arguments(case, attn_mask)
     whole = run(2**30)
     for block_scores in (7 * case.batch * case.heads * case.seq_k, 1):
         for name, blocked, one_block in zip(("out", "dq", "dk", "dv"), run(block_scores), whole):
@@ -667,19 +681,93 @@ def test_zero_heads_give_an_empty_result_like_sdpa(backend):
     assert q.grad.shape == (2, 0, 8, 16)
 
 
-def test_float64_runs_the_reference_and_passes_gradcheck(backend):
+@pytest.mark.parametrize("masks", ["additive+padding", "causal+padding"])
+def test_float64_runs_the_reference_and_passes_gradcheck(backend, masks):
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for n in (5, 6, 6))
-    mask = torch.randn(5, 6, generator=gen, dtype=torch.float64)
     padding = torch.tensor([[False, False, False, False, True, True]])
-    assert torch.autograd.gradcheck(
-        lambda q, k, v: attention(q, k, v, attn_mask=mask, is_causal=True, key_padding_mask=padding), (q, k, v)
-    )
-    bias = mask.masked_fill(padding[0], -math.inf).masked_fill(torch.ones(5, 6).triu(1).bool(), -math.inf)
+    bias = torch.zeros(5, 6, dtype=torch.float64).masked_fill(padding[0], -math.inf)
+    if masks == "causal+padding":
+        kwargs = dict(is_causal=True, key_padding_mask=padding)
+        bias = bias.masked_fill(torch.ones(5, 6).triu(1).bool(), -math.inf)
+    else:
+        mask = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+        kwargs = dict(attn_mask=mask, key_padding_mask=padding)
+        bias = bias + mask
+    assert torch.autograd.gradcheck(lambda q, k, v: attention(q, k, v, **kwargs), (q, k, v))
     torch.testing.assert_close(
-        attention(q, k, v, attn_mask=mask, is_causal=True, key_padding_mask=padding),
-        F.scaled_dot_product_attention(q, k, v, attn_mask=bias), rtol=1e-12, atol=1e-12,
+        attention(q, k, v, **kwargs), F.scaled_dot_product_attention(q, k, v, attn_mask=bias), rtol=1e-12, atol=1e-12
     )
+
+
+@pytest.mark.parametrize("recompute_qkv", [False, True])
+def test_self_attention_in_float64_passes_gradcheck(backend, recompute_qkv):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(24, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(24, generator=gen, dtype=torch.float64, requires_grad=True)
+    padding = torch.tensor([[False, False, True], [False, False, False]])
+
+    def ours(x, weight, bias):
+        return self_attention(x, weight, bias, 2, is_causal=True, key_padding_mask=padding, recompute_qkv=recompute_qkv)
+
+    q, k, v = rearrange(F.linear(x, weight, bias), "b s (three h d) -> three b h s d", three=3, h=2)
+    allowed = ~torch.ones(3, 3, dtype=torch.bool).triu(1) & ~padding[:, None, None, :]
+    expected = rearrange(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed), "b h s d -> b s (h d)")
+    out = ours(x, weight, bias)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(ours, (x, weight, bias), fast_mode=True)
+
+
+def test_float64_stays_float64_under_autocast_like_sdpa(backend):
+    # autocast casts no float64 tensor: SDPA keeps float64 q, k, v, and so does attention
+    q = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, expected = attention(q, q, q, is_causal=True), F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        x, weight = torch.randn(2, 5, 16, dtype=torch.float64), torch.randn(48, 16, dtype=torch.float64)
+        self_out = self_attention(x, weight, None, 2, recompute_qkv=True)
+    assert out.dtype == expected.dtype == self_out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+# torch's test_scaled_dot_product_attention_{3D,4D}_input_dim_{2D,3D,4D}_causal_attn_mask_dropout_p_{0_0,0_2,0_5}
+# (test/test_transformers.py, under the MATH backend: 12 tests): with is_causal=True, SDPA computes the
+# causal result without a mask and raises for an explicit one, as the documentation says. Its fused CPU
+# and CUDA backends let 4-d calls through; slimformer follows the rule everywhere.
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2, 0.5])
+@pytest.mark.parametrize(
+    "input_dim, attn_mask_dim", [(3, 2), (3, 3), (4, 2), (4, 4)],
+    ids=["3D_input_dim_2D", "3D_input_dim_3D", "4D_input_dim_2D", "4D_input_dim_4D"],
+)  # fmt: skip
+def test_causal_with_an_explicit_attn_mask_raises_like_sdpa(backend, input_dim, attn_mask_dim, dropout_p):
+    n, n_prime, seq_q, seq_k, head_dim = 2, 2, 4, 3, 6
+    batch = (n,) if input_dim == 3 else (n, n_prime)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*batch, seq, head_dim, generator=gen) for seq in (seq_q, seq_k, seq_k))
+    mask = torch.ones((seq_q, seq_k) if attn_mask_dim == 2 else (*batch, seq_q, seq_k), dtype=torch.bool).tril()
+    message = "Explicit attn_mask should not be set when is_causal=True"
+    with pytest.raises(RuntimeError, match=message), sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(q, k, v, mask, dropout_p, True)
+    for attn_mask in (mask, mask.float().log()):
+        with pytest.raises(RuntimeError, match=message):
+            attention(q, k, v, attn_mask, dropout_p, True)
+    if dropout_p == 0.0:
+        expected = F.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+        torch.testing.assert_close(attention(q, k, v, None, 0.0, True), expected)
+
+
+def test_self_attention_with_causal_and_an_explicit_attn_mask_raises():
+    x, weight = torch.randn(2, 5, 32), torch.randn(96, 32)
+    with pytest.raises(RuntimeError, match="Explicit attn_mask should not be set when is_causal=True"):
+        self_attention(x, weight, None, 4, attn_mask=torch.ones(5, 5, dtype=torch.bool).tril(), is_causal=True)
+
+
+def test_nested_inputs_are_refused_with_the_argument_named():
+    nested = torch.nested.nested_tensor([torch.randn(4, 2, 8), torch.randn(6, 2, 8)], layout=torch.jagged)
+    q = nested.transpose(1, 2)
+    with pytest.raises(TypeError, match="query must be a dense .strided. tensor, got a nested tensor"):
+        attention(q, q, q, is_causal=True)
 
 
 @pytest.mark.parametrize(
@@ -823,7 +911,10 @@ def _self_attention_inputs(**overrides):
 
 BAD_SELF_ATTENTION_INPUTS = [
     (_self_attention_inputs(x=torch.randn(5, 32)), ValueError, r"x must be 3-d \(batch, seq, embed\)"),
-    (_self_attention_inputs(x=torch.randn(2, 5, 32, dtype=torch.float64)), TypeError, "x must be float16"),
+    (_self_attention_inputs(x=torch.ones(2, 5, 32, dtype=torch.int32)), TypeError,
+     "x must be float16, bfloat16, float32 or float64, got torch.int32"),
+    (_self_attention_inputs(x=torch.randn(2, 5, 32, dtype=torch.float64)), TypeError,
+     "qkv_weight must have x's dtype torch.float64, got torch.float32"),
     (_self_attention_inputs(qkv_weight=torch.randn(64, 32)), ValueError, r"qkv_weight must have shape \(96, 32\)"),
     (_self_attention_inputs(qkv_bias=torch.randn(64)), ValueError, r"qkv_bias must have shape \(96,\)"),
     (_self_attention_inputs(qkv_weight=torch.randn(96, 32, dtype=torch.float16)), TypeError,

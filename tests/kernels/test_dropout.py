@@ -65,6 +65,25 @@ def test_mixed_dtypes_promote_like_torch_add(backend):
     torch.testing.assert_close(dres, dout, rtol=0, atol=0)
 
 
+def test_float64_in_float64_and_gradcheck(backend):
+    # float64 takes the PyTorch reference in float64 on every device (with "triton", the
+    # branch CUDA tensors take); a float32 branch onto a float64 residual promotes like torch's add
+    x = torch.randn(3, 20, dtype=torch.float64, requires_grad=True)
+    residual = torch.randn(3, 20, dtype=torch.float64, requires_grad=True)
+
+    def ours(x, residual):
+        torch.manual_seed(2)
+        return dropout_add(x, residual, 0.3)
+
+    torch.manual_seed(2)
+    keep = _keep(x.shape, 0.3)
+    torch.testing.assert_close(ours(x, residual), residual + torch.where(keep, x * SCALE, 0.0), rtol=1e-15, atol=0)
+    assert torch.autograd.gradcheck(ours, (x, residual), fast_mode=True)
+    mixed = ours(x.detach().float(), residual.detach())
+    assert mixed.dtype == torch.float64
+    torch.testing.assert_close(mixed, residual + torch.where(keep, x.float().double() * SCALE, 0.0), rtol=1e-15, atol=0)
+
+
 def test_keep_fraction(backend):
     out = dropout_add(torch.ones(512, 512), torch.zeros(512, 512), 0.25)
     assert abs((out != 0).float().mean().item() - 0.75) < 0.01
@@ -85,9 +104,9 @@ def test_bad_input():
         dropout_add(x, torch.randn(4, 5), 0.1)
     with pytest.raises(ValueError, match="residual must be on x's device"):
         dropout_add(x, torch.randn(4, 4, device="meta"), 0.1)
-    with pytest.raises(TypeError, match="residual must be a float32, float16 or bfloat16"):
-        dropout_add(x, x.double(), 0.1)
+    with pytest.raises(TypeError, match="residual must be a float32, float16, bfloat16 or float64 torch.Tensor, got"):
+        dropout_add(x, x.int(), 0.1)
     with pytest.raises(ValueError, match="dropout_p"):
         dropout_add(x, x, -0.1)
-    with pytest.raises(TypeError, match="x must be a float32, float16 or bfloat16"):
+    with pytest.raises(TypeError, match="x must be a float32, float16, bfloat16 or float64 torch.Tensor, got"):
         dropout_add(x.long(), x, 0.1)

@@ -250,6 +250,49 @@ def test_rms_norm_default_eps_is_dtype_eps(backend):
     torch.testing.assert_close(rms_norm(x, 8), F.rms_norm(x, (8,)))
 
 
+def test_rms_norm_default_eps_of_float64_is_float64s(backend):
+    # torch takes the eps of the accumulation type: float64's (float32's would give 3e-6 here)
+    x = torch.full((2, 8), 1e-9, dtype=torch.float64)
+    torch.testing.assert_close(rms_norm(x, 8), F.rms_norm(x, (8,)), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save-input", "save-output"])
+@pytest.mark.parametrize("dropout_after", [False, True], ids=["dropout+residual", "dropout-after"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_float64_matches_eager_float64_and_passes_gradcheck(backend, is_rms, dropout_after, memory_efficient):
+    # float64 takes the PyTorch reference in float64 on every device (with "triton", the
+    # branch CUDA tensors take), the output rebuilt from in memory-efficient mode included
+    n_cols, eps, shape = 7, 1e-5, (2, 3, 7)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    residual = None if dropout_after else torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight, bias = (None if t is None else t.requires_grad_() for t in _params(n_cols, torch.float64, not is_rms))
+
+    def ours(x, residual, weight, bias):
+        torch.manual_seed(SEED)
+        rebuilds = norm_kernels._checked_memory_mode(memory_efficient, weight, bias)
+        return norm_kernels._fused_norm(
+            x, (n_cols,), weight, bias, eps, residual, DROPOUT_P, rebuilds, False, is_rms, dropout_after=dropout_after
+        )
+
+    torch.manual_seed(SEED)
+    keep = dropout_keep_block(new_dropout_seed(x.device), torch.arange(6), 0, n_cols, n_cols, DROPOUT_P).view(shape)
+    scale = dropout_threshold(DROPOUT_P)[1]
+    h = x if dropout_after else torch.where(keep, x * scale, 0.0) + residual
+    expected = F.rms_norm(h, (n_cols,), weight, eps) if is_rms else F.layer_norm(h, (n_cols,), weight, bias, eps)
+    if dropout_after:
+        expected = torch.where(keep, expected * scale, 0.0)
+    inputs = (x, residual, weight, bias)
+    y = ours(*inputs)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, expected, rtol=1e-12, atol=1e-12)
+    leaves = [t for t in inputs if t is not None]
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    for g, g_ref in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(expected, leaves, dy)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(ours, inputs, fast_mode=True)
+
+
 def test_non_contiguous_input_and_stride_zero_gradient(backend):
     torch.manual_seed(0)
     base = torch.randn(40, 6, requires_grad=True)
@@ -383,6 +426,16 @@ def test_output_rebuilds_input():
     assert not output_rebuilds_input(torch.tensor([1.0, float("nan"), 1.0, 1.0]), None)
 
 
+def test_float64_op_passes_opcheck(monkeypatch):
+    # float64 statistics in the fake (meta) function too, as torch.compile traces them
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernels' branch: float64 must leave it
+    x, residual = (torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    weight, bias = (t.requires_grad_() for t in _params(7, torch.float64))
+    seed = new_dropout_seed(x.device)
+    args = (x, residual, weight, bias, seed, False, 1, 1e-5, DROPOUT_P, True, True, torch.float64, False)
+    torch.library.opcheck(norm_kernels._norm_op, args, test_utils="test_faketensor")
+
+
 class TestBadInput:
     def test_wrong_normalized_shape(self):
         with pytest.raises(ValueError, match="normalized_shape"):
@@ -405,8 +458,13 @@ class TestBadInput:
             layer_norm(torch.randn(2, 8), 8, residual=torch.randn(2, 7))
 
     def test_dtypes(self):
-        with pytest.raises(TypeError, match="input must be float32, float16 or bfloat16"):
+        with pytest.raises(TypeError, match="input must be float32, float16, bfloat16 or float64, got torch.int64"):
             layer_norm(torch.ones(2, 8, dtype=torch.int64), 8)
+        with pytest.raises(TypeError, match="weight dtype must match input dtype torch.float64"):
+            layer_norm(torch.randn(2, 8, dtype=torch.float64), 8, torch.ones(8))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts no float64 tensor: no mixing there either
+            with pytest.raises(TypeError, match="bias dtype must match input dtype torch.float32 when either is"):
+                layer_norm(torch.randn(2, 8), 8, torch.ones(8), torch.zeros(8, dtype=torch.float64))
         with pytest.raises(TypeError, match="weight dtype must match input dtype"):
             layer_norm(torch.randn(2, 8, dtype=torch.float16), 8, torch.ones(8))
         with pytest.raises(TypeError, match="residual dtype must match"):

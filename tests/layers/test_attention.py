@@ -104,6 +104,56 @@ def test_cross_attention_with_kdim_vdim_and_float_masks(backend, dtype, ulps):
     )  # fmt: skip
 
 
+def test_float64_matches_torch_and_passes_gradcheck(backend):
+    # the fused path (need_weights=False) in float64: the PyTorch reference in float64, on every device
+    torch.manual_seed(0)
+    reference = nn.MultiheadAttention(8, 2, batch_first=True, dtype=torch.float64)
+    layer = MultiheadAttention.from_torch(reference)
+    x, kv = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 7, 8, dtype=torch.float64)
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    for key, kwargs in ((x, {"key_padding_mask": _padding(2, 5)}), (x, {"attn_mask": causal, "is_causal": True}),
+                        (kv, {"key_padding_mask": _padding(2, 7)})):  # fmt: skip
+        out = layer(x, key, key, need_weights=False, **kwargs)[0]
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, reference(x, key, key, need_weights=False, **kwargs)[0], rtol=1e-12, atol=1e-12)
+    x.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x: layer(x, x, x, need_weights=False, key_padding_mask=_padding(2, 5))[0], (x,), fast_mode=True
+    )
+
+
+@pytest.mark.parametrize("padding", ["none", "bool", "float"])
+def test_causal_hint_is_read_as_torch_reads_it(backend, padding):
+    # is_causal=True with an attn_mask: torch applies the causal mask without reading attn_mask,
+    # unless a key_padding_mask comes too: then attn_mask, merged with it, is applied as given.
+    # The attn_mask here is not causal, so each reading gives another result.
+    ours, same_dtype, _ = _modules(torch.float32, embed_dim=16, num_heads=2, batch_first=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 16, generator=gen)
+    not_causal = torch.rand(6, 6, generator=gen) > 0.6
+    not_causal.fill_diagonal_(False)
+    key_padding_mask = {"none": None, "bool": _padding(2, 6)}.get(padding)
+    if padding == "float":  # torch wants both masks of one type
+        key_padding_mask = torch.zeros(2, 6).masked_fill(_padding(2, 6), -math.inf)
+        not_causal = torch.zeros(6, 6).masked_fill(not_causal, -math.inf)
+    kwargs = dict(key_padding_mask=key_padding_mask, attn_mask=not_causal, is_causal=True, need_weights=False)
+    torch.testing.assert_close(ours(x, x, x, **kwargs)[0], same_dtype(x, x, x, **kwargs)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_causal_hint_without_attn_mask_applies_the_causal_mask(backend):
+    # torch asks for the mask the hint describes; slimformer applies the causal mask itself,
+    # with any key_padding_mask (an additive one goes in as a mask holding both)
+    ours, same_dtype, _ = _modules(torch.float32, embed_dim=16, num_heads=2, batch_first=True)
+    x = torch.randn(2, 6, 16)
+    causal = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    float_padding = torch.zeros(2, 6).masked_fill(_padding(2, 6), -math.inf)
+    float_causal = nn.Transformer.generate_square_subsequent_mask(6)
+    for key_padding_mask, attn_mask in ((None, causal), (_padding(2, 6), causal), (float_padding, float_causal)):
+        out = ours(x, x, x, key_padding_mask=key_padding_mask, is_causal=True, need_weights=False)[0]
+        expected = same_dtype(x, x, x, key_padding_mask=key_padding_mask, attn_mask=attn_mask, need_weights=False)[0]
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_unbatched_input(backend):
     _check(torch.float32, 8.0, dict(embed_dim=32, num_heads=2), [(19, 32)] * 4, True)
 

@@ -101,6 +101,38 @@ def test_from_torch_shares_parameters(torch_class, sf_class):
         sf_class.from_torch(nn.Linear(2, 2))
 
 
+@pytest.mark.parametrize("torch_class, sf_class", LAYER_PAIRS, ids=["LayerNorm", "RMSNorm"])
+def test_float64_layer_matches_torch_and_passes_gradcheck(backend, torch_class, sf_class):
+    # built in float64, or converted with .double(): the PyTorch reference in float64
+    reference = torch_class(6, dtype=torch.float64)
+    _randomize(reference)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(2, 3, 6, dtype=torch.float64)
+    built = sf_class(6, dtype=torch.float64)
+    built.load_state_dict(reference.state_dict())
+    converted = sf_class(6)
+    converted.load_state_dict(reference.state_dict())
+    for layer in (built, converted.double()):
+        y, y_ref = layer(x), reference(x)
+        assert y.dtype == torch.float64
+        torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(y, [x, *layer.parameters()], dy)
+        for g, g_ref in zip(grads, torch.autograd.grad(y_ref, [x, *reference.parameters()], dy)):
+            torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+        assert torch.autograd.gradcheck(layer, (x,), fast_mode=True)
+    tiny = torch.full((2, 6), 1e-9, dtype=torch.float64)  # RMSNorm's eps=None: float64's machine epsilon
+    torch.testing.assert_close(built(tiny), reference(tiny), rtol=1e-12, atol=1e-12)
+
+
+def test_float64_model_patches_and_runs_like_torch(backend):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 6), nn.RMSNorm(6)).double()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    patched = sf.patch(copy.deepcopy(model))
+    assert isinstance(patched[1], sf.LayerNorm) and isinstance(patched[3], sf.RMSNorm)
+    torch.testing.assert_close(patched(x), model(x), rtol=1e-12, atol=1e-12)
+
+
 def test_fused_residual_and_dropout_through_the_module(backend):
     layer = sf.LayerNorm(32)
     x, residual = torch.randn(4, 32), torch.randn(4, 32)

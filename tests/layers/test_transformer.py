@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import slimformer as sf
+from slimformer.layers import transformer as transformer_module
 from slimformer.memory import measure_activation_memory
 from slimformer.recompute import POLICIES
 from tests.helpers import BRANCH_COVERING_POLICIES
@@ -39,7 +40,7 @@ def _pair(norm_first=False, activation="relu", dropout=0.0, batch_first=True, re
 def _outputs_and_grads(layer, x, **kwargs):
     x = x.detach().clone().requires_grad_(True)
     out = layer(x, **kwargs)
-    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
     params = [p for p in layer.parameters()]
     grads = torch.autograd.grad(out, [x, *params], dy)
     return out, grads
@@ -100,6 +101,170 @@ def test_inside_transformer_encoder(backend):
         with torch.no_grad():
             out_ref = encoder_ref(x, src_key_padding_mask=padding)[~padding]
             torch.testing.assert_close(encoder(x, src_key_padding_mask=padding)[~padding], out_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("nhead", [3, 4])
+def test_no_fastpath_with_hooks(backend, nhead):
+    # torch's test_transformerencoderlayer_no_fastpath_with_hooks_nhead_{3,4} (test/test_transformers.py):
+    # a forward hook on self_attn fires once under inference_mode, here with what torch's layer gives it
+    torch.manual_seed(0)
+    reference = nn.TransformerEncoderLayer(d_model=12, nhead=nhead, dim_feedforward=12, batch_first=True).eval()
+    layer = sf.TransformerEncoderLayer(d_model=12, nhead=nhead, dim_feedforward=12, batch_first=True).eval()
+    layer.load_state_dict(reference.state_dict())
+    src = torch.rand(2, 4, 12)
+    results = []
+    for model in (reference, layer):
+        cache = []
+        handle = model.self_attn.register_forward_hook(lambda module, inputs, output: cache.append(output[0].detach()))
+        with torch.inference_mode():
+            out = model(src)
+        handle.remove()
+        results.append((cache, out))
+    (expected_cache, expected), (cache, out) = results
+    assert len(cache) == 1, f"Expected 1 output, got {len(cache)}"
+    torch.testing.assert_close(cache[0], expected_cache[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _record_calls(model, calls):
+    """Hooks recording, on every submodule torch's forward calls, each call's name, inputs,
+    keyword arguments and output, and each backward call's output gradient."""
+    handles = []
+    for name in ("self_attn", "norm1", "norm2", "linear1", "linear2", "dropout", "dropout1", "dropout2", "activation"):
+        module = getattr(model, name)
+
+        def pre(module, args, kwargs, name=name):
+            calls.append((f"pre {name}", args, kwargs))
+
+        def post(module, args, kwargs, output, name=name):
+            calls.append((name, output))
+
+        def backward(module, grad_input, grad_output, name=name):
+            calls.append((f"backward {name}", grad_output))
+
+        handles += [
+            module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True),
+            module.register_full_backward_hook(backward),
+        ]
+    return handles
+
+
+def _assert_same_calls(calls, expected):
+    assert [c[0] for c in calls] == [c[0] for c in expected]
+    for call, expected_call in zip(calls, expected):
+        for got, want in zip(call[1:], expected_call[1:]):
+            got, want = (t if isinstance(t, dict) else dict(enumerate(t if isinstance(t, tuple) else (t,)))
+                         for t in (got, want))  # fmt: skip
+            assert got.keys() == want.keys(), call[0]
+            for key, value in got.items():
+                if isinstance(value, torch.Tensor):
+                    torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-5, msg=f"{call[0]} {key}")
+                else:
+                    assert value == want[key], (call[0], key)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
+def test_hooks_on_every_submodule_fire_as_in_torch(monkeypatch, norm_first):
+    # Outside its inference fast path torch's layer calls these submodules as modules; their
+    # pre-hooks, hooks and backward hooks see the same calls, arguments and gradients here.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # which hooks fire does not depend on the kernels
+    reference, layer = _pair(norm_first, nn.GELU())
+    x = torch.randn(2, 5, D_MODEL)
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    recorded = []
+    for model in (reference, layer):
+        calls = []
+        handles = _record_calls(model, calls)
+        out, grads = _outputs_and_grads(model, x, src_mask=mask, src_key_padding_mask=_padding(2, 5))
+        for handle in handles:
+            handle.remove()
+        recorded.append((calls, out, grads))
+    (expected_calls, expected, expected_grads), (calls, out, grads) = recorded
+    _assert_same_calls(calls, expected_calls)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    for g, g_ref in zip(grads, expected_grads):
+        torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fused_path_without_hooks_and_after_they_are_removed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, layer = _pair()
+    fused, fused_calls = transformer_module.self_attention, []
+
+    def counting(*args, **kwargs):
+        fused_calls.append(args)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(transformer_module, "self_attention", counting)
+    x = torch.randn(2, 5, D_MODEL)
+    layer(x)
+    assert len(fused_calls) == 1
+    seen = []
+    handle = layer.linear2.register_forward_hook(lambda module, args, output: seen.append(output))
+    layer(x)
+    assert len(fused_calls) == 1 and len(seen) == 1  # torch's forward, where linear2 is called as a module
+    handle.remove()
+    layer(x)
+    assert len(fused_calls) == 2
+
+
+@pytest.mark.parametrize(
+    "norm_first, policy", [(False, "qkv+mlp"), (True, "full")], ids=["post-LN-qkv+mlp", "pre-LN-full"]
+)
+def test_float64_matches_torch_and_passes_gradcheck(norm_first, policy):
+    # float64 runs the PyTorch references in float64 (attention, norms, MLP, dropout) on every
+    # device: here with kernels interpreted, the branch CUDA tensors take
+    reference, layer = _pair(norm_first, "gelu", recompute=policy, dtype=torch.float64)
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    padding = _padding(2, 5)
+    for kwargs in ({"src_key_padding_mask": padding}, {"src_mask": nn.Transformer.generate_square_subsequent_mask(5)}):
+        out, grads = _outputs_and_grads(layer, x, **kwargs)
+        expected, expected_grads = _outputs_and_grads(reference, x, **kwargs)
+        assert out.dtype == torch.float64
+        keep = ~padding if "src_key_padding_mask" in kwargs else slice(None)  # padded rows: unspecified in torch
+        torch.testing.assert_close(out[keep], expected[keep], rtol=1e-10, atol=1e-10)
+        for g, g_ref in zip(grads, expected_grads):
+            torch.testing.assert_close(g, g_ref, rtol=1e-10, atol=1e-10)
+    small = sf.TransformerEncoderLayer(
+        8, 2, 12, dropout=0.1, batch_first=True, norm_first=norm_first, dtype=torch.float64, recompute=policy
+    ).train()
+
+    def run(x):
+        torch.manual_seed(0)  # the same dropout masks in every evaluation
+        return small(x, src_key_padding_mask=padding[:, :3])
+
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(run, (x,), fast_mode=True)
+
+
+@pytest.mark.parametrize(
+    "replaced", [("MultiheadAttention",), ("MultiheadAttention", "TransformerEncoderLayer", "LayerNorm", "RMSNorm")],
+    ids=["MultiheadAttention", "all"],
+)  # fmt: skip
+def test_global_drop_in_of_torchs_classes(monkeypatch, replaced):
+    # The pattern ``torch.nn.MultiheadAttention = slimformer.MultiheadAttention`` (monkeypatch puts
+    # torch's classes back): construction, from_torch and forward still work.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the classes matter here, not the kernels
+    reference, _ = _pair()
+    for name in replaced:
+        monkeypatch.setattr(torch.nn, name, getattr(sf, name))
+    built = sf.TransformerEncoderLayer(D_MODEL, NHEAD, D_FF, 0.0, batch_first=True)
+    via_nn = nn.TransformerEncoderLayer(D_MODEL, NHEAD, D_FF, 0.0, batch_first=True)
+    for layer in (built, via_nn):
+        layer.load_state_dict(reference.state_dict())
+    converted = [sf.TransformerEncoderLayer.from_torch(module) for module in (reference, via_nn, built)]
+    x = torch.randn(2, 3, D_MODEL)
+    expected = reference(x)
+    for layer in (built, via_nn, *converted):
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)
+    assert all(isinstance(layer.self_attn, sf.MultiheadAttention) for layer in converted)
+    attention = nn.MultiheadAttention(D_MODEL, NHEAD, batch_first=True)
+    for module in (attention, reference.self_attn):
+        sf.MultiheadAttention.from_torch(module)
+    assert isinstance(sf.LayerNorm.from_torch(reference.norm1), sf.LayerNorm)
+    encoder = nn.TransformerEncoder(built, num_layers=2, enable_nested_tensor=False)
+    assert encoder(x).shape == x.shape
 
 
 def test_unfusable_activation_is_rejected():
