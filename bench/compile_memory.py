@@ -7,13 +7,14 @@ output's parameters zero gradients where eager mode gives none), forward + backw
 optimizer: its update would set every column's peak alike), as
 
 * ``slimformer (POLICY)``: a ``slimformer.patch``ed copy under each recompute policy, in
-  eager mode and under ``torch.compile(model, fullgraph=True)`` (inductor). ``patch``
-  switches the model to slimformer's registered attention, so that its layers get the
-  (batch, seq) padding mask. With the eager (or sdpa) implementation, transformers
-  builds a (batch, 1, seq, seq) fp32 mask under torch.compile (it cannot look at the
-  mask's values to see that nothing is padded) where eager mode passes None: 4 MiB at
-  batch 4, seq 512, kept for backward; the column ``..., eager's mask`` (switched back
-  to "eager" after the patch) measures that;
+  eager mode and under ``torch.compile(model, fullgraph=True)`` (inductor), switched
+  to slimformer's registered attention after the patch
+  (``model.set_attn_implementation("slimformer")``), so that its layers get the (batch,
+  seq) padding mask. With the eager (or sdpa) implementation, which ``patch`` keeps when
+  it is the model's, transformers builds a (batch, 1, seq, seq) fp32 mask under
+  torch.compile (it cannot look at the mask's values to see that nothing is padded)
+  where eager mode passes None: 4 MiB at batch 4, seq 512, kept for backward; the column
+  ``..., eager's mask`` (left at "eager") measures that;
 * ``HF eager``, and HF compiled with the default partitioner and with
   ``torch._functorch.config.activation_memory_budget`` 0.5 / 0.1: the peers a user who
   compiles would pick instead.
@@ -145,12 +146,11 @@ def columns(layers: int, seq: int) -> dict[str, Callable[[], nn.Module]]:
     return built
 
 
-def _patched(base: nn.Module, policy: str, attn_implementation: str | None = None) -> nn.Module:
-    """A patched copy of ``base`` (whose layers get a (batch, seq) padding mask, see the
-    module docstring), switched to ``attn_implementation`` if given."""
+def _patched(base: nn.Module, policy: str, attn_implementation: str = "slimformer") -> nn.Module:
+    """A patched copy of ``base`` switched to ``attn_implementation`` (slimformer's: its
+    layers get a (batch, seq) padding mask, see the module docstring)."""
     model = patch(copy.deepcopy(base), recompute=policy)
-    if attn_implementation is not None:
-        model.set_attn_implementation(attn_implementation)
+    model.set_attn_implementation(attn_implementation)
     return model
 
 

@@ -61,6 +61,14 @@ INT8_COLUMNS = ("HF SDPA int8", "slimformer padded int8", "slimformer unpadded i
 MiB = 2**20
 
 
+def _patched(base, unpad: bool = False):
+    """A patched copy of ``base`` on slimformer's attention (its layers get the (batch, seq)
+    padding mask; ``patch`` keeps the model's own implementation)."""
+    model = patch(copy.deepcopy(base), unpad=unpad)
+    model.set_attn_implementation("slimformer")
+    return model
+
+
 def sentence_lengths(batch: int = BATCH, max_len: int = MAX_LEN, seed: int = SEED) -> list[int]:
     """Token lengths of ``batch`` sentences, log-normal around MEDIAN_LENGTH, in [4, max_len]."""
     generator = torch.Generator().manual_seed(seed)
@@ -91,8 +99,8 @@ def build_models(config: BertConfig) -> dict[str, torch.nn.Module]:
         models[name] = copy.deepcopy(base)
         models[name].set_attn_implementation(implementation)
     base.set_attn_implementation("sdpa")
-    models["slimformer padded"] = patch(copy.deepcopy(base))
-    models["slimformer unpadded"] = patch(copy.deepcopy(base), unpad=True)
+    models["slimformer padded"] = _patched(base)
+    models["slimformer unpadded"] = _patched(base, unpad=True)
     return {name: model.train() for name, model in models.items()}
 
 
@@ -195,7 +203,7 @@ def loss_curves(steps: int = 50) -> tuple[list[float], list[float]]:
     base = BertForSequenceClassification(config)
     curves = []
     for unpad in (False, True):
-        model = patch(copy.deepcopy(base), unpad=unpad).train()
+        model = _patched(base, unpad=unpad).train()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
         losses = []
         for _ in range(steps):

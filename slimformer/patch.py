@@ -119,7 +119,15 @@ from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.norm import LayerNorm, RMSNorm, fuse_with_dropout
-from slimformer.layers.sharing import NotScriptable, has_user_hooks as _has_user_hooks
+from slimformer.layers.sharing import (
+    NotScriptable,
+    TorchDropout,
+    TorchLayerNorm,
+    TorchMultiheadAttention,
+    TorchRMSNorm,
+    TorchTransformerEncoderLayer,
+    has_user_hooks as _has_user_hooks,
+)
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
 from slimformer.recompute import check_policy
@@ -177,11 +185,11 @@ _LINEARS = (nn.Linear, Linear8bit, Linear16bit)
 # for (None: a container whose own forward is replaced); the Linears, which it calls
 # (q, k, v, attention.output.dense) or may call (the MLP's), are not listed.
 _BYPASSED = {
-    "attention": None, "attention.self": None, "attention.self.dropout": (nn.Dropout,),
-    "attention.output": None, "attention.output.dropout": (nn.Dropout,),
-    "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate": None,
-    "intermediate.intermediate_act_fn": None, "output": None, "output.dropout": (nn.Dropout,),
-    "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+    "attention": None, "attention.self": None, "attention.self.dropout": (TorchDropout,),
+    "attention.output": None, "attention.output.dropout": (TorchDropout,),
+    "attention.output.LayerNorm": (TorchLayerNorm, LayerNorm), "intermediate": None,
+    "intermediate.intermediate_act_fn": None, "output": None, "output.dropout": (TorchDropout,),
+    "output.LayerNorm": (TorchLayerNorm, LayerNorm),
 }  # fmt: skip
 # The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
 # hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
@@ -503,10 +511,10 @@ def _bert_layer_problem(layer: nn.Module) -> str | None:
         return f"hidden_act {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
     expected = {
         "attention.self.query": _LINEARS, "attention.self.key": _LINEARS,
-        "attention.self.value": _LINEARS, "attention.self.dropout": (nn.Dropout,),
-        "attention.output.dense": _LINEARS, "attention.output.dropout": (nn.Dropout,),
-        "attention.output.LayerNorm": (nn.LayerNorm, LayerNorm), "intermediate.dense": _LINEARS,
-        "output.dense": _LINEARS, "output.dropout": (nn.Dropout,), "output.LayerNorm": (nn.LayerNorm, LayerNorm),
+        "attention.self.value": _LINEARS, "attention.self.dropout": (TorchDropout,),
+        "attention.output.dense": _LINEARS, "attention.output.dropout": (TorchDropout,),
+        "attention.output.LayerNorm": (TorchLayerNorm, LayerNorm), "intermediate.dense": _LINEARS,
+        "output.dense": _LINEARS, "output.dropout": (TorchDropout,), "output.LayerNorm": (TorchLayerNorm, LayerNorm),
     }  # fmt: skip
     for path, types in expected.items():
         module = layer.get_submodule(path)
@@ -550,7 +558,7 @@ def _embeddings_problem(embeddings: nn.Module) -> str | None:
         _EMBEDDINGS_SOURCE_PROBLEM[kind] = problem
     if _EMBEDDINGS_SOURCE_PROBLEM[kind] is not None:
         return _EMBEDDINGS_SOURCE_PROBLEM[kind]
-    for name, expected in (("LayerNorm", nn.LayerNorm), ("dropout", nn.Dropout)):
+    for name, expected in (("LayerNorm", TorchLayerNorm), ("dropout", TorchDropout)):
         module = getattr(embeddings, name, None)
         if type(module) is not expected:
             return f"{name} is a {type(module).__name__}, not torch.nn.{expected.__name__}"
@@ -586,18 +594,18 @@ def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None]:
         return (None, problem) if problem else (_fuse_bert_layer(module), None)
     if _looks_like_bert_layer(module):
         return None, f"{kind.__name__} is not a BERT-family layer verified to compute BertLayer's forward"
-    if kind is nn.TransformerEncoderLayer:
+    if kind is TorchTransformerEncoderLayer:
         try:
             return TransformerEncoderLayer.from_torch(module), None
         except ValueError as error:
             return None, str(error)
-    if kind is nn.LayerNorm:
+    if kind is TorchLayerNorm:
         return LayerNorm.from_torch(module), None
-    if kind is nn.RMSNorm:
+    if kind is TorchRMSNorm:
         return RMSNorm.from_torch(module), None
-    if kind is nn.MultiheadAttention:
+    if kind is TorchMultiheadAttention:
         return MultiheadAttention.from_torch(module), None
-    for base in (nn.TransformerEncoderLayer, nn.LayerNorm, nn.RMSNorm, nn.MultiheadAttention):
+    for base in (TorchTransformerEncoderLayer, TorchLayerNorm, TorchRMSNorm, TorchMultiheadAttention):
         if isinstance(module, base):
             return None, f"subclass of torch.nn.{base.__name__} whose forward may differ"
     if _ROLES["norm"].search(kind.__name__) and hasattr(module, "variance_epsilon"):

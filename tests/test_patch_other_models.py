@@ -140,3 +140,20 @@ def test_standalone_multihead_attention_is_swapped():
     assert type(model[0]) is sf.MultiheadAttention and model[0].in_proj_weight is mha.in_proj_weight
     out, _ = model[0](x, x, x, need_weights=False)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_patch_swaps_torchs_modules_under_the_global_drop_in_pattern(monkeypatch):
+    # `torch.nn.LayerNorm = sf.LayerNorm` (and the others) rebinds torch.nn's names, not the
+    # classes torch's own modules are made of: patch still recognises those
+    from torch.nn.modules import activation, normalization, transformer
+
+    for name in ("LayerNorm", "RMSNorm", "MultiheadAttention", "TransformerEncoderLayer"):
+        monkeypatch.setattr(nn, name, getattr(sf, name))
+    model = nn.Sequential(
+        transformer.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+        normalization.LayerNorm(16),
+        normalization.RMSNorm(16),
+    )
+    model.add_module("attention", activation.MultiheadAttention(16, 2, batch_first=True))
+    sf.patch(model)
+    assert [type(m) for m in model] == [sf.TransformerEncoderLayer, sf.LayerNorm, sf.RMSNorm, sf.MultiheadAttention]

@@ -77,6 +77,7 @@ def _train_model(base, spec: dict, device, dry_run: bool):
         model.gradient_checkpointing_enable()
     if "policy" in spec:
         sf.patch(model, recompute=spec["policy"], unpad=spec.get("unpad", False))
+        model.set_attn_implementation("slimformer")  # the fused layers get the (batch, seq) padding mask
     forward = model
     if spec.get("compiled"):
         forward = torch.compile(model, backend="eager" if dry_run else "inductor")

@@ -35,7 +35,7 @@ CASES = {
         "attn d64 fp16 s512 fused-qkv causal dropout0.1",
         "attn d64 bf16 s512 fused-qkv causal dropout0.1 key-padding",
         "attn d128 bf16 s512 fused-qkv causal dropout0.1 key-padding",
-        "attn d256 bf16 s512 fused-qkv causal dropout0.1 bool-mask key-padding",
+        "attn d256 bf16 s512 fused-qkv dropout0.1 bool-mask key-padding",
         "attn d64 bf16 s512 fused-qkv dropout0.1 atomic-dq",
         "attn d128 bf16 s512 fused-qkv dropout0.1 atomic-dq",
     ],
