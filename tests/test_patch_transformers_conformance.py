@@ -373,3 +373,17 @@ def test_attention_is_registered_when_transformers_is_imported():
         [sys.executable, "-c", _IMPORT_CHECK], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize("name", BASE_MODELS)
+def test_slimformer_attention_gives_the_weights_a_config_asks_for(name):
+    # a model built with output_attentions=True in its config, then switched to "slimformer"
+    config = _config(name, attn_implementation="eager", output_attentions=True)
+    model = _model(BASE_MODELS[name][1], config)
+    ids, mask = _batch(config)
+    eager = model(input_ids=ids, attention_mask=mask).attentions
+    model.set_attn_implementation("slimformer")
+    ours = model(input_ids=ids, attention_mask=mask).attentions
+    assert len(ours) == len(eager) == config.num_hidden_layers
+    for got, expected in zip(ours, eager):
+        torch.testing.assert_close(got, expected)

@@ -292,7 +292,8 @@ def register_transformers_attention(name: str = "slimformer") -> str:
     sliding windows, packed sequences, custom mask functions) is built as transformers'
     boolean sdpa mask and read through its broadcast strides. Returns ``name``.
 
-    A call with ``output_attentions`` (the model was asked for its attention weights), or
+    A call with ``output_attentions`` (the model was asked for its attention weights, by the
+    argument or its config), or
     on an attention module with hooks of a user (which may read them), runs the attention
     in PyTorch instead, as transformers' eager attention does, and returns the
     probabilities with it. The registered function raises NotImplementedError for a model
@@ -322,7 +323,8 @@ def register_transformers_attention(name: str = "slimformer") -> str:
                 f"use another attn_implementation for {type(module).__name__}"
             )
         is_causal = getattr(module, "is_causal", False) if is_causal is None else is_causal
-        if kwargs.get("output_attentions") or has_user_hooks(module):  # someone reads the weights
+        asked = kwargs.get("output_attentions", getattr(getattr(module, "config", None), "output_attentions", False))
+        if asked or has_user_hooks(module):  # someone reads the weights
             return _attention_with_weights(query, key, value, attention_mask, dropout, scaling, is_causal)
         key_padding_mask = None
         if attention_mask is not None and attention_mask.dim() == 2:
