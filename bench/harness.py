@@ -21,8 +21,10 @@ Nothing here touches the GPU at import time.
 
 import argparse
 import functools
+import os
 import platform
 import re
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,7 +101,7 @@ class StepClock:
         flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8, device=device)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
-        sleep_cycles = int(gpu_sleep_cycles_per_us(device) * (1.5 * host_s * 1e6 + _SLEEP_MARGIN_US))
+        sleep_cycles = gpu_sleep_covering(device, host_s)
 
         def gpu_timed() -> None:
             flush.zero_()
@@ -118,8 +120,14 @@ _SLEEP_MARGIN_US = 200.0
 _HOST_CALLS = 10
 
 
+def gpu_sleep_covering(device: torch.device, host_s: float) -> int:
+    """Cycles of a ``torch.cuda._sleep`` long enough for the host to queue a step that takes
+    it ``host_s`` per call: 1.5x that, plus a margin."""
+    return int(_sleep_cycles_per_us(device) * (1.5 * host_s * 1e6 + _SLEEP_MARGIN_US))
+
+
 @functools.cache
-def gpu_sleep_cycles_per_us(device: torch.device) -> float:
+def _sleep_cycles_per_us(device: torch.device) -> float:
     """GPU clock cycles ``torch.cuda._sleep`` spins per microsecond on ``device``, measured."""
     cycles = 20_000_000
     torch.cuda._sleep(cycles // 10)  # the first call loads the kernel
@@ -205,3 +213,20 @@ def refuse_to_replace(parser: argparse.ArgumentParser, paths: list[Path], overwr
     existing = [shown(path) for path in paths if path.exists()]
     if existing and not overwrite:
         parser.error(f"{', '.join(existing)} already exist(s); pass --overwrite to replace, or choose another --out")
+
+
+def git_revision() -> str:
+    """Short commit hash, marked when the working tree has uncommitted changes; 'unknown' outside
+    git. ``SLIMFORMER_REVISION`` overrides it, for a tree without its .git (a machine that was
+    sent a copy of the working tree)."""
+    if os.environ.get("SLIMFORMER_REVISION"):
+        return os.environ["SLIMFORMER_REVISION"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        revision, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return revision + (" (with uncommitted changes)" if changes else "")

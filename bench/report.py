@@ -69,6 +69,7 @@ from bench.compile_memory import measure as measure_compile_memory  # noqa: E402
 from bench.cpu_step import measure_times, time_lines  # noqa: E402
 from bench.harness import (  # noqa: E402
     ROOT,
+    git_revision,
     add_output_arguments,
     device_slug,
     refuse_to_replace,
@@ -341,19 +342,6 @@ def attention_target_lines(results: list[Result], device: str) -> list[str]:
         verdict += f" (targets set for {' / '.join(ATTENTION_TARGET_DEVICES)}, not this GPU)"
     scope = f"Attention, head dim 128, seq >= {ATTENTION_TARGET_MIN_SEQ}, {', '.join(goals)}"
     return [f"{scope}: **{verdict}**", "", *lines]
-
-
-def git_revision() -> str:
-    """Short commit hash, marked when the working tree has uncommitted changes; 'unknown' outside git."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-
-    try:
-        revision, changes = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return revision + (" (with uncommitted changes)" if changes else "")
 
 
 def header(machine: dict, results: list[Result], rounds: int, chosen: Selection) -> list[str]:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from slimformer.layers.mlm_head import masked_token_loss
-from slimformer.unpad import forward_with_signature
+from slimformer.layers.sharing import forward_with_signature
 
 # model class -> how its head is laid out: "predictions" (BERT: cls.predictions with
 # transform + decoder), "pretraining" (the same, beside cls.seq_relationship for

@@ -126,12 +126,13 @@ from slimformer.layers.sharing import (
     TorchMultiheadAttention,
     TorchRMSNorm,
     TorchTransformerEncoderLayer,
+    forward_with_signature,
     has_user_hooks as _has_user_hooks,
 )
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.masked_lm import fused_masked_lm_class, is_masked_lm, masked_lm_problem
 from slimformer.recompute import check_policy
-from slimformer.unpad import PackedSequences, forward_with_signature, is_unpaddable_base_model, unpadded_class
+from slimformer.unpad import PackedSequences, is_unpaddable_base_model, unpadded_class
 
 __all__ = [
     "FusedBertFamilyLayer",

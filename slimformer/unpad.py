@@ -37,15 +37,15 @@ model turns it off. With left padding the pooler reads position 0, which is padd
 zero row where HF pools the padding token's state (neither is a [CLS] embedding).
 """
 
-import functools
 import inspect
 import sys
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from slimformer.layers.sharing import forward_with_signature
 
 # Base models whose forward is BertModel's: embeddings (position ids from a buffer, or
 # RoBERTa's from the padding index), ``_create_attention_masks``, the encoder's layers,
@@ -137,23 +137,6 @@ def _first_positions(packed: torch.Tensor, packing: PackedSequences, first_is_to
         return packed.new_zeros(packing.batch, *packed.shape[1:])
     first = packed.index_select(0, packing.cu_seqlens[:-1].clamp(max=packing.total - 1))
     return torch.where(first_is_token.view(-1, *[1] * (packed.dim() - 1)), first, 0.0)
-
-
-def forward_with_signature(forward, original):
-    """A copy of ``forward``, a mixin's ``forward(self, ...)``, that ``inspect.signature``
-    reports as ``original``'s: for a class made at run time over ``original``'s class, so
-    that what reads a model's parameters from its forward (transformers' Trainer choosing
-    the dataset columns to keep, its model tests, PEFT) sees the original's. The mixin
-    takes every call the original takes. A copy of the function rather than a wrapper: no
-    extra frame, so a graph break inside it stays one break under ``torch.compile``."""
-    signed = types.FunctionType(
-        forward.__code__, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
-    )
-    functools.update_wrapper(signed, forward)
-    signed.__kwdefaults__ = forward.__kwdefaults__
-    signed.__signature__ = inspect.signature(original)
-    del signed.__wrapped__  # the signature is original's, not the mixin's
-    return signed
 
 
 def is_unpaddable_base_model(module: nn.Module) -> bool:

@@ -18,23 +18,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from bench.gpu_check import ROOT
 from bench.gpu_check.timing import Clock
-
-
-def revision() -> str:
-    """The git revision of the tree (``SLIMFORMER_REVISION`` where the tree has no .git, as on
-    a machine that received a copy of the working tree), with ``+dirty`` for uncommitted changes."""
-    if os.environ.get("SLIMFORMER_REVISION"):
-        return os.environ["SLIMFORMER_REVISION"]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
-        return rev + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+from bench.harness import device_slug as _device_slug, git_revision
 
 
 def _driver_version() -> str:
@@ -59,7 +44,7 @@ def describe(device: torch.device) -> dict:
     """Device, software and revision, as the report's header shows them."""
     info = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "revision": revision(),
+        "revision": git_revision(),
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -86,10 +71,7 @@ def describe(device: torch.device) -> dict:
 
 def device_slug(info: dict) -> str:
     """``nvidia-h200`` for "NVIDIA H200", ``cpu`` for a CPU: the report's file names."""
-    if info.get("cuda") is None:
-        return "cpu"
-    words = info["device"].lower().replace("(", " ").replace(")", " ").split()
-    return "-".join(words[:2])
+    return "cpu" if info.get("cuda") is None else _device_slug(info["device"], "cuda")
 
 
 def ceilings(clock: Clock, dry_run: bool) -> dict:

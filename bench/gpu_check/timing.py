@@ -27,12 +27,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bench.harness import gpu_sleep_cycles_per_us
+from bench.harness import gpu_sleep_covering
 
 HOST_CALLS = 10
 WARMUP_CALLS = 2
-# queued with headroom: the sleep covers 1.5x the host's time per call, plus this
-_SLEEP_MARGIN_US = 200.0
 
 
 @dataclass
@@ -47,7 +45,6 @@ class Timing:
     host_us: float  # host time per call, queued without synchronisation
     rounds: int
     first_call_s: float  # wall time of the first call (compile included when not cached)
-    peak_mib: float | None = None  # allocator peak of one call above what was allocated before
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,13 +81,12 @@ class Clock:
         if self.cuda:
             l2 = torch.cuda.get_device_properties(device).L2_cache_size
             self._flush = torch.empty(2 * max(l2, 1 << 20), dtype=torch.uint8, device=device)
-            self.sleep_cycles_per_us = gpu_sleep_cycles_per_us(device)
 
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def measure(self, steps: Sequence[Callable[[], object]], peak: bool = False) -> Timing:
+    def measure(self, steps: Sequence[Callable[[], object]]) -> Timing:
         """Time ``steps`` (one per input copy, rotated over the rounds; see the module docstring)."""
         start = time.perf_counter()
         steps[0]()
@@ -99,7 +95,6 @@ class Clock:
         for i in range(WARMUP_CALLS):
             steps[i % len(steps)]()
         self.synchronize()
-        peak_mib = self._peak_mib(steps[0]) if peak and self.cuda else None
 
         start = time.perf_counter()
         for i in range(HOST_CALLS):
@@ -109,10 +104,10 @@ class Clock:
         wall_s = (time.perf_counter() - start) / HOST_CALLS
         rounds = int(min(self.max_rounds, max(self.min_rounds, self.round_budget_s / max(wall_s, 1e-6))))
         times_us = self._device_rounds(steps, rounds, host_s) if self.cuda else self._host_rounds(steps, rounds)
-        return _timing(times_us, host_s * 1e6, first_call_s, peak_mib)
+        return _timing(times_us, host_s * 1e6, first_call_s)
 
     def _device_rounds(self, steps, rounds: int, host_s: float) -> list[float]:
-        sleep = int(self.sleep_cycles_per_us * (1.5 * host_s * 1e6 + _SLEEP_MARGIN_US))
+        sleep = gpu_sleep_covering(self.device, host_s)
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(rounds)]
         for i, (start, end) in enumerate(events):
             self._flush.zero_()
@@ -131,16 +126,9 @@ class Clock:
             times.append((time.perf_counter() - start) * 1e6)
         return times
 
-    def _peak_mib(self, step) -> float:
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        step()
-        self.synchronize()
-        return (torch.cuda.max_memory_allocated(self.device) - before) / 2**20
 
-
-def _timing(times_us: list[float], host_us: float, first_call_s: float, peak_mib: float | None) -> Timing:
+def _timing(times_us: list[float], host_us: float, first_call_s: float) -> Timing:
     ordered = sorted(times_us)
     p20, p50, p80 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.2, 0.5, 0.8))
     return Timing(p20, statistics.median(ordered), p80, ordered[0], ordered[-1], host_us, len(ordered),
-                  first_call_s, peak_mib)  # fmt: skip
+                  first_call_s)  # fmt: skip

@@ -2,6 +2,9 @@
 every slimformer module shares."""
 
 import copy
+import functools
+import inspect
+import types
 
 from torch import nn
 
@@ -74,3 +77,20 @@ class NotScriptable:
             f"slimformer.{type(self).__name__} is not scriptable with torch.jit.script: it runs Triton kernels "
             "through torch.autograd.Function, which TorchScript cannot compile; use torch.compile(model) instead"
         )
+
+
+def forward_with_signature(forward, original):
+    """A copy of ``forward``, a mixin's ``forward(self, ...)``, that ``inspect.signature``
+    reports as ``original``'s: for a class made at run time over ``original``'s class, so
+    that what reads a model's parameters from its forward (transformers' Trainer choosing
+    the dataset columns to keep, its model tests, PEFT) sees the original's. The mixin
+    takes every call the original takes. A copy of the function rather than a wrapper: no
+    extra frame, so a graph break inside it stays one break under ``torch.compile``."""
+    signed = types.FunctionType(
+        forward.__code__, forward.__globals__, forward.__name__, forward.__defaults__, forward.__closure__
+    )
+    functools.update_wrapper(signed, forward)
+    signed.__kwdefaults__ = forward.__kwdefaults__
+    signed.__signature__ = inspect.signature(original)
+    del signed.__wrapped__  # the signature is original's, not the mixin's
+    return signed
