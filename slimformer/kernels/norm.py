@@ -67,6 +67,8 @@ _MAX_WHOLE_ROW = 8192
 _MAX_WHOLE_ROW_FORWARD = 16384
 _WIDE_BLOCK_N = 4096
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+# Read at import, as Triton's JIT decides at decoration time whether it interprets.
+_COMPILED: tl.constexpr = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -261,8 +263,6 @@ def _norm_bwd_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if W is not None:
-        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if B is not None:
         b = tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if SEED is not None:
@@ -300,7 +300,8 @@ def _norm_bwd_kernel(
 
         g = dy
         if W is not None:
-            g = dy * w
+            # w reloaded per row (from L1), as 1 / w above: g is held beside dy
+            g = _rounded_product(dy, tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :])
         mean_g_xhat = tl.sum(g * x_hat, axis=1)[:, None] / N
         mean_g = 0.0 if IS_RMS else tl.sum(g, axis=1)[:, None] / N
         dh = _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS)
@@ -439,7 +440,7 @@ def _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, col
     saved = tl.load(SAVED + offsets, mask=mask, other=0.0).to(tl.float32)
     g = dy
     if W is not None:
-        g = dy * tl.load(W + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        g = _rounded_product(dy, tl.load(W + cols[None, :], mask=mask, other=0.0).to(tl.float32))
     if REBUILD_FROM_OUTPUT:
         if B is not None:
             saved -= tl.load(B + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -451,6 +452,20 @@ def _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, col
     else:
         x_hat = (saved - tl.load(MEAN + rows)[:, None]) * rstd
     return dy, tl.where(mask, x_hat, 0.0), g
+
+
+@triton.jit
+def _rounded_product(a, b):
+    """a · b, rounded before any use. g = dy · w enters mean(g) rounded; contracted into
+    g − mean(g) as a fused multiply-add it would enter there unrounded, and rstd · (g −
+    mean(g)) amplifies the difference (rstd = 1 / sqrt(eps) on a constant row: dx ~1e-5
+    where it is 0). Compiled, PTX's mul.rn (no ftz: denormals stay) is never contracted;
+    the interpreter does not contract."""
+    if _COMPILED:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        return a * b
 
 
 @triton.jit
@@ -655,11 +670,8 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
         w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
         args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial)
         scalars = (seed, M, N, spec.dropout_p, rows_per_program)
-        # No fused multiply-adds: contracted into g - mean(g), g = dy · w would enter unrounded
-        # where mean(g) summed it rounded, and rstd · (g - mean(g)) would amplify the
-        # difference (rstd = 1 / sqrt(eps) on a constant row: dx ~1e-5 where it is 0).
         flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N),
-                     DROPOUT_AFTER=spec.dropout_after and seed is not None, enable_fp_fusion=False)  # fmt: skip
+                     DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
         if wide:
             _norm_bwd_wide_kernel[(programs,)](*args, *scalars, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:

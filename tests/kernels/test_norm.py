@@ -500,8 +500,8 @@ def test_compiled_kernel_on_gpu(is_rms, dtype, n_cols, fusion, memory_efficient)
     _check_norm(is_rms, dtype, n_cols, "residual" in fusion, "dropout" in fusion, memory_efficient, device="cuda")
 
 
-def compiled_backward_fmas() -> dict[str, int]:
-    """{kernel (columns): fused multiply-adds in its sm_90 PTX} of the norm backward kernels,
+def compiled_backward_rounded_products() -> dict[str, int]:
+    """{kernel (columns): PTX mul.rn instructions (never contracted) in its sm_90 PTX} of the norm backward kernels,
     whole-row (1 column) and wide (65536), specialised as the JIT would (run without
     TRITON_INTERPRET)."""
     from bench.kernel_capture import H100, capture, compile_launch
@@ -516,7 +516,7 @@ def compiled_backward_fmas() -> dict[str, int]:
 
         for launch in capture(H100, forward).launches:
             if launch.phase == "bwd" and launch.kernel.startswith("_norm_bwd"):
-                counts[f"{launch.kernel} ({n_cols})"] = compile_launch(launch).asm["ptx"].count("fma.")
+                counts[f"{launch.kernel} ({n_cols})"] = compile_launch(launch).asm["ptx"].count("mul.rn.f32")
     return counts
 
 
@@ -524,7 +524,8 @@ def test_compiled_backward_rounds_g_once():
     # On an H200, a one-column fp32 LayerNorm's dx came out ~1e-5 where it is 0: the
     # compiler had contracted g = dy · w into g - mean(g) as a fused multiply-add, so g
     # entered unrounded there and rounded in mean(g), and rstd = 1 / sqrt(eps) amplified
-    # the difference. Compiled for sm_90, the backward kernels have no fused multiply-add.
+    # the difference. Compiled for sm_90, the backward kernels compute g with mul.rn, which
+    # is never contracted (the rest keeps its fused multiply-adds).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     result = subprocess.run([sys.executable, "-m", "tests.kernels.test_norm"], cwd=ROOT, env=env,
@@ -532,8 +533,8 @@ def test_compiled_backward_rounds_g_once():
     assert result.returncode == 0, result.stderr[-4000:]
     counts = json.loads(result.stdout.splitlines()[-1])
     assert set(counts) == {"_norm_bwd_kernel (1)", "_norm_bwd_wide_kernel (65536)"}, counts
-    assert all(n == 0 for n in counts.values()), counts
+    assert all(n >= 1 for n in counts.values()), counts
 
 
 if __name__ == "__main__":
-    print(json.dumps(compiled_backward_fmas()))
+    print(json.dumps(compiled_backward_rounded_products()))
