@@ -1,0 +1,35 @@
+"""Models pickled whole by an earlier slimformer still load and compute the same.
+
+tests/data/models-before-architecture.pt was written by tests/data/save_models.py at the
+commit before issue 25 moved modules (patched BERT masked-LM with recompute, unpadded and
+quantized classifiers, a patched torch encoder and Llama RMSNorms): ``torch.load`` finds
+their classes and rebuild functions by the module paths of that time.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import slimformer as sf
+from tests.data.save_models import first_output
+
+SAVED = torch.load(Path(__file__).parent / "data" / "models-before-architecture.pt", weights_only=False)
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.mark.parametrize("name", sorted(SAVED))
+def test_saved_model_loads_and_computes_the_same(name):
+    saved = SAVED[name]
+    model = saved["model"]
+    with torch.no_grad():
+        output = first_output(model(**saved["inputs"]))
+    torch.testing.assert_close(output, saved["output"])
+    if "quantized" not in name:
+        assert sf.patch_summary(model).swapped
+        sf.unpatch(model)
+        assert not any(type(m).__module__.startswith("slimformer") for m in model.modules())
