@@ -170,7 +170,7 @@ def norm_case(
     return_residual=False, rows=None, ci=False, dropout_after=False,
 ) -> Case:  # fmt: skip
     """``dropout_after``: dropout(LayerNorm(x)), the embeddings' norm of a patched BERT."""
-    from slimformer.kernels.norm import _fused_norm, layer_norm, rms_norm
+    from slimformer.kernels.norm import fused_norm, layer_norm, rms_norm
 
     rows = rows or max(64, min(4096, 2**22 // n_cols))
     flags = [
@@ -190,7 +190,7 @@ def norm_case(
                        return_residual=return_residual)  # fmt: skip
         if dropout_after:
             b = torch.zeros(n_cols, dtype=torch_dtype, requires_grad=True)
-            out = _fused_norm(x, n_cols, w, b, 1e-5, r, dropout, memory_efficient, return_residual, kind == "rms",
+            out = fused_norm(x, n_cols, w, b, 1e-5, r, dropout, memory_efficient, return_residual, kind == "rms",
                               dropout_after=True)  # fmt: skip
         elif kind == "layer":
             b = torch.zeros(n_cols, dtype=torch_dtype, requires_grad=True)

@@ -113,7 +113,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention
-from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, rms_norm
+from slimformer.kernels.norm import MEMORY_MODES, fused_norm, rms_norm
 from slimformer.kernels.projection import projections
 from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention
@@ -356,7 +356,7 @@ class FusedBertFamilyLayer(NotScriptable):
         norm = block.LayerNorm
         dropout_p = block.dropout.p if block.dropout.training else 0.0
         rebuilds_input = torch.is_grad_enabled() and MEMORY_MODES.rebuilds_input(norm)
-        return _fused_norm(
+        return fused_norm(
             branch, norm.normalized_shape, norm.weight, norm.bias, norm.eps, residual, dropout_p,
             rebuilds_input, False, False,
         )  # fmt: skip

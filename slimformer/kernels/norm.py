@@ -1315,7 +1315,7 @@ def _output_dtype(x: torch.Tensor, residual: torch.Tensor | None, autocast: bool
     return torch.float32 if cuda_autocast else _h_dtype(x, residual)
 
 
-def _fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms,
+def fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms,
                 dropout_after=False):  # fmt: skip
     """The checked call of ``_NormFunction``; ``dropout_after`` applies the dropout to the
     norm's output instead of its input (then the input is saved whenever dropout_p > 0)."""
@@ -1400,7 +1400,7 @@ def layer_norm(
     (y, h). Raises ValueError/TypeError naming the argument on bad shapes, dtypes, devices.
     """
     memory_efficient = _checked_memory_mode(memory_efficient, weight, bias)
-    return _fused_norm(
+    return fused_norm(
         input, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, False
     )
 
@@ -1426,6 +1426,6 @@ def rms_norm(
     if eps is None:
         eps = default_rms_norm_eps(input)
     memory_efficient = _checked_memory_mode(memory_efficient, weight, None)
-    return _fused_norm(
+    return fused_norm(
         input, normalized_shape, weight, None, eps, residual, dropout_p, memory_efficient, return_residual, True
     )

@@ -15,7 +15,7 @@ float64 layers run the PyTorch reference in float64, on any device.
 import torch
 from torch import nn
 
-from slimformer.kernels.norm import MEMORY_MODES, _fused_norm, check_eps, check_normalized_shape, default_rms_norm_eps
+from slimformer.kernels.norm import MEMORY_MODES, fused_norm, check_eps, check_normalized_shape, default_rms_norm_eps
 from slimformer.layers.sharing import (
     NotScriptable,
     TorchDropout,
@@ -95,7 +95,7 @@ class LayerNorm(_MemoryModeMixin, TorchLayerNorm):
         self._init_memory_mode(memory_efficient)
 
     def forward(self, input, residual=None, *, dropout_p: float = 0.0, return_residual: bool = False):
-        return _fused_norm(
+        return fused_norm(
             input, self.normalized_shape, self.weight, self.bias, self.eps, residual, dropout_p,
             self._rebuilds_input(), return_residual, False,
         )  # fmt: skip
@@ -124,7 +124,7 @@ class RMSNorm(_MemoryModeMixin, TorchRMSNorm):
 
     def forward(self, input, residual=None, *, dropout_p: float = 0.0, return_residual: bool = False):
         eps = default_rms_norm_eps(input) if self.eps is None else self.eps
-        return _fused_norm(
+        return fused_norm(
             input, self.normalized_shape, self.weight, None, eps, residual, dropout_p,
             self._rebuilds_input(), return_residual, True,
         )  # fmt: skip
@@ -150,7 +150,7 @@ class LayerNormDropout(LayerNorm):
             return super().forward(input)
         dropout = self._dropout
         dropout_p = float(dropout.p) if dropout.training else 0.0
-        return _fused_norm(
+        return fused_norm(
             input, self.normalized_shape, self.weight, self.bias, self.eps, None, dropout_p,
             self._rebuilds_input(), False, False, dropout_after=True,
         )  # fmt: skip

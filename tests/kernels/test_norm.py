@@ -80,7 +80,7 @@ def _check_norm(
         torch.manual_seed(SEED)
         if dropout_after:
             rebuilds = norm_kernels._checked_memory_mode(memory_efficient, weight, bias)
-            out = norm_kernels._fused_norm(
+            out = norm_kernels.fused_norm(
                 x, (n_cols,), weight, bias, eps, residual, p, rebuilds, return_residual, is_rms, dropout_after=True
             )
             return out if return_residual else (out, None)
@@ -169,7 +169,7 @@ def test_dropout_after_the_norm_saves_the_input_unless_the_output_rebuilds_it(ba
     weight, bias = _params(97, torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = norm_kernels._fused_norm(x, 97, weight, bias, 1e-5, None, 0.1 * with_dropout, True, False, False, True)
+        y = norm_kernels.fused_norm(x, 97, weight, bias, 1e-5, None, 0.1 * with_dropout, True, False, False, True)
     big = [t for t in saved if t.numel() == x.numel()]
     assert len(big) == 1 and big[0].data_ptr() == (x if with_dropout else y).data_ptr()
 
@@ -271,7 +271,7 @@ def test_float64_matches_eager_float64_and_passes_gradcheck(backend, is_rms, dro
     def ours(x, residual, weight, bias):
         torch.manual_seed(SEED)
         rebuilds = norm_kernels._checked_memory_mode(memory_efficient, weight, bias)
-        return norm_kernels._fused_norm(
+        return norm_kernels.fused_norm(
             x, (n_cols,), weight, bias, eps, residual, DROPOUT_P, rebuilds, False, is_rms, dropout_after=dropout_after
         )
 
