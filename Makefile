@@ -24,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	@echo "installed; delete $(STAMP) to reinstall"
 
 test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -n 2 --dist loadgroup tests
 
 # Writes into bench/results/local/ (git-ignored) and refuses to replace a report there:
@@ -38,11 +40,12 @@ gpu-check:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m bench.gpu_check $(ARGS)
 
 # Registers, spills, shared memory, MMA/load kinds and hot-loop SASS of every kernel for
-# sm_90 and sm_80, compiled without a GPU (bench/results/local/compile-sm*.md; the committed
-# ones are renewed with ARGS='--out bench/results --overwrite'); e.g.
+# sm_90 and sm_80, compiled without a GPU by tools/compile_report/ (docs/compile-report.md)
+# into bench/results/local/compile-sm*.md (the committed ones are renewed with
+# ARGS='--out bench/results --overwrite'); e.g.
 # make compile-report ARGS='-k "attn d128" --arch sm90'; ARGS=--list names every case
 compile-report: $(STAMP)
-	env -u TRITON_INTERPRET $(PY) -m bench.compile_report $(ARGS)
+	env -u TRITON_INTERPRET $(PY) -m tools.compile_report $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks

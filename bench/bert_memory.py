@@ -16,12 +16,10 @@ from pathlib import Path
 
 import torch
 
+from slimformer.memory.cli import bert_config, bert_inputs, bert_variants
 from slimformer.memory.report import (
     MemoryReport,
     activation_sweep,
-    bert_config,
-    bert_inputs,
-    bert_variants,
     measure_model,
     plot_activation_sweep,
     progress_bar,
@@ -51,9 +49,7 @@ def _target_lines(report: MemoryReport) -> list[str]:
     ]
 
 
-def bert_memory_section(
-    device: torch.device, plot_path: Path, log=print, selected=lambda name: True
-) -> list[str]:
+def bert_memory_section(device: torch.device, plot_path: Path, log=print, selected=lambda name: True) -> list[str]:
     """Measure, write the sweep plot to ``plot_path``, and return the markdown lines.
 
     ``selected(column name)`` picks the columns (``bench.report -k``); none selected: no

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from slimformer.memory.report import bert_config, bert_inputs, build_bert
+from slimformer.memory.cli import bert_config, bert_inputs, build_bert
 from slimformer.patch import patch
 from slimformer.recompute import POLICIES
 
@@ -213,8 +213,10 @@ def target_lines(results: dict[str, StepMemory]) -> list[str]:
     if hf and patched:
         ratio = patched.compile_s / hf.compile_s
         verdict = "met" if ratio <= COMPILE_TIME_TARGET else "MISSED"
-        out.append(f"- compile time, patched (`none`) / HF's (a cost, not a speed): {ratio:.2f}x "
-                   f"(<= {COMPILE_TIME_TARGET}x: {verdict})")  # fmt: skip
+        out.append(
+            f"- compile time, patched (`none`) / HF's (a cost, not a speed): {ratio:.2f}x "
+            f"(<= {COMPILE_TIME_TARGET}x: {verdict})"
+        )
     return out
 
 

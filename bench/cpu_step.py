@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from slimformer.memory import peak_memory
-from slimformer.memory.report import bert_config, bert_inputs, build_bert
+from slimformer.memory.cli import bert_config, bert_inputs, build_bert
 from slimformer.patch import patch
 from slimformer.recompute import POLICIES, recompute
 

@@ -19,7 +19,6 @@ measured around the step (test modules opt in with
 Nothing here touches the GPU at import time.
 """
 
-import argparse
 import functools
 import os
 import platform
@@ -27,13 +26,13 @@ import re
 import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"  # the committed reference results
-LOCAL_RESULTS = RESULTS / "local"  # git-ignored: where a run writes unless told otherwise
+# bench's commands take the output convention from here; it lives in tools.results, which the
+# compile report shares without importing bench
+from tools.results import LOCAL_RESULTS, RESULTS, ROOT, add_output_arguments, refuse_to_replace, shown  # noqa: F401
+
 ROUNDS = 100
 WARMUP = 5
 _FLUSH_BYTES = 1 << 30
@@ -187,32 +186,6 @@ def device_slug(device: str, device_type: str) -> str:
     """``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``; a CPU model gets a ``cpu-`` prefix."""
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     return f"cpu-{slug}" if device_type == "cpu" else slug
-
-
-def shown(path: Path) -> str:
-    """``path`` relative to the repository when it is inside it, else as it is."""
-    try:
-        return str(path.resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
-
-
-def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--out DIR`` and ``--overwrite``, the same for every bench command that writes results."""
-    parser.add_argument(
-        "--out", type=Path, default=LOCAL_RESULTS, metavar="DIR",
-        help=f"folder the results go to (default {shown(LOCAL_RESULTS)}/, git-ignored; the committed reference "
-        f"results are in {shown(RESULTS)}/)",
-    )  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
-
-
-def refuse_to_replace(parser: argparse.ArgumentParser, paths: list[Path], overwrite: bool) -> None:
-    """Stop with a usage error naming the files among ``paths`` that exist, unless ``overwrite``:
-    a run never silently replaces results (the committed reference results among them)."""
-    existing = [shown(path) for path in paths if path.exists()]
-    if existing and not overwrite:
-        parser.error(f"{', '.join(existing)} already exist(s); pass --overwrite to replace, or choose another --out")
 
 
 def git_revision() -> str:

@@ -39,6 +39,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_model  # noqa: E402
 
+from bench.harness import add_output_arguments, device_name, device_slug, refuse_to_replace, shown  # noqa: E402
+
 BATCHES = (1, 8, 32)
 SEQ = 128
 # Timed rounds per batch size (the first is a warm-up and is dropped).
@@ -243,9 +245,6 @@ def int8_inference_section(device: torch.device, plot_path: Path, log=print) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.harness import device_name
-    from bench.harness import add_output_arguments, device_slug, refuse_to_replace, shown
-
     parser = argparse.ArgumentParser(prog="python -m bench.int8_inference", description=__doc__.split("\n\n")[0])
     add_output_arguments(parser)
     args = parser.parse_args(argv)

@@ -34,6 +34,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.harness import add_output_arguments, device_name, device_slug, refuse_to_replace, shown
 from bench.int8_inference import SEQ, _load, _timing_batch
 
 BATCHES = (1, 8)
@@ -179,9 +180,6 @@ def int8_profile_section(log=print) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.harness import device_name
-    from bench.harness import add_output_arguments, device_slug, refuse_to_replace, shown
-
     parser = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
     add_output_arguments(parser)
     args = parser.parse_args(argv)

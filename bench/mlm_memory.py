@@ -99,8 +99,10 @@ def main(argv=None) -> None:
     models = _models(args.layers)
     inputs = _inputs(models["HF eager"][0].config.vocab_size, args.batch, args.seq, args.masked)
     encoder_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-    print(f"BertForMaskedLM, BERT-base dims, {args.layers} layers, batch {args.batch}, seq {args.seq}, "
-          f"{args.masked:.0%} labelled, dropout 0.1, fp32, CPU")  # fmt: skip
+    print(
+        f"BertForMaskedLM, BERT-base dims, {args.layers} layers, batch {args.batch}, seq {args.seq}, "
+        f"{args.masked:.0%} labelled, dropout 0.1, fp32, CPU"
+    )
     print(f"{'':<20} {'whole model':>12} {'model.bert':>12} {'head + loss':>12}")
     for name, (model, policy) in models.items():
         if policy is not None:

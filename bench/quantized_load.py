@@ -79,7 +79,7 @@ def measure(cases: list[tuple[str, str, str | None]]) -> list[dict]:
     from transformers import AutoConfig, AutoModel
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-    from slimformer.transformers_quantizer import SlimformerInt8Config
+    from slimformer.integrations.hf.quantizer import SlimformerInt8Config
 
     results = []
     for name, directory, mode in cases:

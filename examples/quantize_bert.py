@@ -515,16 +515,34 @@ def render(rows: list[Row], title: str) -> Table:
     """The rows as a rich Table (speed-up against the float row, when there is one)."""
     float_latency = next((r.latency_ms for r in rows if r.mode == "float"), None)
     table = Table(title=title)
-    for column in ("mode", "file MB", "Linear weights MB", "ms / batch", "speed-up", "mean cos", "min cos",
-                   "NN@1 same", f"top-{TOP_K} overlap", "min Linear SQNR dB"):  # fmt: skip
+    for column in (
+        "mode",
+        "file MB",
+        "Linear weights MB",
+        "ms / batch",
+        "speed-up",
+        "mean cos",
+        "min cos",
+        "NN@1 same",
+        f"top-{TOP_K} overlap",
+        "min Linear SQNR dB",
+    ):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for r in rows:
         speedup = "-" if float_latency is None else f"{float_latency / r.latency_ms:.2f}x"
         sqnr = "-" if r.min_layer_sqnr_db is None else f"{r.min_layer_sqnr_db:.1f}"
         table.add_row(
-            r.mode, f"{r.file_mb:.1f}", f"{r.linear_weight_mb:.1f}", f"{r.latency_ms:.1f}", speedup,
-            f"{r.mean_cosine:.5f}", f"{r.min_cosine:.5f}", f"{r.top1_agreement:.1%}", f"{r.topk_overlap:.1%}", sqnr,
-        )  # fmt: skip
+            r.mode,
+            f"{r.file_mb:.1f}",
+            f"{r.linear_weight_mb:.1f}",
+            f"{r.latency_ms:.1f}",
+            speedup,
+            f"{r.mean_cosine:.5f}",
+            f"{r.min_cosine:.5f}",
+            f"{r.top1_agreement:.1%}",
+            f"{r.topk_overlap:.1%}",
+            sqnr,
+        )
     return table
 
 

@@ -83,8 +83,11 @@ def _docstrings(module_name: str) -> list[str]:
         if inspect.isclass(member) or inspect.isfunction(member):
             docs.append(inspect.getdoc(member) or "")
             if inspect.isclass(member):
-                docs += [inspect.getdoc(m) or "" for n, m in sorted(vars(member).items())
-                         if not n.startswith("_") and inspect.isfunction(m) and m.__doc__]  # fmt: skip
+                docs += [
+                    inspect.getdoc(m) or ""
+                    for n, m in sorted(vars(member).items())
+                    if not n.startswith("_") and inspect.isfunction(m) and m.__doc__
+                ]
     return docs
 
 
@@ -195,8 +198,9 @@ def build_vocabulary(paragraphs: list[str], tokenizer_dir=None, *, word_vocab_si
             counts[word] = counts.get(word, 0) + 1
     kept = sorted(counts, key=lambda w: (-counts[w], w))[: word_vocab_size - len(SPECIALS)]
     index = {word: len(SPECIALS) + k for k, word in enumerate(kept)}
-    return Vocabulary("words", lambda text: [index.get(w, 1) for w in words(text)], len(SPECIALS) + len(kept),
-                      [*SPECIALS, *kept])  # fmt: skip
+    return Vocabulary(
+        "words", lambda text: [index.get(w, 1) for w in words(text)], len(SPECIALS) + len(kept), [*SPECIALS, *kept]
+    )
 
 
 def token_blocks(paragraphs: list[str], vocab: Vocabulary, seq: int) -> torch.Tensor:
@@ -309,8 +313,9 @@ def train(
     model.train()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=lr)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
     warmup_steps = max(1, int(warmup * steps))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup_steps, max(0.0, (steps - s) / max(1, steps - warmup_steps)))
@@ -380,19 +385,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--dropout", type=float, default=None,
-                        help="hidden and attention dropout (default: 0.1, BERT's)")  # fmt: skip
+    parser.add_argument(
+        "--dropout", type=float, default=None, help="hidden and attention dropout (default: 0.1, BERT's)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--patch", action=argparse.BooleanOptionalAction, default=True,
-                        help="swap slimformer's fused layers in (default) or train plain HF BERT")  # fmt: skip
-    parser.add_argument("--recompute", choices=POLICIES, default=None, metavar="POLICY",
-                        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)")  # fmt: skip
+    parser.add_argument(
+        "--patch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="swap slimformer's fused layers in (default) or train plain HF BERT",
+    )
+    parser.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default=None,
+        metavar="POLICY",
+        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
+    )
     parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
     parser.add_argument("--log-every", type=int, default=25, help="print the mean loss every N steps")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads, torch.set_num_threads (default torch's, one per core); "
-                        "the README's 1.7x is measured with --threads 1")  # fmt: skip
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads, torch.set_num_threads (default torch's, one per core); "
+        "the README's 1.7x is measured with --threads 1",
+    )
     parser.add_argument("--no-memory-report", dest="memory_report", action="store_false")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -406,10 +425,20 @@ def main(argv: list[str] | None = None) -> None:
     dropout = 0.1 if args.dropout is None else args.dropout
 
     result = train(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, steps=args.steps,
-        lr=args.lr, dropout=dropout, patch=args.patch, recompute=args.recompute, seed=args.seed, log_every=args.log_every,
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        batch=args.batch,
+        steps=args.steps,
+        lr=args.lr,
+        dropout=dropout,
+        patch=args.patch,
+        recompute=args.recompute,
+        seed=args.seed,
+        log_every=args.log_every,
         tokenizer_dir=None if args.word_vocab else "default",
-    )  # fmt: skip
+    )
     parameters = sum(p.numel() for p in result.model.parameters())
     console.print(
         f"BERT MLM: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, dropout {dropout}, "

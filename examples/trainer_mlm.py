@@ -114,8 +114,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (BERT's 0.1)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--recompute", choices=POLICIES, default="none", metavar="POLICY",
-                        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)")  # fmt: skip
+    parser.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default="none",
+        metavar="POLICY",
+        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
+    )
     parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
     parser.add_argument("--losses", type=Path, help="write the loss of every step here (JSON), from rank 0")
     parser.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary folder)")
@@ -127,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     vocab = build_vocabulary(paragraphs, None if args.word_vocab else minilm_tokenizer_dir())
     input_ids, labels = mask_blocks(token_blocks(paragraphs, vocab, args.seq), vocab.mask_id, vocab.size, args.seed)
     torch.manual_seed(args.seed)
-    model, _ = build_model(vocab.size, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                           dropout=args.dropout)  # fmt: skip
+    model, _ = build_model(
+        vocab.size, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, dropout=args.dropout
+    )
     model = sf.patch(model, recompute=args.recompute)
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -137,8 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     if trainer.is_world_process_zero():
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        print(f"{world} process(es), {args.batch} sequences of {args.seq} tokens a step, vocabulary {vocab.name}: "
-              f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps")  # fmt: skip
+        print(
+            f"{world} process(es), {args.batch} sequences of {args.seq} tokens a step, vocabulary {vocab.name}: "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps"
+        )
         if args.losses is not None:
             args.losses.write_text(json.dumps({"world_size": world, "losses": losses}))
             print(f"losses written to {args.losses}")

@@ -16,16 +16,16 @@ import importlib.util
 import sys
 import warnings
 
-from slimformer._version import __version__
-
 from slimformer import memory
+from slimformer._version import __version__
+from slimformer.integrations.hf.attention import register_transformers_attention
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import attention, self_attention
 from slimformer.kernels.dropout import dropout_add
 from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
 from slimformer.kernels.norm import layer_norm, rms_norm
 from slimformer.kernels.varlen_attention import varlen_attention
-from slimformer.layers.attention import MultiheadAttention, SelfAttention, register_transformers_attention
+from slimformer.layers.attention import MultiheadAttention, SelfAttention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.mlp import FusedMLP
 from slimformer.layers.norm import LayerNorm, RMSNorm
@@ -75,7 +75,7 @@ def _register_with_transformers() -> None:
     # An optional integration: a transformers this registration does not fit must still import.
     try:
         register_transformers_attention()
-        import slimformer.transformers_quantizer  # noqa: F401  (registers on import)
+        import slimformer.integrations.hf.quantizer  # noqa: F401  (registers on import)
     except Exception as error:
         warnings.warn(
             f"slimformer could not register with transformers ({type(error).__name__}: {error}); "
@@ -88,7 +88,7 @@ def __getattr__(name: str):
     # SlimformerInt8Config subclasses a transformers class: imported when asked for, so that
     # importing slimformer does not import transformers
     if name == "SlimformerInt8Config":
-        from slimformer.transformers_quantizer import SlimformerInt8Config
+        from slimformer.integrations.hf.quantizer import SlimformerInt8Config
 
         return SlimformerInt8Config
     raise AttributeError(f"module 'slimformer' has no attribute {name!r}")

@@ -21,7 +21,7 @@ is fused into the per-token quantization kernel (``Linear8bit.smooth`` = 1 / s).
 state_dict, less the empty ``smooth`` of unsmoothed "int8" layers) plus
 ``slimformer_quantization.json`` (the mode of each converted module). A transformers
 ``PreTrainedModel`` that ``quantize`` or ``load_quantized`` converts also gets
-transformers' record of it (``slimformer.transformers_quantizer``), so that
+transformers' record of it (``slimformer.integrations.hf.quantizer``), so that
 ``model.save_pretrained(dir)`` writes the same state_dict with the modes in
 ``config.json``'s ``quantization_config`` and ``from_pretrained(dir)`` reloads it;
 ``load_quantized`` reads such a directory too.
@@ -289,7 +289,7 @@ def _record_in_transformers(model: nn.Module) -> None:
     reads; transformers is not imported for it (a model of its can only exist once it is)."""
     transformers = sys.modules.get("transformers")
     if transformers is not None and isinstance(model, transformers.PreTrainedModel):
-        from slimformer.transformers_quantizer import record_quantization
+        from slimformer.integrations.hf.quantizer import record_quantization
 
         record_quantization(model)
 
@@ -320,7 +320,9 @@ def save_quantized(model: nn.Module, directory: str | Path) -> Path:
         raise ValueError("model has no slimformer quantized layer: call slimformer.quantize(model, mode) first")
     directory.mkdir(parents=True, exist_ok=True)
     # An empty smooth only marks an "int8" state_dict, which the config does in the file.
-    handles = [m.register_state_dict_post_hook(_drop_empty_smooth) for m in model.modules() if isinstance(m, Linear8bit)]
+    handles = [
+        m.register_state_dict_post_hook(_drop_empty_smooth) for m in model.modules() if isinstance(m, Linear8bit)
+    ]
     try:
         save_model(model, str(directory / WEIGHTS_FILE))
     finally:

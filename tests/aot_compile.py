@@ -4,8 +4,8 @@ The interpreter accepts programs the GPU compiler rejects, and a kernel compiled
 other specialisations than the JIT's is a different binary (other registers, spills and
 load instructions). So the tests run the compile report's own path in a fresh process
 without TRITON_INTERPRET (``triton.jit`` picks the interpreter at decoration time):
-``bench.compile_report`` captures the launches of the selected cases
-(``bench.compile_cases``) on CPU tensors with the CUDA code paths, specialises them as
+``tools.compile_report`` captures the launches of the selected cases
+(``tools.compile_report.cases``) on CPU tensors with the CUDA code paths, specialises them as
 the JIT does and compiles them with Triton and ptxas. One process compiles every
 selection of a test run: each would otherwise pay ~4 s of imports.
 """
@@ -16,20 +16,20 @@ import subprocess
 import sys
 from typing import NamedTuple
 
-from bench.compile_cases import all_cases
+from tools.compile_report.cases import all_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def ci_cases(family: str) -> tuple[str, ...]:
-    """The names of the family's CI cases (``bench.compile_cases``, ``ci=True``)."""
+    """The names of the family's CI cases (``tools.compile_report.cases``, ``ci=True``)."""
     return tuple(case.name for case in all_cases() if case.ci and case.family == family)
 
 
 def matching_cases(family: str, pattern: str) -> tuple[str, ...]:
     """The names of the family's cases whose name contains every word of ``pattern``
-    (``bench.compile_report -k``)."""
-    from bench.compile_report import select
+    (``python -m tools.compile_report -k``)."""
+    from tools.compile_report.report import select
 
     return tuple(case.name for case in select(all_cases(), pattern, ci_only=False) if case.family == family)
 
@@ -65,8 +65,8 @@ def compile_selections(selections: list[Selection]) -> dict[Selection, CompileRe
 
 
 def _result(selection: Selection, collections: list) -> CompileResult:
-    from bench.compile_report import Collection, limit_violations
-    from bench.compiled_code import mma_kind
+    from tools.compile_report.report import Collection, limit_violations
+    from tools.compile_report.sass import mma_kind
 
     records = [r for c in collections for r in c.records if r.case.name in selection.cases]
     problems = {}
@@ -85,8 +85,8 @@ def _main(selections: list[Selection]) -> list[CompileResult]:
     """Each selection's result. Each case is compiled once per arch (with the other cases of
     that arch, each distinct launch once), reading ptxas's report, and its SASS where a
     selection asks for it."""
-    from bench.compile_report import collect
-    from bench.kernel_capture import DEVICES
+    from tools.compile_report.capture import DEVICES
+    from tools.compile_report.report import collect
 
     by_name = {case.name: case for case in all_cases()}
     collections = {}

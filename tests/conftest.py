@@ -27,8 +27,8 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
 def _patch_the_language_once_per_launch():
     """Triton 3.6's interpreter patches triton.language for each launch (restoring it at
     the end), and again, to the same effect, on every call of a ``@triton.jit`` helper
-    inside the kernel: ``inspect.getmembers`` over the package, ~2 ms a call, a quarter of
-    an interpreted attention test's time. The repeat is skipped where every language
+    inside the kernel: ``inspect.getmembers`` over the package each time, a large share of
+    an interpreted kernel test's time. The repeat is skipped where every language
     module the helper sees is already patched in this launch; a helper that sees another
     (triton's own, which see ``triton.language.core``) still patches it."""
     import triton.language as tl

@@ -14,9 +14,13 @@ BRANCH_COVERING_POLICIES = ("none", "qkv+mlp", "full")
 
 # A BERT-family config small enough for the interpreter and CPU tests (two layers, two heads).
 TINY_BERT = {
-    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 100,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "vocab_size": 100,
     "max_position_embeddings": 64,
-}  # fmt: skip
+}
 
 
 def assert_within_reference_error(name, actual, torch_same_dtype, exact, ulps=4.0, scale=1.0):
@@ -64,4 +68,3 @@ def norm_rebuild_error_scales(h, dy, weight, bias, is_rms, eps):
     dx_scale = (rstd * (dy * w).abs()).max().item()
     dw_scale = (dy.abs() * ((centered * rstd).abs() + ratio)).sum(0).max().item()
     return max(1.0, dx_scale), max(1.0, dw_scale)
-

@@ -1,4 +1,4 @@
-"""Every command line of bench/, examples/ and ``python -m slimformer.memory``: ``--help``
+"""Every command line of bench/, examples/, tools/ and ``python -m slimformer.memory``: ``--help``
 describes it and runs nothing, an unknown argument is a usage error, and a run that
 writes results writes them into the git-ignored local folder by default and never
 replaces a file that exists without ``--overwrite``. Each command's ``main(argv)`` runs
@@ -11,27 +11,33 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import compile_report, harness, int8_inference, int8_profile, report
+from bench import harness, int8_inference, int8_profile, report
 from bench.harness import device_name
 from examples import train_bert_mlm
+from tools import results
+from tools.compile_report import report as compile_report
 
 ROOT = Path(__file__).resolve().parent.parent
 MAIN_GUARD = 'if __name__ == "__main__":'
-# The script modules of bench/ and examples/ (a new one is checked as soon as it exists),
-# and python -m slimformer.memory, whose __main__ calls slimformer.memory.report.main.
+# The script modules of bench/, examples/ and tools/ (a new one is checked as soon as it
+# exists), and python -m slimformer.memory, whose __main__ calls slimformer.memory.cli.main.
 CLIS = [
     f"{folder}.{path.stem}"
     for folder in ("bench", "examples")
     for path in sorted((ROOT / folder).glob("*.py"))
     if MAIN_GUARD in path.read_text()
-] + ["slimformer.memory.report"]
+] + [
+    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    for path in sorted((ROOT / "tools").rglob("*.py"))
+    if MAIN_GUARD in path.read_text()
+] + ["slimformer.memory.cli"]
 KNOWN = {
     "bench.report", "bench.int8_inference", "bench.int8_profile", "bench.unpad", "bench.cpu_step",
-    "bench.mlm_memory", "bench.compile_memory", "bench.compile_report", "bench.compile_tutorial",
+    "bench.mlm_memory", "bench.compile_memory", "tools.compile_report.__main__", "tools.compile_report.tutorial",
     "examples.finetune_classifier", "examples.layer_memory", "examples.quantize_bert", "examples.train_bert_mlm",
-    "slimformer.memory.report",
+    "slimformer.memory.cli",
 }  # fmt: skip
-REQUIRED_ARGUMENTS = {"bench.compile_tutorial": ["06-fused-attention.py"]}
+REQUIRED_ARGUMENTS = {"tools.compile_report.tutorial": ["06-fused-attention.py"]}
 CPU_SLUG = report.device_slug(device_name(torch.device("cpu")), "cpu")  # the INT8 benchmarks' files
 
 
@@ -44,10 +50,13 @@ def _ran(*args, **kwargs):
 
 
 def _command_name(module: str) -> str:
-    """What the usage line must name: ``bench.report``, ``train_bert_mlm.py``, ``slimformer.memory``."""
+    """What the usage line must name: ``bench.report``, ``train_bert_mlm.py``, ``slimformer.memory``,
+    ``tools.compile_report``."""
     if module.startswith("examples."):
         return module.removeprefix("examples.") + ".py"
-    return module.removesuffix(".report") if module.startswith("slimformer.") else module
+    if module.endswith(".__main__"):
+        return module.removesuffix(".__main__")
+    return module.removesuffix(".cli") if module.startswith("slimformer.") else module
 
 
 def _exit_code(main, argv) -> int:
@@ -109,7 +118,7 @@ WRITERS = [
 @pytest.mark.parametrize("module, argv, name, work", WRITERS, ids=[m.__name__ for m, *_ in WRITERS])
 def test_a_run_never_replaces_results_without_overwrite(module, argv, name, work, tmp_path, monkeypatch, capsys):
     name = name.format(bench=_bench_slug())
-    monkeypatch.setattr(harness, "LOCAL_RESULTS", tmp_path)  # the default --out
+    monkeypatch.setattr(results, "LOCAL_RESULTS", tmp_path)  # the default --out
     monkeypatch.setattr(module, work, _ran)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the compile report refuses to run interpreted
     existing = tmp_path / name

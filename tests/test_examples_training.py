@@ -15,7 +15,7 @@ import slimformer
 
 transformers = pytest.importorskip("transformers")
 
-from examples import finetune_classifier, train_bert_mlm
+from examples import finetune_classifier, train_bert_mlm  # noqa: E402 (transformers checked first)
 
 
 @pytest.fixture(autouse=True)
@@ -42,9 +42,20 @@ def test_corpus_and_vocabulary_are_offline():
 def test_mlm_loss_goes_down(patch, recompute):
     corpus = train_bert_mlm.build_corpus(modules=("json", "textwrap", "functools"))
     result = train_bert_mlm.train(
-        layers=1, hidden=32, heads=2, seq=32, batch=8, steps=30, lr=5e-3, dropout=0.0, patch=patch,
-        recompute=recompute, tokenizer_dir=None, corpus=corpus, progress=False,
-    )  # fmt: skip
+        layers=1,
+        hidden=32,
+        heads=2,
+        seq=32,
+        batch=8,
+        steps=30,
+        lr=5e-3,
+        dropout=0.0,
+        patch=patch,
+        recompute=recompute,
+        tokenizer_dir=None,
+        corpus=corpus,
+        progress=False,
+    )
     losses = result.losses
     assert len(losses) == 30 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5

@@ -14,13 +14,8 @@ from torch import nn
 
 import slimformer as sf
 from slimformer.memory import ActivationMemory, measure_activation_memory
-from slimformer.memory.report import (
-    MemoryReport,
-    ModelMemory,
-    activation_sweep,
-    main,
-    plot_activation_sweep,
-)
+from slimformer.memory.cli import main
+from slimformer.memory.report import MemoryReport, ModelMemory, activation_sweep, plot_activation_sweep
 
 D_MODEL, HEADS, FFN, LAYERS = 64, 4, 128, 2
 BATCH, SEQ = 2, 32

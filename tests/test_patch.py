@@ -5,7 +5,9 @@ Tiny models from configs (no downloads). Heavy tests run the PyTorch path
 """
 
 import copy
+import importlib
 import io
+import pickle
 
 import pytest
 import torch
@@ -340,6 +342,73 @@ def test_hidden_states_cache_checkpointing_and_pickling(torch_path):
     torch.testing.assert_close(loaded(ids, attention_mask=mask)[0], fresh(ids, attention_mask=mask)[0])
     unpatch(loaded)
     assert type(loaded.encoder.layer[0]).__name__ == "BertLayer"
+
+
+def test_pickles_name_the_integrations_and_earlier_paths_still_import(torch_path):
+    import pickletools
+
+    from slimformer.integrations.hf.bert import FusedBertFamilyLayer as InIntegrations
+
+    model = patch(_model("BertForMaskedLM"), unpad=True)
+    listing = io.StringIO()
+    pickletools.dis(pickle.dumps(model, protocol=2), listing)
+    named = {line.split("GLOBAL")[1].strip(" '") for line in listing.getvalue().splitlines() if "GLOBAL" in line}
+    made_at_run_time = {name for name in named if name.startswith("slimformer.integrations.")}
+    assert made_at_run_time == {
+        "slimformer.integrations.hf.classes new_mixed",
+        "slimformer.integrations.hf.bert FusedBertFamilyLayer",
+        "slimformer.integrations.hf.masked_lm FusedMaskedLM",
+        "slimformer.integrations.hf.unpad UnpaddedEncoderModel",
+    }
+    assert not any(name.startswith(("slimformer.unpad ", "slimformer.masked_lm ")) for name in named)
+    # the paths of earlier releases, which their pickles and users' imports name
+    import slimformer.masked_lm
+    import slimformer.transformers_quantizer
+    import slimformer.unpad
+    from slimformer.layers.attention import register_transformers_attention
+    from slimformer.patch import _rebuild_fused_layer
+
+    assert FusedBertFamilyLayer is InIntegrations
+    assert register_transformers_attention is sf.register_transformers_attention
+    assert slimformer.unpad.unpadded_class(BertModel) is type(model.bert)
+    assert slimformer.masked_lm.fused_masked_lm_class(BertForMaskedLM) is type(model)
+    assert slimformer.transformers_quantizer.SlimformerInt8Config is sf.SlimformerInt8Config
+    layer = model.bert.encoder.layer[0]
+    rebuilt = _rebuild_fused_layer(layer._original_class, dict(layer.__dict__))
+    assert type(rebuilt) is type(layer) and rebuilt.attention is layer.attention
+
+
+def test_a_model_family_is_one_entry_in_the_registry(monkeypatch):
+    from slimformer.integrations import ModelFamily
+
+    patch_module = importlib.import_module("slimformer.patch")  # the module; slimformer.patch is the function
+
+    class Shift(nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    class FusedShift(Shift):
+        pass
+
+    def replace(module):
+        if type(module) is not Shift:
+            return None
+        return (FusedShift(), None) if module.training else (None, "only in training mode")
+
+    def replace_children(module):
+        relus = isinstance(module, nn.Sequential) and all(type(child) is nn.ReLU for child in module)
+        return ({"1": Shift()}, None) if relus else None
+
+    family = ModelFamily("shift", replace, replace_children)
+    monkeypatch.setattr(patch_module, "_FAMILIES", (*patch_module._FAMILIES, family))
+    model = nn.Sequential(Shift(), nn.Sequential(Shift().eval()), nn.Sequential(nn.ReLU(), nn.ReLU(), nn.ReLU()))
+    originals = [model[0], model[2][1]]
+    summary = patch_summary(patch(model))
+    assert type(model[0]) is FusedShift and type(model[2][1]) is Shift and model[2][1] is not originals[1]
+    assert [swap.name for swap in summary.swapped] == ["0", "2.1"]
+    assert [(left.name, left.reason) for left in summary.left] == [("1.0", "only in training mode")]
+    unpatch(model)
+    assert [model[0], model[2][1]] == originals
 
 
 def _encoder(norm_first=False):

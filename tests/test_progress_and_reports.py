@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from slimformer.memory import measure_activation_memory
-from slimformer.memory.report import main as memory_main
+from slimformer.memory.cli import main as memory_main
 from slimformer.memory.report import plot_activation_sweep, report, sweep_title
 
 

@@ -276,7 +276,10 @@ def test_loader_refuses_a_tensor_of_another_dtype(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     fresh = _fresh_sequential()
     before = copy.deepcopy(fresh.state_dict())
-    with pytest.raises(RuntimeError, match=rf"model.safetensors: module '0': {scale_key[2:]} is torch.int32, the layer's is torch.bfloat16 or torch.float32"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"model.safetensors: module '0': {scale_key[2:]} is torch.int32, the layer's is torch.bfloat16 or torch.float32",
+    ):
         load_quantized(fresh, tmp_path)
     assert not quantized_modules(fresh)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in before.items())
@@ -296,7 +299,9 @@ def test_loader_reads_the_first_format(tmp_path):
         assert torch.equal(loaded(x), model(x))
 
 
-@pytest.mark.parametrize("damage", ["truncated_weights", "corrupt_config", "config_is_a_list", "unknown_mode", "file_path"])
+@pytest.mark.parametrize(
+    "damage", ["truncated_weights", "corrupt_config", "config_is_a_list", "unknown_mode", "file_path"]
+)
 def test_load_errors_name_the_file_and_leave_the_model_untouched(tmp_path, damage):
     _saved_sequential(tmp_path)
     weights, config = tmp_path / "model.safetensors", tmp_path / "slimformer_quantization.json"

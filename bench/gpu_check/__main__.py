@@ -1,5 +1,5 @@
 import sys
 
-from bench.gpu_check import main
+from bench.gpu_check.cli import main
 
 sys.exit(main())

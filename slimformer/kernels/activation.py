@@ -53,17 +53,17 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 @triton.jit
 def _reciprocal(x):
-    """1 / x for x >= 1 (or inf): rsqrt(x)² is two instructions on sm_90 (MUFU.RSQ, FMUL;
-    about 3 ulp), where IEEE division is a subroutine and ``tl.fdiv``'s div.full.f32 eight
-    instructions (range checks around MUFU.RCP) per element."""
+    """1 / x for x >= 1 (or inf) as rsqrt(x)², about 3 ulp: the hardware's reciprocal square
+    root and one multiply, where IEEE division is a subroutine and ``tl.fdiv`` wraps the
+    hardware reciprocal in range checks (their cost: bench/results/compile-sm90.md)."""
     r = tl.math.rsqrt(x)
     return r * r
 
 
 @triton.jit
 def _sigmoid(x):
-    # 1 / (1 + 2^(-x log2 e)): tl.exp2 is one MUFU.EX2 (flush-to-zero), tl.exp adds a
-    # multiply and the denormal range fix-up (five instructions); 1 / inf = 0 far left.
+    # 1 / (1 + 2^(-x log2 e)): tl.exp2 is the hardware's base-2 exponential (flush-to-zero),
+    # tl.exp adds a multiply and a denormal fix-up around it; 1 / inf = 0 far left.
     return _reciprocal(1.0 + tl.exp2(x * -1.4426950408889634))
 
 
@@ -71,8 +71,8 @@ def _sigmoid(x):
 def _normal_upper_tail(z):
     """(Φ(-|z|), e^{-z²/2}) from Abramowitz & Stegun 7.1.26 (|error in Φ| < 8e-8; t's ~3 ulp
     from the fast reciprocal add up to 6e-7 near z = 0, where |t dΦ/dt| is largest, 1.7): one
-    reciprocal and a degree-5 polynomial, where libdevice's erf selects between two
-    polynomials per element and made the GELU kernels issue-bound. With x = |z| / √2,
+    reciprocal and a degree-5 polynomial, where libdevice's erf evaluates two polynomials
+    and selects per element, which leaves the GELU kernels issue-bound. With x = |z| / √2,
     t = 1 / (1 + 0.3275911 x): Φ(-|z|) = e^{-x²} (a1 t + ... + a5 t⁵) / 2; the coefficients
     below are a_i / 2."""
     t = _reciprocal(1.0 + 0.23164190554202086 * tl.abs(z))  # 0.3275911 / √2
@@ -189,9 +189,16 @@ def _activation_fwd(h, seed, activation, dropout_p):
     if out.numel():
         grid, block_m, block_n = _grid(M, N)
         _activation_fwd_kernel[grid](
-            h, out, seed, M, N, dropout_p,
-            ACTIVATION=_ACTIVATION_IDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
-        )  # fmt: skip
+            h,
+            out,
+            seed,
+            M,
+            N,
+            dropout_p,
+            ACTIVATION=_ACTIVATION_IDS[activation],
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+        )
     return out
 
 
@@ -202,9 +209,17 @@ def _activation_bwd(da, h, seed, activation, dropout_p):
     if dh.numel():
         grid, block_m, block_n = _grid(M, N)
         _activation_bwd_kernel[grid](
-            da, h, dh, seed, M, N, dropout_p,
-            ACTIVATION=_ACTIVATION_IDS[activation], BLOCK_M=block_m, BLOCK_N=block_n,
-        )  # fmt: skip
+            da,
+            h,
+            dh,
+            seed,
+            M,
+            N,
+            dropout_p,
+            ACTIVATION=_ACTIVATION_IDS[activation],
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+        )
     return dh
 
 

@@ -1,10 +1,9 @@
 """W8A8 and W8A16 on CPU in fused C loops around an exact int8 GEMM (``int8_mm``).
 
 The PyTorch statement of the CPU path (``matmul._quantize_rows_reference`` and the int8
-branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear;
-at BERT's sizes each costs a few microseconds of dispatch and a pass over memory, which
-together cost more than the GEMM. These functions compute exactly the same values in one
-pass each:
+branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear,
+each a dispatch and a pass over memory, which together can cost more than the GEMM at
+BERT's sizes. These functions compute exactly the same values in one pass each:
 
 - ``quantize_rows(x, smooth)``: per row, ``absmax = max|x * smooth|`` (NaN if the row
   has one), ``scale = absmax / 127`` (1 below ``MIN_ROW_ABSMAX`` or for NaN), and
@@ -16,8 +15,8 @@ pass each:
   ``-ffp-contract=off`` keeps the compiler from fusing anything else.
 - ``weight_only_gemm(x, weight, w_scale, bias)``: W8A16 as ``_gemm_reference`` states it,
   ``fma(x @ fp32(weight)ᵀ, w_scale[n], bias[n])``: the weight's integers converted into a
-  buffer each thread keeps (the reference's ``weight.float()`` allocates, and converts at
-  a third of this loop's speed), the same fp32 GEMM, the epilogue in the output's memory.
+  buffer each thread keeps (the reference's ``weight.float()`` allocates a fresh one per
+  call), the same fp32 GEMM, the epilogue in the output's memory.
 - ``quantize_rows_split(x, min_absmax)`` and ``split_gemm(q, weight_t, x_scale, w_scale, bias)``:
   W8A16 as ``matmul._quantize_rows_split_reference`` / ``_split_gemm_reference`` state it
   (the same bits): per row ``s = absmax / 32639`` (1 below ``min_absmax``, NaN for a row
@@ -28,9 +27,9 @@ pass each:
   first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
   ``matmul.MAX_SPLIT_IN_FEATURES``.
 
-The loops are plain C over raw pointers (no torch headers, so a build takes about a
-second, not the minute a torch C++ extension takes), compiled once per machine with the C
-compiler (``$CC``, else ``cc``) for the vector ISA torch uses on this CPU, cached under
+The loops are plain C over raw pointers (no torch headers, so a build takes seconds, not
+the minutes of a torch C++ extension), compiled once per machine with the C compiler
+(``$CC``, else ``cc``) for the vector ISA torch uses on this CPU, cached under
 ``$SLIMFORMER_CACHE_DIR`` (default ``~/.cache/slimformer``) and called through ctypes.
 They run on torch's own OpenMP runtime with ``torch.get_num_threads()`` threads. Allocation,
 argument checks and the GEMMs stay in torch. ``Linear8bit.from_float`` builds the library
@@ -220,8 +219,8 @@ _SIGNATURES = {
 
 
 # torch._int_mm on CPU is oneDNN's GEMM only where the CPU has AVX512-VNNI; elsewhere (AVX2
-# machines: AMD Zen 1-3, most Intel client CPUs) it is a scalar loop about 30x slower than
-# fp32 sgemm (268 ms against 9 ms for 512 x 768 x 768 on an AMD EPYC, one thread).
+# machines: AMD Zen 1-3, most Intel client CPUs) it is a scalar loop, an order of magnitude
+# slower than fp32 sgemm, so sgemm over exact slices of K stands in for it there.
 _INT_MM_IS_FAST = torch.cpu._is_vnni_supported()
 # |a·b| <= 128·128 = 2^14 for int8 a, b: every partial sum of at most 2^10 such products
 # is an integer below 2^24, which fp32 holds exactly, whatever order the GEMM adds in.
@@ -351,7 +350,13 @@ class _FusedLoops:
         self._check_epilogue(x_scale, m, w_scale, n, bias)
         out = acc.view(torch.float32)  # fp32 written over the int32 it is read from
         self.library.int8_epilogue(
-            acc.data_ptr(), out.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(), _pointer(bias), m, n,
+            acc.data_ptr(),
+            out.data_ptr(),
+            x_scale.data_ptr(),
+            w_scale.data_ptr(),
+            _pointer(bias),
+            m,
+            n,
             _threads(m * n),
         )
         return out
@@ -360,7 +365,9 @@ class _FusedLoops:
         """fp32 x (M, K) -> (q (2M, K) int8: hi rows then lo rows, scale (M,) fp32)."""
         m, k = _rows(x)
         q, scale = torch.empty(2 * m, k, dtype=torch.int8), torch.empty(m)
-        self.library.quantize_rows_split(x.data_ptr(), m, k, min_absmax, q.data_ptr(), scale.data_ptr(), _threads(m * k))
+        self.library.quantize_rows_split(
+            x.data_ptr(), m, k, min_absmax, q.data_ptr(), scale.data_ptr(), _threads(m * k)
+        )
         return q, scale
 
     def split_gemm(self, q, weight_t, x_scale, w_scale, bias):
@@ -373,7 +380,13 @@ class _FusedLoops:
         self._check_epilogue(x_scale, m, w_scale, n, bias)
         out = acc.view(torch.float32)
         self.library.split_epilogue(
-            acc.data_ptr(), out.data_ptr(), x_scale.data_ptr(), w_scale.data_ptr(), _pointer(bias), m, n,
+            acc.data_ptr(),
+            out.data_ptr(),
+            x_scale.data_ptr(),
+            w_scale.data_ptr(),
+            _pointer(bias),
+            m,
+            n,
             _threads(m * n),
         )
         return out[:m]
@@ -382,7 +395,9 @@ class _FusedLoops:
         """fp32 x (M, K) @ fp32(int8 weight (N, K))ᵀ, then ``fma(·, w_scale, bias)`` -> fp32 (M, N)."""
         _rows(x)
         if weight.dtype != torch.int8 or not weight.is_contiguous() or weight.dim() != 2:
-            raise ValueError(f"weight must be a contiguous (N, K) int8 tensor, got {weight.dtype} {tuple(weight.shape)}")
+            raise ValueError(
+                f"weight must be a contiguous (N, K) int8 tensor, got {weight.dtype} {tuple(weight.shape)}"
+            )
         n, k = weight.shape
         if x.shape[1] != k:
             raise ValueError(f"x must be (M, {k}), got shape {tuple(x.shape)}")

@@ -147,9 +147,20 @@ def _chunk_statistics(logits, labels, stats, start, sum_logits: bool, triton_ker
     if triton_kernel:
         chunk, padded = logits.shape[1], _padded(logits.shape[1])
         _chunk_statistics_kernel[(logits.shape[0],)](
-            logits, labels, row_max, row_sumexp, row_sum, row_target, logits.stride(0), chunk, padded, start,
-            SUM_LOGITS=sum_logits, RAGGED=padded != chunk, BLOCK_V=_block_v(chunk, 4096),
-        )  # fmt: skip
+            logits,
+            labels,
+            row_max,
+            row_sumexp,
+            row_sum,
+            row_target,
+            logits.stride(0),
+            chunk,
+            padded,
+            start,
+            SUM_LOGITS=sum_logits,
+            RAGGED=padded != chunk,
+            BLOCK_V=_block_v(chunk, 4096),
+        )
         return
     _chunk_statistics_reference(logits, labels, stats, start, sum_logits)
 
@@ -175,9 +186,17 @@ def _logits_grad(logits, labels, lse, row_grad, start, vocab, label_smoothing, t
         padded = _padded(logits.shape[1])
         block_v = _block_v(padded, 4096)
         _chunk_logits_grad_kernel[(logits.shape[0], triton.cdiv(padded, block_v))](
-            logits, labels, lse, row_grad, logits.stride(0), padded, start, 1.0 - label_smoothing,
-            label_smoothing / vocab, BLOCK_V=block_v,
-        )  # fmt: skip
+            logits,
+            labels,
+            lse,
+            row_grad,
+            logits.stride(0),
+            padded,
+            start,
+            1.0 - label_smoothing,
+            label_smoothing / vocab,
+            BLOCK_V=block_v,
+        )
         return logits
     return _logits_grad_reference(logits, labels, lse, row_grad, start, vocab, label_smoothing)
 
@@ -395,9 +414,14 @@ def linear_cross_entropy(
         )
     with torch.autocast(input.device.type, enabled=False):
         loss, lse = _linear_cross_entropy_op(
-            input.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(),
-            labels.contiguous(), ignore_index, float(label_smoothing), reduction,
-        )  # fmt: skip
+            input.contiguous(),
+            weight.contiguous(),
+            None if bias is None else bias.contiguous(),
+            labels.contiguous(),
+            ignore_index,
+            float(label_smoothing),
+            reduction,
+        )
     if autocast:
         loss = loss.float()
     return (loss, lse) if return_lse else loss

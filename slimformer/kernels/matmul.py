@@ -223,10 +223,9 @@ def _config(block_m, block_n, block_k, num_warps, num_stages):
 # run of each key benchmarks those that ``_prune_configs`` keeps. int8 blocks take
 # K steps of >= 32 (the int8 MMA's depth); W8A16 favours narrow N tiles at small M
 # so that enough programs stream the weight. fp32 ("ieee" precision) multiplies on the
-# FMA units with operands in registers: the 16-bit tiles spill there (sm_90 cubins:
-# 128x256 and 128x128 keep 10 KB of stack, 32x64x128 224 B), so it has smaller K steps
-# that compile without spills, GELU epilogue included (at most 255 registers). No
-# 16-bit config is 128x256 either: with a GELU epilogue those spill 176-188 B on sm_90.
+# FMA units with operands in registers, so it has smaller tiles and K steps than the
+# 16-bit kinds; no tile is 128x256, whose GELU epilogue outgrows a thread's 255 registers.
+# Every config here compiles without spills (bench/results/compile-sm90.md).
 GPU_CONFIGS = {
     "float32": [
         _config(128, 64, 32, 8, 3),
@@ -261,10 +260,9 @@ INTERPRETER_CONFIG = _config(16, 32, 32, 4, 1)
 
 
 # When K is not a multiple of 16 the JIT cannot prove 16-byte rows, so X and W tiles are
-# loaded element by element, each with its own address registers: sm_90 cubins of the
-# 16-bit and int8 64x128 and 128x128 tiles then spill 0.1-1.6 KB (K = 770 and 776). Tiles
-# of at most 2048 outputs compile without spills, so only those are candidates there
-# (fp32 keeps its list: its spills come from the K depth, not the addresses).
+# loaded element by element, each with its own address registers: only tiles of at most
+# 2048 outputs fit without spilling (bench/results/compile-sm90.md). fp32 keeps its list:
+# its register pressure comes from the K depth, not the addresses.
 _UNALIGNED_K_MAX_TILE = 32 * 64
 
 
@@ -314,10 +312,19 @@ def _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
         return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
     _TUNED_GEMMS[kind][grid](
-        x, weight, x_scale, w_scale, bias, y, M, N, K, _m_bucket(M),
+        x,
+        weight,
+        x_scale,
+        w_scale,
+        bias,
+        y,
+        M,
+        N,
+        K,
+        _m_bucket(M),
         ACTIVATION=activation or "none",
         UPCAST=x.dtype == torch.bfloat16 and not x.is_cuda,
-    )  # fmt: skip
+    )
     return y
 
 
@@ -337,17 +344,24 @@ def _quantize_rows(x, smooth):
         return q, scale
     block_m, block_k, num_warps = _quantize_block(K)
     _quantize_rows_kernel[(triton.cdiv(M, block_m),)](
-        x, smooth, q, scale, M, K,
-        BLOCK_M=block_m, BLOCK_K=block_k, ONE_BLOCK=block_k >= K, num_warps=num_warps,
-    )  # fmt: skip
+        x,
+        smooth,
+        q,
+        scale,
+        M,
+        K,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        ONE_BLOCK=block_k >= K,
+        num_warps=num_warps,
+    )
     return q, scale
 
 
 def _quantize_rows_reference(x, smooth):
     """PyTorch statement of ``_quantize_rows`` (bit-exact: the same fp32 operations).
 
-    Few whole-tensor passes, since each costs tens of microseconds at BERT's sizes: max,
-    min, then ``x / scale + 1.5·2^23`` (the division, then the add that rounds half to
+    Few whole-tensor passes, since each reads and writes all of x: max, min, then ``x / scale + 1.5·2^23`` (the division, then the add that rounds half to
     even, as the kernel's ``_round_half_even``), whose bits are 0x4B400000 + n for the
     rounded integer n: their low byte is n in two's complement, and the int32 -> int8
     conversion keeps exactly that byte. No clamp is needed: |x| / (max / 127) rounds to
@@ -394,10 +408,9 @@ def _gemm_reference(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     """PyTorch statement of ``_gemm``: the same accumulator and epilogue, one final rounding.
 
     W8A8 sums exactly in int32 with ``int8_cpu.int8_mm`` where ``torch._int_mm`` applies (on a
-    VNNI CPU oneDNN's GEMM, ~4x the fp32 GEMM's throughput; without VNNI sgemm over exact
-    slices of K), else in float64 (exact for any K below
-    2^39); the float GEMMs and W8A16 sum in fp32. The epilogue runs in place: at BERT's
-    sizes each extra whole-tensor op costs a few percent of the GEMM.
+    VNNI CPU oneDNN's int8 GEMM; without VNNI sgemm over exact slices of K), else in float64
+    (exact for any K below 2^39); the float GEMMs and W8A16 sum in fp32. The epilogue runs
+    in place: each extra whole-tensor op would be another pass over the (M, N) output.
     """
     M, K = x.shape
     N = weight.shape[0]
@@ -433,8 +446,8 @@ def _fused_cpu_int8(t: torch.Tensor):
     """The compiled CPU int8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
     (where ``use_triton(t)`` is False on a CPU tensor), or None: on other devices (or a
     CPU tensor emulating CUDA for the compile report), while torch.compile
-    traces (it cannot trace into them), or without a compiler. Checked first, cheaply:
-    each Linear calls this twice, and a microsecond here is 1% of a small Linear."""
+    traces (it cannot trace into them), or without a compiler. The cheap tests come first:
+    each Linear calls this twice, on a small Linear's critical path."""
     if t.is_cuda or not t.is_cpu or os.environ.get("TRITON_INTERPRET") == "1" or torch.compiler.is_compiling():
         return None
     return int8_cpu.extension()
@@ -526,7 +539,7 @@ def _run_quantize_rows(x, smooth):
 
 def _inference(op_name, compute, *tensors):
     """``compute`` on contiguous ``tensors``; through ``_InferenceOnly`` only when autograd
-    records (its Python overhead is a few percent of a BERT Linear's time on CPU)."""
+    records (its Python overhead is not free beside a small Linear on CPU)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return _InferenceOnly.apply(op_name, compute, *tensors)
     return compute(*(None if t is None else t.contiguous() for t in tensors))
@@ -622,9 +635,7 @@ def linear(
     return y.view(*input.shape[:-1], weight.shape[0])
 
 
-def quantize_per_token(
-    input: torch.Tensor, smooth: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token(input: torch.Tensor, smooth: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token int8 quantization: ``q = round(input * smooth / scale)``.
 
     input: (..., K) float16, bfloat16 or float32. smooth: (K,) float32 per-channel

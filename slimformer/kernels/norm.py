@@ -36,8 +36,6 @@ reference, on every device, with float64 statistics and accumulators.
 
 import math
 import numbers
-import sys
-import weakref
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass
 
@@ -80,8 +78,21 @@ def _aligned(N, N_ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H: tl.constexpr,
-                 H_DTYPE: tl.constexpr, DROPOUT_AFTER: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _fused_input(
+    X,
+    RESIDUAL,
+    SEED,
+    rows,
+    col_start,
+    offsets,
+    mask,
+    N,
+    dropout_p,
+    ROUND_H: tl.constexpr,
+    H_DTYPE: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """h = dropout(x) + residual in fp32 for the tile of ``rows`` x (col_start + arange(BLOCK_N));
     no dropout here when it follows the norm."""
     h = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -105,22 +116,38 @@ def _dropout_scale_tile(SEED, rows, col_start, N, dropout_p, BLOCK_N: tl.constex
 
 
 @triton.jit
-def _row_part(X, RESIDUAL, H, SEED, rows, row_ok, col_start, N, dropout_p, ROUND_H: tl.constexpr,
-              H_DTYPE: tl.constexpr, STORE_H: tl.constexpr, DROPOUT_AFTER: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _row_part(
+    X,
+    RESIDUAL,
+    H,
+    SEED,
+    rows,
+    row_ok,
+    col_start,
+    N,
+    dropout_p,
+    ROUND_H: tl.constexpr,
+    H_DTYPE: tl.constexpr,
+    STORE_H: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """(h, its row sums, column mask, offsets) of columns col_start + arange(BLOCK_N) of ``rows``; h stored when STORE_H."""
     cols = col_start + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (cols < N)[None, :]
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
-    h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER,
-                     BLOCK_N)  # fmt: skip
+    h = _fused_input(
+        X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER, BLOCK_N
+    )
     if STORE_H:
         tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
     return h, tl.sum(h, axis=1), mask, offsets
 
 
 @triton.jit
-def _store_row_part(y, W, B, Y, SEED, rows, col_start, mask, offsets, N, dropout_p, DROPOUT_AFTER: tl.constexpr,
-                    BLOCK_N: tl.constexpr):  # fmt: skip
+def _store_row_part(
+    y, W, B, Y, SEED, rows, col_start, mask, offsets, N, dropout_p, DROPOUT_AFTER: tl.constexpr, BLOCK_N: tl.constexpr
+):
     """Store y · w + b (then dropout when it follows the norm) for columns col_start + arange(BLOCK_N)."""
     cols = col_start + tl.arange(0, BLOCK_N)
     if W is not None:
@@ -162,11 +189,13 @@ def _norm_fwd_kernel(
     N = _aligned(N, N_ALIGN)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    h, row_sum, mask, offsets = _row_part(X, RESIDUAL, H, SEED, rows, row_ok, 0, N, dropout_p, ROUND_H, H_DTYPE,
-                                          STORE_H, DROPOUT_AFTER, BLOCK_N)  # fmt: skip
+    h, row_sum, mask, offsets = _row_part(
+        X, RESIDUAL, H, SEED, rows, row_ok, 0, N, dropout_p, ROUND_H, H_DTYPE, STORE_H, DROPOUT_AFTER, BLOCK_N
+    )
     if TAIL_N > 0:
-        h_tail, tail_sum, tail_mask, tail_offsets = _row_part(X, RESIDUAL, H, SEED, rows, row_ok, BLOCK_N, N, dropout_p,
-                                                              ROUND_H, H_DTYPE, STORE_H, DROPOUT_AFTER, TAIL_N)  # fmt: skip
+        h_tail, tail_sum, tail_mask, tail_offsets = _row_part(
+            X, RESIDUAL, H, SEED, rows, row_ok, BLOCK_N, N, dropout_p, ROUND_H, H_DTYPE, STORE_H, DROPOUT_AFTER, TAIL_N
+        )
         row_sum += tail_sum
 
     if IS_RMS:
@@ -184,11 +213,25 @@ def _norm_fwd_kernel(
     rstd = 1.0 / tl.sqrt(sum_sq / N + eps)
     tl.store(RSTD + rows, rstd, mask=row_ok)
 
-    _store_row_part(centered * rstd[:, None], W, B, Y, SEED, rows, 0, mask, offsets, N, dropout_p, DROPOUT_AFTER,
-                    BLOCK_N)  # fmt: skip
+    _store_row_part(
+        centered * rstd[:, None], W, B, Y, SEED, rows, 0, mask, offsets, N, dropout_p, DROPOUT_AFTER, BLOCK_N
+    )
     if TAIL_N > 0:
-        _store_row_part(centered_tail * rstd[:, None], W, B, Y, SEED, rows, BLOCK_N, tail_mask, tail_offsets, N,
-                        dropout_p, DROPOUT_AFTER, TAIL_N)  # fmt: skip
+        _store_row_part(
+            centered_tail * rstd[:, None],
+            W,
+            B,
+            Y,
+            SEED,
+            rows,
+            BLOCK_N,
+            tail_mask,
+            tail_offsets,
+            N,
+            dropout_p,
+            DROPOUT_AFTER,
+            TAIL_N,
+        )
 
 
 @triton.jit
@@ -288,7 +331,8 @@ def _norm_bwd_kernel(
             if B is not None:
                 saved -= b
             if W_RECIPROCAL is not None:
-                # reloaded per row (from L1) rather than held: 16 more registers spill at N = 8192
+                # reloaded per row (an L1 hit) rather than held, to keep whole wide rows in registers
+                # (spills per width: docs/compile-report.md)
                 saved *= tl.load(W_RECIPROCAL + cols, mask=col_ok, other=0.0)[None, :]
             x_hat = saved
         elif IS_RMS:
@@ -319,13 +363,17 @@ def _norm_bwd_kernel(
             db_acc += dy
 
     if ARRIVALS is not None:
-        _sum_partial_rows(tl.sum(dw_acc, axis=0), tl.sum(db_acc, axis=0), DW_PARTIAL, DB_PARTIAL, DW, DB, ARRIVALS,
-                          cols, N, LEVELS)  # fmt: skip
+        _sum_partial_rows(
+            tl.sum(dw_acc, axis=0), tl.sum(db_acc, axis=0), DW_PARTIAL, DB_PARTIAL, DW, DB, ARRIVALS, cols, N, LEVELS
+        )
 
 
 @triton.jit
 def _norm_fwd_wide_stats_kernel(
-    X, RESIDUAL, H, SEED,  # as in _norm_fwd_kernel
+    X,
+    RESIDUAL,
+    H,
+    SEED,  # as in _norm_fwd_kernel
     STATS,  # (M, S, 2) fp32 per row segment: mean of h (RMSNorm: 0), sum of squared deviations from it
     N,
     dropout_p,
@@ -353,8 +401,9 @@ def _norm_fwd_wide_stats_kernel(
         cols = col_start + tl.arange(0, BLOCK_N)
         mask = (cols < N)[None, :]  # segments end on a block boundary or at N
         offsets = row.to(tl.int64) * N + cols[None, :]
-        h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
-                         DROPOUT_AFTER, BLOCK_N)  # fmt: skip
+        h = _fused_input(
+            X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE, DROPOUT_AFTER, BLOCK_N
+        )
         if STORE_H:
             tl.store(H + offsets, h.to(H_DTYPE), mask=mask)
         if IS_RMS:
@@ -375,7 +424,15 @@ def _norm_fwd_wide_stats_kernel(
 
 @triton.jit
 def _norm_fwd_wide_apply_kernel(
-    X, RESIDUAL, W, B, Y, H, MEAN, RSTD, SEED,  # as in _norm_fwd_kernel; X, RESIDUAL None when H is read
+    X,
+    RESIDUAL,
+    W,
+    B,
+    Y,
+    H,
+    MEAN,
+    RSTD,
+    SEED,  # as in _norm_fwd_kernel; X, RESIDUAL None when H is read
     STATS,  # (M, S, 2) fp32 from _norm_fwd_wide_stats_kernel
     N,
     eps,
@@ -422,16 +479,47 @@ def _norm_fwd_wide_apply_kernel(
         if H is not None:
             h = tl.load(H + offsets, mask=mask, other=0.0).to(tl.float32)
         else:
-            h = _fused_input(X, RESIDUAL, SEED, rows, col_start, offsets, mask, N, dropout_p, ROUND_H, H_DTYPE,
-                             DROPOUT_AFTER, BLOCK_N)  # fmt: skip
+            h = _fused_input(
+                X,
+                RESIDUAL,
+                SEED,
+                rows,
+                col_start,
+                offsets,
+                mask,
+                N,
+                dropout_p,
+                ROUND_H,
+                H_DTYPE,
+                DROPOUT_AFTER,
+                BLOCK_N,
+            )
         y = h * rstd if IS_RMS else (h - mean) * rstd
         _store_row_part(y, W, B, Y, SEED, rows, col_start, mask, offsets, N, dropout_p, DROPOUT_AFTER, BLOCK_N)
 
 
 @triton.jit
-def _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, cols, offsets, mask, rstd, N, dropout_p,
-                 IS_RMS: tl.constexpr, REBUILD_FROM_OUTPUT: tl.constexpr, DROPOUT_AFTER: tl.constexpr,
-                 BLOCK_N: tl.constexpr):  # fmt: skip
+def _x_hat_and_g(
+    DY,
+    SAVED,
+    W,
+    W_RECIPROCAL,
+    B,
+    MEAN,
+    SEED,
+    rows,
+    col_start,
+    cols,
+    offsets,
+    mask,
+    rstd,
+    N,
+    dropout_p,
+    IS_RMS: tl.constexpr,
+    REBUILD_FROM_OUTPUT: tl.constexpr,
+    DROPOUT_AFTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """(dy, x̂, g = dy · w) in fp32 for one tile of rows x cols, dy masked by a dropout that
     follows the norm; x̂ is 0 outside ``mask``."""
     dy = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -462,8 +550,9 @@ def _rounded_product(a, b):
     where it is 0). Compiled, PTX's mul.rn (no ftz: denormals stay) is never contracted;
     the interpreter does not contract."""
     if _COMPILED:
-        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
-                                         is_pure=True, pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         return a * b
 
@@ -478,7 +567,19 @@ def _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS: tl.constexpr):
 
 @triton.jit
 def _norm_bwd_wide_kernel(
-    DY, SAVED, W, W_RECIPROCAL, B, MEAN, RSTD, DH_OUT, DX, DRESIDUAL, DW_PARTIAL, DB_PARTIAL, SEED,  # as in _norm_bwd_kernel
+    DY,
+    SAVED,
+    W,
+    W_RECIPROCAL,
+    B,
+    MEAN,
+    RSTD,
+    DH_OUT,
+    DX,
+    DRESIDUAL,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    SEED,  # as in _norm_bwd_kernel
     M,
     N,
     dropout_p,
@@ -506,9 +607,27 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, cols, offsets,
-                                        mask, rstd, N, dropout_p, IS_RMS, REBUILD_FROM_OUTPUT, DROPOUT_AFTER,
-                                        BLOCK_N)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(
+                DY,
+                SAVED,
+                W,
+                W_RECIPROCAL,
+                B,
+                MEAN,
+                SEED,
+                rows,
+                col_start,
+                cols,
+                offsets,
+                mask,
+                rstd,
+                N,
+                dropout_p,
+                IS_RMS,
+                REBUILD_FROM_OUTPUT,
+                DROPOUT_AFTER,
+                BLOCK_N,
+            )
             sum_g_xhat += tl.sum(g * x_hat, axis=1)
             sum_g += tl.sum(g, axis=1)
         mean_g_xhat = (sum_g_xhat / N)[:, None]
@@ -517,9 +636,27 @@ def _norm_bwd_wide_kernel(
             cols = col_start + tl.arange(0, BLOCK_N)
             mask = (cols < N)[None, :]
             offsets = tl.cast(row, tl.int64) * N + cols[None, :]
-            dy, x_hat, g = _x_hat_and_g(DY, SAVED, W, W_RECIPROCAL, B, MEAN, SEED, rows, col_start, cols, offsets,
-                                        mask, rstd, N, dropout_p, IS_RMS, REBUILD_FROM_OUTPUT, DROPOUT_AFTER,
-                                        BLOCK_N)  # fmt: skip
+            dy, x_hat, g = _x_hat_and_g(
+                DY,
+                SAVED,
+                W,
+                W_RECIPROCAL,
+                B,
+                MEAN,
+                SEED,
+                rows,
+                col_start,
+                cols,
+                offsets,
+                mask,
+                rstd,
+                N,
+                dropout_p,
+                IS_RMS,
+                REBUILD_FROM_OUTPUT,
+                DROPOUT_AFTER,
+                BLOCK_N,
+            )
             dh = _input_grad(g, x_hat, mean_g, mean_g_xhat, rstd, IS_RMS)
             if DH_OUT is not None:
                 dh += tl.load(DH_OUT + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -613,15 +750,22 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
     if M == 0 or N == 0:
         return y, h, mean, rstd
     block_m, block_n, num_warps, wide = _block_config(N, forward=True)
-    flags = dict(IS_RMS=spec.is_rms, ROUND_H=fused, H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)], STORE_H=store_h,
-                 N_ALIGN=_row_alignment(N), DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
+    flags = dict(
+        IS_RMS=spec.is_rms,
+        ROUND_H=fused,
+        H_DTYPE=_TL_DTYPES[_h_dtype(x, residual)],
+        STORE_H=store_h,
+        N_ALIGN=_row_alignment(N),
+        DROPOUT_AFTER=spec.dropout_after and seed is not None,
+    )
     args = (x, residual, weight, bias, y, h, mean, rstd, seed, M, N, spec.eps, spec.dropout_p)
     if wide:
         _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flags, block_n, num_warps)
     else:
         head, tail, num_warps = _row_split(N, block_m, block_n, num_warps)
-        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](*args, **flags, BLOCK_M=block_m, BLOCK_N=head, TAIL_N=tail,
-                                                     num_warps=num_warps)  # fmt: skip
+        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+            *args, **flags, BLOCK_M=block_m, BLOCK_N=head, TAIL_N=tail, num_warps=num_warps
+        )
     return y, h, mean, rstd
 
 
@@ -638,11 +782,25 @@ def _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flag
     )
     recompute = h is None  # memory-efficient mode: h is recomputed, not reloaded
     _norm_fwd_wide_apply_kernel[(M, segments)](
-        x if recompute else None, residual if recompute else None, weight, bias, y, h, mean, rstd,
-        seed if recompute or flags["DROPOUT_AFTER"] else None, stats, N, spec.eps, spec.dropout_p, segment_cols,
-        **{k: v for k, v in flags.items() if k != "STORE_H"}, SEGMENTS=triton.next_power_of_2(segments),
-        BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+        x if recompute else None,
+        residual if recompute else None,
+        weight,
+        bias,
+        y,
+        h,
+        mean,
+        rstd,
+        seed if recompute or flags["DROPOUT_AFTER"] else None,
+        stats,
+        N,
+        spec.eps,
+        spec.dropout_p,
+        segment_cols,
+        **{k: v for k, v in flags.items() if k != "STORE_H"},
+        SEGMENTS=triton.next_power_of_2(segments),
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )
 
 
 def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec):
@@ -670,8 +828,12 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
         w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
         args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial)
         scalars = (seed, M, N, spec.dropout_p, rows_per_program)
-        flags = dict(IS_RMS=spec.is_rms, REBUILD_FROM_OUTPUT=spec.rebuild_from_output, N_ALIGN=_row_alignment(N),
-                     DROPOUT_AFTER=spec.dropout_after and seed is not None)  # fmt: skip
+        flags = dict(
+            IS_RMS=spec.is_rms,
+            REBUILD_FROM_OUTPUT=spec.rebuild_from_output,
+            N_ALIGN=_row_alignment(N),
+            DROPOUT_AFTER=spec.dropout_after and seed is not None,
+        )
         if wide:
             _norm_bwd_wide_kernel[(programs,)](*args, *scalars, **flags, BLOCK_N=block_n, num_warps=num_warps)
         else:
@@ -679,8 +841,18 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
             levels = max(1, (multiprocessor_count(dy.device) - 1).bit_length())
             summed = weight is not None or bias is not None
             arrivals = torch.zeros((levels, programs), dtype=torch.int32, device=dy.device) if summed else None
-            _norm_bwd_kernel[(programs,)](*args, dw, db, arrivals, *scalars, **flags, LEVELS=levels, BLOCK_M=block_m,
-                                          BLOCK_N=block_n, num_warps=num_warps)  # fmt: skip
+            _norm_bwd_kernel[(programs,)](
+                *args,
+                dw,
+                db,
+                arrivals,
+                *scalars,
+                **flags,
+                LEVELS=levels,
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                num_warps=num_warps,
+            )
     if residual_dtype is not None and dresidual is None:
         dresidual = dx
     if not summed_in_kernel:
@@ -814,10 +986,12 @@ def _as_rows(t: torch.Tensor, spec: _NormSpec) -> torch.Tensor:
 # instead of re-planning what to save. The spec travels as its fields (schema types).
 
 
-def _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
-          dropout_after) -> _NormSpec:  # fmt: skip
-    return _NormSpec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
-                     dropout_after)  # fmt: skip
+def _spec(
+    is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype, dropout_after
+) -> _NormSpec:
+    return _NormSpec(
+        is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype, dropout_after
+    )
 
 
 def _stores_h(fused: bool, spec: _NormSpec) -> bool:
@@ -846,8 +1020,9 @@ def _norm_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, h, mean, rstd) for contiguous x (and residual) of the caller's shape; h and mean
     are empty placeholders where ``_stores_h`` / ``_keeps_mean`` say they are not produced."""
-    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
-                 dropout_after)  # fmt: skip
+    spec = _spec(
+        is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype, dropout_after
+    )
     rows = _as_rows(x, spec)
     residual_rows = None if residual is None else _as_rows(residual, spec)
     fwd = _norm_fwd if _runs_kernels(x) else _norm_fwd_reference
@@ -862,10 +1037,24 @@ def _norm_op(
 
 
 @_norm_op.register_fake
-def _(x, residual, weight, bias, seed, is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output,
-      return_residual, out_dtype, dropout_after):  # fmt: skip
-    spec = _spec(is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype,
-                 dropout_after)  # fmt: skip
+def _(
+    x,
+    residual,
+    weight,
+    bias,
+    seed,
+    is_rms,
+    normalized_ndim,
+    eps,
+    dropout_p,
+    rebuild_from_output,
+    return_residual,
+    out_dtype,
+    dropout_after,
+):
+    spec = _spec(
+        is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype, dropout_after
+    )
     rows = math.prod(x.shape[: x.dim() - normalized_ndim])
     fused = _input_is_fused(seed, residual, spec)
     h = torch.empty(x.shape, dtype=_h_dtype(x, residual), device=x.device) if _stores_h(fused, spec) else None
@@ -911,8 +1100,16 @@ def _norm_backward_op(
     dx, dresidual, dw, db = bwd(
         _as_rows(dy.contiguous(), spec),
         None if dh_out is None else _as_rows(dh_out.contiguous(), spec),
-        _as_rows(saved, spec), weight, bias, mean, rstd, seed, x_dtype, residual_dtype, spec,
-    )  # fmt: skip
+        _as_rows(saved, spec),
+        weight,
+        bias,
+        mean,
+        rstd,
+        seed,
+        x_dtype,
+        residual_dtype,
+        spec,
+    )
     return (
         dx.view(shape),
         absent_output(dy.device) if dresidual is None or dresidual is dx else dresidual.view(shape),
@@ -922,8 +1119,24 @@ def _norm_backward_op(
 
 
 @_norm_backward_op.register_fake
-def _(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residual_dtype, is_rms, normalized_ndim,
-      eps, dropout_p, rebuild_from_output, dropout_after):  # fmt: skip
+def _(
+    dy,
+    dh_out,
+    saved,
+    weight,
+    bias,
+    mean,
+    rstd,
+    seed,
+    x_dtype,
+    residual_dtype,
+    is_rms,
+    normalized_ndim,
+    eps,
+    dropout_p,
+    rebuild_from_output,
+    dropout_after,
+):
     separate = _separate_dresidual(seed, x_dtype, residual_dtype)
     return (
         torch.empty(dy.shape, dtype=x_dtype, device=dy.device),
@@ -970,24 +1183,43 @@ def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
     if dy is None:  # only h was used
         dy = torch.zeros(saved.shape, dtype=spec.out_dtype, device=saved.device)
     dx, dresidual, dw, db = _norm_backward_op(
-        dy, dh_out if ctx.has_h else None, saved, weight, bias, mean, rstd, seed, ctx.x_dtype, ctx.residual_dtype,
-        spec.is_rms, spec.normalized_ndim, spec.eps, spec.dropout_p, spec.rebuild_from_output, spec.dropout_after,
-    )  # fmt: skip
+        dy,
+        dh_out if ctx.has_h else None,
+        saved,
+        weight,
+        bias,
+        mean,
+        rstd,
+        seed,
+        ctx.x_dtype,
+        ctx.residual_dtype,
+        spec.is_rms,
+        spec.normalized_ndim,
+        spec.eps,
+        spec.dropout_p,
+        spec.rebuild_from_output,
+        spec.dropout_after,
+    )
     if ctx.residual_dtype is None:
         dresidual = None
     elif not _separate_dresidual(seed, ctx.x_dtype, ctx.residual_dtype):
         dresidual = dx
     return (
-        dx, dresidual, None if weight is None else dw, None if bias is None else db, None,
+        dx,
+        dresidual,
+        None if weight is None else dw,
+        None if bias is None else db,
+        None,
         *(None,) * 8,
-    )  # fmt: skip
+    )
 
 
 _norm_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
 
 
-def _rebuilds_input_flag(weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
-    """``output_rebuilds_input`` as a 0-d bool tensor on the weights' device (no host sync)."""
+def output_rebuilds_input_flag(weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """``output_rebuilds_input`` as a 0-d bool tensor on the weights' device (no host sync),
+    for deciding many norms with one sync (``slimformer.layers.memory_modes``)."""
     if weight is None:
         return torch.tensor(True)
     w = weight.detach().float().abs()
@@ -1001,261 +1233,12 @@ def output_rebuilds_input(weight: torch.Tensor | None, bias: torch.Tensor | None
     """Whether x̂ = (y - b) / w can be trusted, so the memory-efficient mode is safe.
 
     True when every |w| >= 1e-3 and |b| <= 7 |w| (y's rounding error then grows at most
-    8x in x̂). Reads the weights (a host sync); ``MemoryModes`` decides it for many
-    norms with one sync. Weights on the meta device have no values to judge: False.
+    8x in x̂). Reads the weights (a host sync); the layers' ``MemoryModes``
+    (``slimformer.layers.memory_modes``) decides it for many norms with one sync. Weights on the meta device have no values to judge: False.
     """
     if weight is not None and weight.is_meta:
         return False
-    return bool(_rebuilds_input_flag(weight, bias))
-
-
-class MemoryModes:
-    """Which norms may keep their output instead of their input, re-decided whenever their
-    weights change, with one host sync per device for every stale norm at once.
-
-    A norm (any module with ``weight`` and optionally ``bias``) is stale when its weight
-    or bias is another tensor, or has been written in place (its version counter, read
-    without a sync, moved): an optimizer step, ``load_state_dict``, pruning's recomputed
-    weight, ``with torch.no_grad(): w.zero_()``. The first stale norm that runs after an
-    optimizer step re-decides all of them, so a training step costs one sync for the
-    whole model, not one per layer. Writes through ``.data`` bypass the version counter:
-    call ``refresh`` after those. Code traced by ``torch.compile`` cannot read version
-    counters: it uses the decision last made in eager mode (kept on the norm as a bool
-    attribute, which the compiled code guards on), or keeps the input if there was none.
-
-    Under FSDP2 (``fully_shard``) a norm runs on an unsharded parameter that the
-    all-gather refills every step without moving its version counter, while the optimizer
-    writes the sharded DTensor, so a norm whose weights FSDP2 manages is also stale when
-    its sharded parameters moved. When one such norm runs stale, every norm on its device
-    mesh is re-decided at once: each rank judges the tensors it holds (the unsharded
-    weights of the groups gathered now, its local shards of the others, cast to the
-    mixed-precision dtype they will be gathered in), one ``all_reduce(MIN)`` over the
-    mesh combines the verdicts, and the same single host sync reads them. That is one
-    sync and one small collective per optimizer step for the whole model, made inside a
-    forward that FSDP2 already requires every rank to run. A norm holding tensor
-    subclasses (sharded DTensors between FSDP2 calls, tensor-parallel weights) keeps its
-    input when run that way, and is never judged for a query such as ``saves_output``,
-    so printing a model on one rank starts no collective. Every rank must see the same
-    staleness (SPMD writes: the optimizer, DTensor ops, DCP loading on all ranks): after
-    writing one rank's local shard alone (``to_local()``), call ``refresh`` for those
-    norms on every rank. FSDP2's parameter records are private: where they cannot be
-    read, norms under FSDP2 keep their input.
-    """
-
-    _ATTRIBUTE = "_slimformer_rebuilds_input"
-
-    def __init__(self) -> None:
-        self._decisions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # norm -> held tensors, or None
-
-    def track(self, norm) -> None:
-        """Have ``norm`` decided with the next refresh (so a model's first step decides
-        all its norms with one sync)."""
-        self._decisions.setdefault(norm, None)
-
-    def _is_current(self, norm) -> bool:
-        held = self._decisions.get(norm)
-        return held is not None and all(
-            (tensor is None) if h is None else (tensor is not None and h.is_current(tensor))
-            for h, tensor in zip(held, _weights(norm))
-        )
-
-    def rebuilds_input(self, norm) -> bool:
-        """Whether ``norm``'s backward may rebuild its input from its output now."""
-        if torch.compiler.is_compiling():
-            return getattr(norm, self._ATTRIBUTE, False)
-        if _has_subclass_weights(norm):
-            return False
-        if not self._is_current(norm):
-            self.refresh(norm)
-        return getattr(norm, self._ATTRIBUTE)
-
-    def refresh(self, *norms) -> None:
-        """Re-decide ``norms`` and every other stale norm (FSDP2's: those on the meshes of
-        ``norms``, a collective every rank of them must join): one host sync per device."""
-        for norm in norms:
-            self.track(norm)
-        fsdp_params = _fsdp2_params_by_module()
-        asked = {id(norm) for norm in norms}
-        meshes = {_mesh_key(norm, fsdp_params[id(norm)]) for norm in norms if fsdp_params and id(norm) in fsdp_params}
-        local, by_mesh = [], {}  # (norm, flag, held) judged here; mesh key -> the same, to combine over ranks
-        for norm in list(self._decisions):
-            records = None if fsdp_params is None else fsdp_params.get(id(norm), {})
-            if records:
-                mesh = _mesh_key(norm, records)
-                if mesh is None:
-                    if id(norm) in asked or not self._is_current(norm):
-                        self._decide(norm, False, _held(norm, records))
-                elif mesh in meshes:
-                    by_mesh.setdefault(mesh, []).append((norm, *_judge_fsdp_norm(norm, records)))
-            elif id(norm) in asked or not self._is_current(norm):
-                weight, bias = _weights(norm)
-                if (weight is not None and weight.is_meta) or _has_subclass_weights(norm) or fsdp_params is None:
-                    self._decide(norm, False, _held(norm, {}))
-                else:
-                    local.append((norm, _rebuilds_input_flag(weight, bias), _held(norm, {})))
-        by_device: dict[torch.device, list] = {}
-        for norm, flag, held in local:
-            by_device.setdefault(flag.device, []).append(([(norm, held)], flag.view(1)))
-        for (mesh, dims), judged in by_mesh.items():
-            device = _mesh_device(mesh)
-            flags = _all_ranks_agree(torch.stack([flag.to(device) for _, flag, _ in judged]), mesh, dims)
-            by_device.setdefault(flags.device, []).append(([(norm, held) for norm, _, held in judged], flags))
-        for parts in by_device.values():
-            flags = torch.cat([flags.bool() for _, flags in parts]).tolist()  # the one host sync
-            for (norm, held), ok in zip((pair for pairs, _ in parts for pair in pairs), flags):
-                self._decide(norm, ok, held)
-
-    def _decide(self, norm, rebuilds: bool, held: tuple) -> None:
-        self._decisions[norm] = held
-        setattr(norm, self._ATTRIBUTE, rebuilds)
-
-
-def _weights(norm) -> tuple:
-    return norm.weight, getattr(norm, "bias", None)
-
-
-def _is_subclass(tensor) -> bool:
-    return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
-
-
-def _has_subclass_weights(norm) -> bool:
-    return any(t is not None and _is_subclass(t) for t in _weights(norm))
-
-
-class _Held:
-    """A plain weight or bias as decided on: stale once it is another tensor or was
-    written in place."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = weakref.ref(tensor), tensor._version
-
-    def is_current(self, tensor: torch.Tensor) -> bool:
-        return self.tensor() is tensor and tensor._version == self.version
-
-
-class _HeldByFsdp:
-    """A weight or bias that FSDP2 manages (``record``: its ``FSDPParam``), as decided on:
-    stale once its sharded parameter is another DTensor or was written in place (the
-    DTensor's version moves with the optimizer's writes, its local tensor's with writes
-    through ``to_local()``), or once the unsharded parameter the norm runs on was. The
-    unsharded parameter is the gathered copy of what was judged the first time the norm
-    runs on it after the decision; its version is taken then."""
-
-    __slots__ = ("record", "sharded", "versions", "unsharded")
-
-    def __init__(self, record, tensor) -> None:
-        self.record, self.sharded = weakref.ref(record), weakref.ref(record.sharded_param)
-        self.versions = _sharded_versions(record.sharded_param)
-        self.unsharded = None if tensor is None or _is_subclass(tensor) else _Held(tensor)
-
-    def is_current(self, tensor) -> bool:
-        record = self.record()
-        if record is None or record.sharded_param is not self.sharded():
-            return False
-        if _sharded_versions(record.sharded_param) != self.versions:
-            return False
-        if tensor is record.sharded_param:
-            return True
-        if self.unsharded is None and tensor is getattr(record, "_unsharded_param", None):
-            self.unsharded = _Held(tensor)
-        return self.unsharded is not None and self.unsharded.is_current(tensor)
-
-
-def _sharded_versions(sharded) -> tuple[int, int]:
-    return sharded._version, sharded._local_tensor._version
-
-
-def _held(norm, records: dict) -> tuple:
-    """What a decision on ``norm`` holds for its weight and bias (FSDP2's records by name)."""
-    return tuple(
-        None if tensor is None else _HeldByFsdp(records[name], tensor) if name in records else _Held(tensor)
-        for name, tensor in zip(("weight", "bias"), _weights(norm))
-    )
-
-
-def _mesh_key(norm, records: dict) -> tuple | None:
-    """(device mesh, the mesh dims to combine local verdicts over) that ``norm``'s
-    FSDP2-managed weight and bias share; None when they cannot be judged together (one
-    of them not managed, different meshes or placements, a partial placement)."""
-    if set(records) != {name for name, t in zip(("weight", "bias"), _weights(norm)) if t is not None}:
-        return None
-    sharded = [record.sharded_param for record in records.values()]
-    first = sharded[0]
-    if any(s.device_mesh != first.device_mesh or s.placements != first.placements for s in sharded):
-        return None
-    if any(p.is_partial() for p in first.placements):
-        return None
-    return first.device_mesh, tuple(d for d, p in enumerate(first.placements) if not p.is_replicate())
-
-
-def _judge_fsdp_norm(norm, records: dict) -> tuple[torch.Tensor, tuple]:
-    """(this rank's verdict as a 0-d bool tensor, the held tensors) for a norm under FSDP2:
-    its unsharded weights when it holds them, else its local shards in the dtype the
-    all-gather will give them (the verdict is elementwise, so shards can be judged apart)."""
-    tensors = _weights(norm)
-    if not any(t is not None and _is_subclass(t) for t in tensors):
-        return _rebuilds_input_flag(*tensors), _held(norm, records)
-    if not all(t is None or _is_subclass(t) for t in tensors):
-        return torch.tensor(False), _held(norm, records)
-    weight, bias = (_local_shard(records[name]) if name in records else None for name in ("weight", "bias"))
-    return _rebuilds_input_flag(weight, bias), _held(norm, records)
-
-
-def _local_shard(record) -> torch.Tensor:
-    local = record.sharded_param.to_local()
-    dtype = getattr(record, "param_dtype", None)
-    return local if dtype is None else local.to(dtype)
-
-
-def _all_ranks_agree(flags: torch.Tensor, mesh, dims: tuple) -> torch.Tensor:
-    """``flags`` (bool, on the mesh's device) and-ed over the ranks of ``mesh`` along ``dims``."""
-    import torch.distributed as dist
-
-    flags = flags.to(torch.int32)
-    for dim in dims:
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=mesh.get_group(dim))
-    return flags
-
-
-def _mesh_device(mesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
-
-
-def _fsdp2_params_by_module() -> dict | None:
-    """FSDP2's per-parameter records (``FSDPParam``) by id of the module that uses them,
-    then by the parameter's name there; {} when FSDP2 is not in use, None when it is but
-    its records cannot be read (a torch whose internals moved): norms then keep their
-    input rather than guess."""
-    fsdp_state = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_state")
-    if fsdp_state is None:
-        return {}
-    try:
-        from torch.distributed._composable_state import _module_state_mapping
-        from torch.distributed.tensor import DTensor
-
-        states = {id(s): s for s in (ref() for ref in list(_module_state_mapping.values()))}
-        by_module: dict[int, dict] = {}
-        for state in states.values():
-            if not isinstance(state, fsdp_state.FSDPState):
-                continue
-            for group in state._fsdp_param_groups:
-                for record in group.fsdp_params:
-                    if not isinstance(record.sharded_param, DTensor):
-                        return None
-                    info = record._module_info
-                    names = (info.param_name, *info.shared_param_names)
-                    for module, name in zip((info.module, *info.shared_modules), names, strict=True):
-                        by_module.setdefault(id(module), {})[name] = record
-        return by_module
-    except (AttributeError, ImportError, TypeError, ValueError):
-        return None
-
-
-MEMORY_MODES = MemoryModes()
+    return bool(output_rebuilds_input_flag(weight, bias))
 
 
 def check_normalized_shape(normalized_shape) -> tuple[int, ...]:
@@ -1315,10 +1298,56 @@ def _output_dtype(x: torch.Tensor, residual: torch.Tensor | None, autocast: bool
     return torch.float32 if cuda_autocast else _h_dtype(x, residual)
 
 
-def fused_norm(x, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, is_rms,
-                dropout_after=False):  # fmt: skip
-    """The checked call of ``_NormFunction``; ``dropout_after`` applies the dropout to the
-    norm's output instead of its input (then the input is saved whenever dropout_p > 0)."""
+def fused_norm(
+    x: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    *,
+    is_rms: bool,
+    residual: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    memory_efficient: bool = False,
+    return_residual: bool = False,
+    dropout_after: bool = False,
+):
+    """LayerNorm or RMSNorm of dropout(x) + residual, or dropout of the norm of x: the one
+    checked entry of the fused norm, which ``layer_norm``, ``rms_norm`` and the layers call.
+
+    Computes h = dropout(x, dropout_p) + residual (h = x without either), then
+    y = (h - mean(h)) · rstd · weight + bias, or y = h · rstd · weight with ``is_rms``,
+    statistics in fp32 (float64 for float64 input).
+
+    x: (..., *normalized_shape), float32, float16 or bfloat16 (the Triton kernel on CUDA,
+        the PyTorch reference elsewhere) or float64 (the reference, on any device); at most
+        65536 normalised features.
+    normalized_shape: an int or a sequence of ints, the last dimensions of x.
+    weight, bias: normalized_shape, or None; x's dtype outside autocast and whenever
+        either is float64. ``bias`` is None for RMSNorm.
+    eps: >= 0, added to the variance (mean square for RMSNorm).
+    is_rms: RMSNorm (no mean subtracted, no bias) instead of LayerNorm.
+    residual: x's shape, or None; added after the dropout.
+    dropout_p: in [0, 1); pass 0 in eval. The mask is regenerated in backward from a seed.
+    memory_efficient: save y instead of h and rebuild x̂ = (y - b) / w in backward. Not
+        checked here: the caller decides that the weights allow it
+        (``output_rebuilds_input``; the layers' ``MEMORY_MODES``). Ignored when
+        ``dropout_after`` drops anything (y then has zeros where x̂ does not).
+    return_residual: also return h (the next pre-LN block's residual); needs ``residual``.
+    dropout_after: apply the dropout to y instead of x, out = dropout(y) (the LayerNorm
+        then dropout that ends BERT-family embeddings); x itself is saved when dropout_p > 0.
+
+    Returns y shaped like x, in float32 under CUDA autocast, else in the dtype of
+    x + residual; with ``return_residual``, (y, h).
+
+    Raises:
+        TypeError: x is not a float tensor of a supported dtype; weight, bias or residual
+            is not a tensor or None, or has a dtype that does not match x as above; eps or
+            dropout_p is not a real number.
+        ValueError: normalized_shape is not x's last dimensions or is wider than 65536;
+            weight, bias or residual has the wrong shape or device; eps < 0; dropout_p
+            outside [0, 1); return_residual without residual.
+    """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -1401,7 +1430,16 @@ def layer_norm(
     """
     memory_efficient = _checked_memory_mode(memory_efficient, weight, bias)
     return fused_norm(
-        input, normalized_shape, weight, bias, eps, residual, dropout_p, memory_efficient, return_residual, False
+        input,
+        normalized_shape,
+        weight,
+        bias,
+        eps,
+        is_rms=False,
+        residual=residual,
+        dropout_p=dropout_p,
+        memory_efficient=memory_efficient,
+        return_residual=return_residual,
     )
 
 
@@ -1427,5 +1465,14 @@ def rms_norm(
         eps = default_rms_norm_eps(input)
     memory_efficient = _checked_memory_mode(memory_efficient, weight, None)
     return fused_norm(
-        input, normalized_shape, weight, None, eps, residual, dropout_p, memory_efficient, return_residual, True
+        input,
+        normalized_shape,
+        weight,
+        None,
+        eps,
+        is_rms=True,
+        residual=residual,
+        dropout_p=dropout_p,
+        memory_efficient=memory_efficient,
+        return_residual=return_residual,
     )

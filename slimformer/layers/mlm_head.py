@@ -58,6 +58,10 @@ def masked_token_loss(
         labelled = (flat_labels != ignore_index).nonzero()[:, 0]
         rows, flat_labels = rows.index_select(0, labelled), flat_labels.index_select(0, labelled)
     return linear_cross_entropy(
-        transform(rows), decoder_weight, decoder_bias, flat_labels,
-        ignore_index=ignore_index, label_smoothing=label_smoothing,
-    )  # fmt: skip
+        transform(rows),
+        decoder_weight,
+        decoder_bias,
+        flat_labels,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+    )

@@ -7,7 +7,7 @@ and the fused dropout + residual add of ``slimformer.kernels.norm``.
 The memory-efficient mode (the default) keeps the output instead of the input for
 backward. Whether the weights allow rebuilding the input from the output is re-decided
 whenever they change (an optimizer step, ``load_state_dict``, an in-place edit under
-``no_grad``: see ``slimformer.kernels.norm.MemoryModes``), for every layer at once with
+``no_grad``: see ``slimformer.layers.memory_modes.MemoryModes``), for every layer at once with
 one host sync per step; call ``refresh_memory_mode()`` after writing through ``.data``.
 float64 layers run the PyTorch reference in float64, on any device.
 """
@@ -15,7 +15,8 @@ float64 layers run the PyTorch reference in float64, on any device.
 import torch
 from torch import nn
 
-from slimformer.kernels.norm import MEMORY_MODES, fused_norm, check_eps, check_normalized_shape, default_rms_norm_eps
+from slimformer.kernels.norm import check_eps, check_normalized_shape, default_rms_norm_eps, fused_norm
+from slimformer.layers.memory_modes import MEMORY_MODES
 from slimformer.layers.sharing import (
     NotScriptable,
     TorchDropout,
@@ -96,9 +97,17 @@ class LayerNorm(_MemoryModeMixin, TorchLayerNorm):
 
     def forward(self, input, residual=None, *, dropout_p: float = 0.0, return_residual: bool = False):
         return fused_norm(
-            input, self.normalized_shape, self.weight, self.bias, self.eps, residual, dropout_p,
-            self._rebuilds_input(), return_residual, False,
-        )  # fmt: skip
+            input,
+            self.normalized_shape,
+            self.weight,
+            self.bias,
+            self.eps,
+            is_rms=False,
+            residual=residual,
+            dropout_p=dropout_p,
+            memory_efficient=self._rebuilds_input(),
+            return_residual=return_residual,
+        )
 
 
 class RMSNorm(_MemoryModeMixin, TorchRMSNorm):
@@ -125,9 +134,17 @@ class RMSNorm(_MemoryModeMixin, TorchRMSNorm):
     def forward(self, input, residual=None, *, dropout_p: float = 0.0, return_residual: bool = False):
         eps = default_rms_norm_eps(input) if self.eps is None else self.eps
         return fused_norm(
-            input, self.normalized_shape, self.weight, None, eps, residual, dropout_p,
-            self._rebuilds_input(), return_residual, True,
-        )  # fmt: skip
+            input,
+            self.normalized_shape,
+            self.weight,
+            None,
+            eps,
+            is_rms=True,
+            residual=residual,
+            dropout_p=dropout_p,
+            memory_efficient=self._rebuilds_input(),
+            return_residual=return_residual,
+        )
 
 
 class LayerNormDropout(LayerNorm):
@@ -151,9 +168,16 @@ class LayerNormDropout(LayerNorm):
         dropout = self._dropout
         dropout_p = float(dropout.p) if dropout.training else 0.0
         return fused_norm(
-            input, self.normalized_shape, self.weight, self.bias, self.eps, None, dropout_p,
-            self._rebuilds_input(), False, False, dropout_after=True,
-        )  # fmt: skip
+            input,
+            self.normalized_shape,
+            self.weight,
+            self.bias,
+            self.eps,
+            is_rms=False,
+            dropout_p=dropout_p,
+            memory_efficient=self._rebuilds_input(),
+            dropout_after=True,
+        )
 
     def fuses_dropout(self) -> bool:
         """Whether this call applies the dropout (no hooks on either module, p < 1)."""
@@ -179,9 +203,9 @@ def fuse_with_dropout(norm: nn.LayerNorm, dropout: nn.Dropout) -> tuple[LayerNor
         raise TypeError(f"norm must be a torch.nn.LayerNorm, got {type(norm).__name__}")
     if type(dropout) is not TorchDropout:
         raise TypeError(f"dropout must be a torch.nn.Dropout, got {type(dropout).__name__}")
-    fused_norm = LayerNormDropout.from_torch(norm)
-    fused_dropout = share_parameters(DropoutInNorm, dropout, TorchDropout, ("p", "inplace"))
+    norm_dropout = LayerNormDropout.from_torch(norm)
+    dropout_in_norm = share_parameters(DropoutInNorm, dropout, TorchDropout, ("p", "inplace"))
     # plain attributes, not submodules: the module tree and state_dict stay the original's
-    object.__setattr__(fused_norm, "_dropout", fused_dropout)
-    object.__setattr__(fused_dropout, "_norm", fused_norm)
-    return fused_norm, fused_dropout
+    object.__setattr__(norm_dropout, "_dropout", dropout_in_norm)
+    object.__setattr__(dropout_in_norm, "_norm", norm_dropout)
+    return norm_dropout, dropout_in_norm

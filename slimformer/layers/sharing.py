@@ -17,11 +17,31 @@ from torch.nn.modules.linear import Linear as TorchLinear
 from torch.nn.modules.normalization import LayerNorm as TorchLayerNorm, RMSNorm as TorchRMSNorm
 from torch.nn.modules.transformer import TransformerEncoderLayer as TorchTransformerEncoderLayer
 
+__all__ = [
+    "NotScriptable",
+    "TorchDropout",
+    "TorchLayerNorm",
+    "TorchLinear",
+    "TorchMultiheadAttention",
+    "TorchRMSNorm",
+    "TorchTransformerEncoderLayer",
+    "any_has_call_hooks",
+    "forward_with_signature",
+    "has_call_hooks",
+    "has_user_hooks",
+    "share_parameters",
+]
+
 # nn.Module's per-call hooks (forward, forward-pre, backward), with their flags
 _CALL_HOOKS = (
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks",
-)  # fmt: skip
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
 
 
 def share_parameters(cls: type, module: nn.Module, torch_class: type, attributes: tuple[str, ...]) -> nn.Module:

@@ -30,6 +30,7 @@ from slimformer.kernels.attention import self_attention
 from slimformer.kernels.dropout import dropout_add
 from slimformer.layers.attention import MultiheadAttention
 from slimformer.layers.norm import LayerNorm
+from slimformer.layers.policies import check_policy
 from slimformer.layers.sharing import (
     NotScriptable,
     TorchLinear,
@@ -37,7 +38,6 @@ from slimformer.layers.sharing import (
     any_has_call_hooks,
     share_parameters,
 )
-from slimformer.recompute import check_policy
 
 _SUPPORTED_ACTIVATIONS = '"relu", "gelu", F.relu, F.gelu, torch.relu, nn.ReLU(), nn.GELU() or nn.GELU("tanh")'
 
@@ -83,9 +83,18 @@ class TransformerEncoderLayer(NotScriptable, TorchTransformerEncoderLayer):
     ):
         fused_name = fused_activation_name(activation)
         super().__init__(
-            d_model, nhead, dim_feedforward, dropout, activation, layer_norm_eps, batch_first, norm_first, bias,
-            device, dtype,
-        )  # fmt: skip
+            d_model,
+            nhead,
+            dim_feedforward,
+            dropout,
+            activation,
+            layer_norm_eps,
+            batch_first,
+            norm_first,
+            bias,
+            device,
+            dtype,
+        )
         self.fused_activation = fused_name
         # Keeps nn.TransformerEncoder off its inference fast path, which would hand this
         # layer nested tensors it does not take.
@@ -157,9 +166,16 @@ class TransformerEncoderLayer(NotScriptable, TorchTransformerEncoderLayer):
     def _submodules_have_hooks(self) -> bool:
         """Whether a module that torch's forward calls has hooks (the fused path calls none)."""
         return any_has_call_hooks(
-            self.self_attn, self.norm1, self.norm2, self.linear1, self.linear2, self.dropout, self.dropout1,
-            self.dropout2, self.activation,
-        )  # fmt: skip
+            self.self_attn,
+            self.norm1,
+            self.norm2,
+            self.linear1,
+            self.linear2,
+            self.dropout,
+            self.dropout1,
+            self.dropout2,
+            self.activation,
+        )
 
     # Each dropout's p is read from torch's module for it (dropout1 after the attention,
     # dropout inside the MLP, dropout2 after it): under torch.compile a p that dynamo made
@@ -184,17 +200,30 @@ class TransformerEncoderLayer(NotScriptable, TorchTransformerEncoderLayer):
     def _attention(self, x, attn_mask, padding, is_causal, policy):
         attn = self.self_attn
         out = self_attention(
-            x, attn.in_proj_weight, attn.in_proj_bias, attn.num_heads, attn_mask,
-            attn.dropout if self.training else 0.0, is_causal, padding, recompute_qkv="qkv" in policy,
+            x,
+            attn.in_proj_weight,
+            attn.in_proj_bias,
+            attn.num_heads,
+            attn_mask,
+            attn.dropout if self.training else 0.0,
+            is_causal,
+            padding,
+            recompute_qkv="qkv" in policy,
             deterministic=attn.deterministic,
-        )  # fmt: skip
+        )
         return F.linear(out, attn.out_proj.weight, attn.out_proj.bias)
 
     def _mlp(self, x, policy):
         return fused_mlp(
-            x, self.linear1.weight, self.linear1.bias, self.linear2.weight, self.linear2.bias, self.fused_activation,
-            self.dropout.p if self.training else 0.0, recompute_fc1="mlp" in policy,
-        )  # fmt: skip
+            x,
+            self.linear1.weight,
+            self.linear1.bias,
+            self.linear2.weight,
+            self.linear2.bias,
+            self.fused_activation,
+            self.dropout.p if self.training else 0.0,
+            recompute_fc1="mlp" in policy,
+        )
 
     def extra_repr(self) -> str:
         return f"activation={self.fused_activation!r}, norm_first={self.norm_first}, recompute={self.recompute!r}"

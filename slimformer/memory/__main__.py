@@ -1,5 +1,5 @@
 """``python -m slimformer.memory``: the memory report of a BERT, eager vs slimformer."""
 
-from slimformer.memory.report import main
+from slimformer.memory.cli import main
 
 raise SystemExit(main())

@@ -61,7 +61,9 @@ def _check_mlp(activation, dtype, rows, d_model, d_ff, dropout_p, recompute_fc1,
     results = run(ours, leaves)
     torch_results = run(eager, leaves)
     exact = run(eager, [t.double() for t in leaves])
-    for name, actual, same_dtype, exact_value in zip(["out", "dx", "dw1", "db1", "dw2", "db2"], results, torch_results, exact):
+    for name, actual, same_dtype, exact_value in zip(
+        ["out", "dx", "dw1", "db1", "dw2", "db2"], results, torch_results, exact
+    ):
         assert_within_reference_error(name, actual, same_dtype, exact_value)
 
 

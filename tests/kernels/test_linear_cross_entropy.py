@@ -62,9 +62,9 @@ def test_matches_torch(path, dtype, rows, hidden, vocab, smoothing, reduction, m
 
 
 def test_uninitialized_memory_never_reaches_the_result(path, monkeypatch):
-    # torch 2.13's CPU bf16 GEMM on one thread reads a row-strided operand's padding: the
-    # chunk buffer's columns past the chunk once held garbage that made dx NaN under
-    # autocast (here every new tensor starts as NaN, on one intra-op thread as in CI)
+    # torch's CPU bf16 GEMM on one thread reads a row-strided operand's padding, so garbage
+    # in the chunk buffer's columns past the chunk would make dx NaN under autocast (here
+    # every new tensor starts as NaN, on one intra-op thread as in CI)
     empty, empty_like = torch.empty, torch.empty_like
 
     def poisoned(factory):

@@ -119,9 +119,8 @@ def _adversarial_rows(seed: int = 0) -> torch.Tensor:
 
 
 def test_quantize_per_token_rounds_each_quotient_once_half_to_even(monkeypatch):
-    # The compiled kernel once rounded floor(fma(x, 1/scale, 0.5)) while the reference
-    # rounded twice: they disagreed where x / scale lands just below a half. Both now
-    # divide (IEEE) and round the quotient half to even, in the kernel and in torch.
+    # Rounding floor(fma(x, 1/scale, 0.5)) and rounding twice disagree where x / scale lands
+    # just below a half: the kernel and torch both divide (IEEE), then round half to even once.
     x = _adversarial_rows()
     q_ref, scale_ref = matmul._quantize_rows_reference(x, None)
     expected = torch.round(torch.div(x, scale_ref[:, None])).to(torch.int8)
@@ -276,12 +275,15 @@ def test_fused_cpu_int8_builds_into_its_cache_or_warns_without_a_compiler(monkey
     built = int8_cpu.extension.__wrapped__()
     assert built is not None and [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]
     x = torch.randn(3, 40)
-    assert torch.equal(built.quantize_rows(x, None, matmul.MIN_ROW_ABSMAX)[0], matmul._quantize_rows_reference(x, None)[0])
+    assert torch.equal(
+        built.quantize_rows(x, None, matmul.MIN_ROW_ABSMAX)[0], matmul._quantize_rows_reference(x, None)[0]
+    )
     with pytest.raises(ValueError, match="x must be a contiguous float32 CPU tensor, got torch.float16"):
         built.quantize_rows(x.half(), None, matmul.MIN_ROW_ABSMAX)
     with pytest.raises(ValueError, match="w_scale must have 5 elements, got 4"):
-        built.int8_gemm(torch.zeros(3, 8, dtype=torch.int8), torch.zeros(8, 5, dtype=torch.int8), torch.ones(3),
-                        torch.ones(4), None)  # fmt: skip
+        built.int8_gemm(
+            torch.zeros(3, 8, dtype=torch.int8), torch.zeros(8, 5, dtype=torch.int8), torch.ones(3), torch.ones(4), None
+        )
     monkeypatch.setenv("SLIMFORMER_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.warns(RuntimeWarning, match="no C compiler .*no-such-cc.* plain PyTorch ops"):
@@ -537,11 +539,17 @@ def test_compiled_kernels_match_reference_on_gpu(shape, dtype):
     for on_gpu, on_cpu in zip(quantize_per_token(adversarial), quantize_per_token(adversarial.cpu())):
         assert torch.equal(on_gpu.cpu(), on_cpu)
     for ours, ref in [
-        (linear(x, weight, bias, activation="gelu"),
-         matmul._gemm_reference(x, weight, None, None, bias, "gelu", dtype)),
-        (int8_matmul(q, x_scale, wq, w_scale, bias, out_dtype=dtype),
-         matmul._gemm_reference(q, wq, x_scale, w_scale, bias, None, dtype)),
-        (int8_weight_only_linear(x, wq, w_scale, bias),
-         matmul._gemm_reference(x, wq, None, w_scale, bias, None, dtype)),
-    ]:  # fmt: skip
+        (
+            linear(x, weight, bias, activation="gelu"),
+            matmul._gemm_reference(x, weight, None, None, bias, "gelu", dtype),
+        ),
+        (
+            int8_matmul(q, x_scale, wq, w_scale, bias, out_dtype=dtype),
+            matmul._gemm_reference(q, wq, x_scale, w_scale, bias, None, dtype),
+        ),
+        (
+            int8_weight_only_linear(x, wq, w_scale, bias),
+            matmul._gemm_reference(x, wq, None, w_scale, bias, None, dtype),
+        ),
+    ]:
         torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)

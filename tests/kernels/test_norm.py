@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimformer.kernels import dispatch
-from slimformer.kernels import norm as norm_kernels
+from slimformer.kernels import dispatch, norm as norm_kernels
 from slimformer.kernels.norm import layer_norm, output_rebuilds_input, rms_norm
 from slimformer.kernels.philox import dropout_keep_block, dropout_threshold, new_dropout_seed
 from tests.aot_compile import ROOT
@@ -81,7 +80,17 @@ def _check_norm(
         if dropout_after:
             rebuilds = norm_kernels._checked_memory_mode(memory_efficient, weight, bias)
             out = norm_kernels.fused_norm(
-                x, (n_cols,), weight, bias, eps, residual, p, rebuilds, return_residual, is_rms, dropout_after=True
+                x,
+                (n_cols,),
+                weight,
+                bias,
+                eps,
+                is_rms=is_rms,
+                residual=residual,
+                dropout_p=p,
+                memory_efficient=rebuilds,
+                return_residual=return_residual,
+                dropout_after=True,
             )
             return out if return_residual else (out, None)
         kwargs = dict(residual=residual, dropout_p=p, memory_efficient=memory_efficient)
@@ -169,7 +178,17 @@ def test_dropout_after_the_norm_saves_the_input_unless_the_output_rebuilds_it(ba
     weight, bias = _params(97, torch.float32)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        y = norm_kernels.fused_norm(x, 97, weight, bias, 1e-5, None, 0.1 * with_dropout, True, False, False, True)
+        y = norm_kernels.fused_norm(
+            x,
+            97,
+            weight,
+            bias,
+            1e-5,
+            is_rms=False,
+            dropout_p=0.1 * with_dropout,
+            memory_efficient=True,
+            dropout_after=True,
+        )
     big = [t for t in saved if t.numel() == x.numel()]
     assert len(big) == 1 and big[0].data_ptr() == (x if with_dropout else y).data_ptr()
 
@@ -272,7 +291,16 @@ def test_float64_matches_eager_float64_and_passes_gradcheck(backend, is_rms, dro
         torch.manual_seed(SEED)
         rebuilds = norm_kernels._checked_memory_mode(memory_efficient, weight, bias)
         return norm_kernels.fused_norm(
-            x, (n_cols,), weight, bias, eps, residual, DROPOUT_P, rebuilds, False, is_rms, dropout_after=dropout_after
+            x,
+            (n_cols,),
+            weight,
+            bias,
+            eps,
+            is_rms=is_rms,
+            residual=residual,
+            dropout_p=DROPOUT_P,
+            memory_efficient=rebuilds,
+            dropout_after=dropout_after,
         )
 
     torch.manual_seed(SEED)
@@ -504,7 +532,7 @@ def compiled_backward_rounded_products() -> dict[str, int]:
     """{kernel (columns): PTX mul.rn instructions (never contracted) in its sm_90 PTX} of the norm backward kernels,
     whole-row (1 column) and wide (65536), specialised as the JIT would (run without
     TRITON_INTERPRET)."""
-    from bench.kernel_capture import H100, capture, compile_launch
+    from tools.compile_report.capture import H100, capture, compile_launch
 
     counts = {}
     for n_cols in (1, 65536):

@@ -37,18 +37,26 @@ def _linears(x, weights, biases):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "shape, outs, biases",
-    [((1, 16), (16, 16, 16), (True, True, True)), ((3, 17, 24), (24, 8, 40), (True, False, True)),
-     ((97, 40), (40, 40, 40), (False, False, False))],
+    [
+        ((1, 16), (16, 16, 16), (True, True, True)),
+        ((3, 17, 24), (24, 8, 40), (True, False, True)),
+        ((97, 40), (40, 40, 40), (False, False, False)),
+    ],
     ids=["one-row", "odd-sizes-no-key-bias", "no-bias"],
-)  # fmt: skip
+)
 def test_projections_match_linears(dtype, shape, outs, biases):
     x, weights, bias_list = _inputs(shape, outs, dtype, biases)
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(*shape[:-1], n, generator=gen).to(dtype) for n in outs]
     ours = _run(projections, x, weights, bias_list, grads)
     same_dtype = _run(_linears, x, weights, bias_list, grads)
-    exact = _run(_linears, x.double(), [w.double() for w in weights],
-                 [None if b is None else b.double() for b in bias_list], grads)  # fmt: skip
+    exact = _run(
+        _linears,
+        x.double(),
+        [w.double() for w in weights],
+        [None if b is None else b.double() for b in bias_list],
+        grads,
+    )
     names = ["q", "k", "v", "dx", "dwq", "dwk", "dwv"] + [f"db{i}" for i, b in enumerate(biases) if b]
     for name, actual, torch_value, exact_value in zip(names, ours, same_dtype, exact, strict=True):
         assert actual.dtype == dtype, name

@@ -73,8 +73,10 @@ def test_state_dict_round_trip_into_a_new_layer(mode, bias):
     assert torch.equal(fresh(x), layer(x))
 
 
-@pytest.mark.parametrize("saved, loaded", [("int8", "int8-weight-only"), ("int8-weight-only", "int8"),
-                                           ("fp16", "int8"), ("int8", "fp16"), ("float", "int8")])  # fmt: skip
+@pytest.mark.parametrize(
+    "saved, loaded",
+    [("int8", "int8-weight-only"), ("int8-weight-only", "int8"), ("fp16", "int8"), ("int8", "fp16"), ("float", "int8")],
+)
 def test_loading_another_modes_state_dict_raises(saved, loaded):
     linear = _float_linear()
     source = linear if saved == "float" else _from_float(linear, saved)

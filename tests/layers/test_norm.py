@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import slimformer as sf
-from slimformer.kernels import norm as norm_kernels
+from slimformer.layers import memory_modes
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
 
@@ -413,13 +413,13 @@ def _multi_layer_syncs_under_fsdp2(fully_shard, torch_class, sf_class):
     finally:
         undo()
     assert held == [False] * 4 and counts == dict(tolist=0, item=0, all_reduce=0), f"{name}: {held}, {counts}"
-    readable = norm_kernels._fsdp2_params_by_module
-    norm_kernels._fsdp2_params_by_module = lambda: None  # a torch whose FSDP2 internals moved
+    readable = memory_modes._fsdp2_params_by_module
+    memory_modes._fsdp2_params_by_module = lambda: None  # a torch whose FSDP2 internals moved
     try:
         decisions[:] = []
         model(x.clone().requires_grad_(True)).sum().backward()
     finally:
-        norm_kernels._fsdp2_params_by_module = readable
+        memory_modes._fsdp2_params_by_module = readable
     assert decisions == [(i, False) for i in range(4)], f"{name}: records unreadable, yet decided {decisions}"
 
 

@@ -30,9 +30,16 @@ def _pair(norm_first=False, activation="relu", dropout=0.0, batch_first=True, re
             norm.weight.uniform_(0.5, 1.5)
             norm.bias.uniform_(-0.5, 0.5)
     layer = sf.TransformerEncoderLayer(
-        D_MODEL, NHEAD, D_FF, dropout, activation, batch_first=batch_first, norm_first=norm_first,
-        recompute=recompute, **kwargs,
-    )  # fmt: skip
+        D_MODEL,
+        NHEAD,
+        D_FF,
+        dropout,
+        activation,
+        batch_first=batch_first,
+        norm_first=norm_first,
+        recompute=recompute,
+        **kwargs,
+    )
     layer.load_state_dict(reference.state_dict())
     return reference, layer
 
@@ -100,7 +107,9 @@ def test_inside_transformer_encoder(backend):
         encoder.train(training)
         with torch.no_grad():
             out_ref = encoder_ref(x, src_key_padding_mask=padding)[~padding]
-            torch.testing.assert_close(encoder(x, src_key_padding_mask=padding)[~padding], out_ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                encoder(x, src_key_padding_mask=padding)[~padding], out_ref, rtol=1e-4, atol=1e-4
+            )
 
 
 @pytest.mark.parametrize("nhead", [3, 4])
@@ -154,8 +163,9 @@ def _assert_same_calls(calls, expected):
     assert [c[0] for c in calls] == [c[0] for c in expected]
     for call, expected_call in zip(calls, expected):
         for got, want in zip(call[1:], expected_call[1:]):
-            got, want = (t if isinstance(t, dict) else dict(enumerate(t if isinstance(t, tuple) else (t,)))
-                         for t in (got, want))  # fmt: skip
+            got, want = (
+                t if isinstance(t, dict) else dict(enumerate(t if isinstance(t, tuple) else (t,))) for t in (got, want)
+            )
             assert got.keys() == want.keys(), call[0]
             for key, value in got.items():
                 if isinstance(value, torch.Tensor):
@@ -239,9 +249,10 @@ def test_float64_matches_torch_and_passes_gradcheck(norm_first, policy):
 
 
 @pytest.mark.parametrize(
-    "replaced", [("MultiheadAttention",), ("MultiheadAttention", "TransformerEncoderLayer", "LayerNorm", "RMSNorm")],
+    "replaced",
+    [("MultiheadAttention",), ("MultiheadAttention", "TransformerEncoderLayer", "LayerNorm", "RMSNorm")],
     ids=["MultiheadAttention", "all"],
-)  # fmt: skip
+)
 def test_global_drop_in_of_torchs_classes(monkeypatch, replaced):
     # The pattern ``torch.nn.MultiheadAttention = slimformer.MultiheadAttention`` (monkeypatch puts
     # torch's classes back): construction, from_torch and forward still work.
@@ -368,7 +379,7 @@ def test_every_policy_compiles_fullgraph_with_dropout(policy, monkeypatch):
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-LN", "pre-LN"])
 def test_full_compiles_after_the_dropout_changes(norm_first, monkeypatch):
     # a changed p makes dynamo recompile with p as a dynamic float: one read both inside
-    # the checkpoint and after it broke tracing (a node of the region used outside it)
+    # the checkpoint and after it would break tracing (a node of the region used outside it)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     layer = sf.TransformerEncoderLayer(
         D_MODEL, NHEAD, D_FF, 0.1, batch_first=True, norm_first=norm_first, recompute="full"

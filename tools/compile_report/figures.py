@@ -22,9 +22,9 @@ latency, occupancy, bank conflicts and the tail. ``bound`` names the largest ter
 import math
 from dataclasses import dataclass
 
-from bench.compile_cases import allowed_pairs, allowed_tiles
-from bench.compiled_code import KernelStats
-from bench.kernel_capture import Device, Launch
+from tools.compile_report.capture import Device, Launch
+from tools.compile_report.cases import allowed_pairs, allowed_tiles
+from tools.compile_report.sass import KernelStats
 
 TILE = 128  # the unit: warp-instructions per 128 × 128 score tile
 

@@ -1,7 +1,7 @@
 """The shapes the compile report captures: realistic calls of slimformer's public ops.
 
 Each ``Case`` calls a public op (forward, then backward where it has one) on CPU tensors;
-``kernel_capture.capture`` turns the calls into the launches a GPU would get. Cases
+``capture.capture`` turns the calls into the launches a GPU would get. Cases
 name no kernel and no kernel argument, so the report follows the kernels as they change.
 ``ci=True`` marks the small representative set the CI test compiles.
 """
@@ -190,8 +190,7 @@ def norm_case(
                        return_residual=return_residual)  # fmt: skip
         if dropout_after:
             b = torch.zeros(n_cols, dtype=torch_dtype, requires_grad=True)
-            out = fused_norm(x, n_cols, w, b, 1e-5, r, dropout, memory_efficient, return_residual, kind == "rms",
-                              dropout_after=True)  # fmt: skip
+            out = fused_norm(x, n_cols, w, b, 1e-5, is_rms=kind == "rms", dropout_after=True, **options)
         elif kind == "layer":
             b = torch.zeros(n_cols, dtype=torch_dtype, requires_grad=True)
             out = layer_norm(x, n_cols, w, b, **options)

@@ -1,6 +1,6 @@
 """Facts about a compiled kernel: ptxas's resource report and its SASS.
 
-``analyse(launch)`` compiles a captured launch (``kernel_capture``) with Triton's own
+``analyse(launch)`` compiles a captured launch (``capture``) with Triton's own
 pipeline, ptxas included, and reads:
 
 - from ptxas ``-v`` (Triton always passes it): registers per thread, spill store/load
@@ -33,7 +33,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.kernel_capture import Launch, _decode, compile_launch, load_kernel
+from tools.compile_report.capture import Launch, compile_launch, decode_constexpr, load_kernel
 
 ANALYSIS_VERSION = 1
 CACHE_DIR = Path(os.environ.get("SLIMFORMER_COMPILE_CACHE", Path.home() / ".cache" / "slimformer-compile-report"))
@@ -282,14 +282,14 @@ def hot_loop_fields(loops: list[Loop], num_warps: int) -> dict:
 
 def cache_key(launch: Launch) -> str:
     """Triton's own cache key for this compilation, plus the analysis version."""
+    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from triton.compiler.compiler import get_cache_key, make_backend
     from triton.runtime.jit import get_cache_invalidating_env_vars
-    from triton.backends.compiler import GPUTarget
 
     backend = make_backend(GPUTarget("cuda", launch.arch, 32))
-    options = backend.parse_options({k: _decode(v) for k, v in launch.option_kwargs.items()})
-    constexprs = {tuple(p): _decode(v) for p, v in launch.constexprs}
+    options = backend.parse_options({k: decode_constexpr(v) for k, v in launch.option_kwargs.items()})
+    constexprs = {tuple(p): decode_constexpr(v) for p, v in launch.constexprs}
     attrs = {tuple(p): v for p, v in launch.attrs}
     source = ASTSource(load_kernel(launch), launch.signature, constexprs, attrs)
     key = get_cache_key(source, backend, options, get_cache_invalidating_env_vars())

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from bench.compile_cases import allowed_pairs, allowed_tiles
-from bench.compiled_code import find_loops, load_class, mma_flops, mma_kind, parse_sass
-from bench.kernel_capture import TorchTraffic
+from tools.compile_report.capture import TorchTraffic
+from tools.compile_report.cases import allowed_pairs, allowed_tiles
+from tools.compile_report.sass import find_loops, load_class, mma_flops, mma_kind, parse_sass
 
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;                          /* 0x00000a00ff017b82 */

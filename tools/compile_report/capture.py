@@ -108,7 +108,7 @@ class Launch:
     def named_constexprs(self) -> dict:
         """{parameter name: value} of the top-level constexprs (dtypes as their names)."""
         names = list(self.signature)
-        return {names[path[0]]: _decode(value) for path, value in self.constexprs if len(path) == 1}
+        return {names[path[0]]: decode_constexpr(value) for path, value in self.constexprs if len(path) == 1}
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -124,7 +124,8 @@ def _encode(value):
     raise TypeError(f"cannot record constexpr value {value!r} of type {type(value).__name__}")
 
 
-def _decode(value):
+def decode_constexpr(value):
+    """A recorded constexpr as the compiler takes it: ``{"tl_dtype": name}`` back to its ``tl.dtype``."""
     if isinstance(value, dict) and "tl_dtype" in value:
         return tl.dtype(value["tl_dtype"])
     return value
@@ -432,8 +433,8 @@ def _source_of_launch(launch: Launch):
 
     target = GPUTarget("cuda", launch.arch, 32)
     backend = make_backend(target)
-    options = backend.parse_options({k: _decode(v) for k, v in launch.option_kwargs.items()})
-    constexprs = {tuple(path): _decode(value) for path, value in launch.constexprs}
+    options = backend.parse_options({k: decode_constexpr(v) for k, v in launch.option_kwargs.items()})
+    constexprs = {tuple(path): decode_constexpr(value) for path, value in launch.constexprs}
     attrs = {tuple(path): value for path, value in launch.attrs}
     return ASTSource(load_kernel(launch), launch.signature, constexprs, attrs), target, backend, options
 

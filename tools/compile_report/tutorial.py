@@ -1,11 +1,11 @@
 """Measure the Triton tutorial's fused attention (06-fused-attention.py) the way the
 compile report measures slimformer's, as a reference for its tables.
 
-    python -m bench.compile_tutorial PATH/TO/06-fused-attention.py [--commit SHA] [--overwrite]
+    python -m tools.compile_report.tutorial PATH/TO/06-fused-attention.py [--commit SHA] [--overwrite]
 
 The tutorial is not part of slimformer (nor copied into it): pass a copy of it from
 triton-lang/triton. Its launches are captured on CPU tensors exactly like ours
-(``kernel_capture``: on sm_90 it takes its TMA path, on sm_80 block pointers), every
+(``capture``: on sm_90 it takes its TMA path, on sm_80 block pointers), every
 forward autotune config is compiled, and the figures are written to
 ``bench/results/tutorial-attention-reference.json`` (git-ignored), which the report
 quotes; an existing one is replaced only with ``--overwrite``.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from bench.compile_figures import tile_instructions
-from bench.compile_report import TUTORIAL_REFERENCE, _loads
-from bench.compiled_code import analyse
-from bench.kernel_capture import DEVICES, capture, load_module_from_file
+from tools.compile_report.capture import DEVICES, capture, load_module_from_file
+from tools.compile_report.figures import tile_instructions
+from tools.compile_report.report import TUTORIAL_REFERENCE, loads_text
+from tools.compile_report.sass import analyse
 
 MODULE = "triton_tutorial_fused_attention"
 # The tutorial's own benchmark shape: batch 4, 32 heads, fp16.
@@ -55,7 +55,7 @@ def measure(path: str, arch: str) -> list[dict]:
                 arch=device.arch, kernel=launch.kernel, phase=launch.phase, head_dim=head_dim,
                 config=f"{blocks}, {stats.num_warps}/{stats.num_stages}", registers=stats.registers,
                 spills=stats.spill_bytes, smem_kb=round(stats.shared_bytes / 1024, 1), mma=stats.mma_kind,
-                loads=_loads(stats.hot_loop_loads),
+                loads=loads_text(stats.hot_loop_loads),
                 hot_loop=stats.hot_loop.instructions if stats.hot_loop else None,
                 loops=[loop.instructions for loop in stats.loops],
                 tile=round(tile) if tile else None, best=False,
@@ -68,9 +68,9 @@ def measure(path: str, arch: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from bench.harness import refuse_to_replace, shown
+    from tools.results import refuse_to_replace, shown
 
-    parser = argparse.ArgumentParser(prog="python -m bench.compile_tutorial", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.compile_report.tutorial", description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="a copy of python/tutorials/06-fused-attention.py")
     parser.add_argument("--commit", default="unknown", help="the triton-lang/triton commit the copy is from")
     parser.add_argument("--overwrite", action="store_true", help=f"replace {shown(TUTORIAL_REFERENCE)}")
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         f"triton-lang/triton `python/tutorials/06-fused-attention.py` at {args.commit}, fp16, batch {BATCH}, "
         f"{HEADS} heads, seq {SEQ}, not causal; every forward autotune config the tutorial keeps for the target "
         "(sm_90: its TMA kernel; sm_80: block pointers); its backward is one fused kernel with four loops "
-        "(`loops`: each innermost loop's SASS). Measured by `python -m bench.compile_tutorial`."
+        "(`loops`: each innermost loop's SASS). Measured by `python -m tools.compile_report.tutorial`."
     )
     TUTORIAL_REFERENCE.write_text(json.dumps(dict(source=source, rows=rows), indent=1) + "\n")
     for row in rows:

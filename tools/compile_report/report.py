@@ -1,17 +1,17 @@
 """Compile every kernel launch slimformer makes for realistic shapes, for sm_90 and sm_80,
-and report what the compiled code costs: ``python -m bench.compile_report`` (``make
+and report what the compiled code costs: ``python -m tools.compile_report`` (``make
 compile-report``).
 
-    python -m bench.compile_report                     # both targets, every case
-    python -m bench.compile_report --list              # the cases' names (and families)
-    python -m bench.compile_report -k "attn d128"      # cases whose name contains every word
-    python -m bench.compile_report --arch sm90 --tag before-9d633e7
-    python -m bench.compile_report --json out.json     # raw records too
-    python -m bench.compile_report --out bench/results --overwrite   # replace the committed reports
+    python -m tools.compile_report                     # both targets, every case
+    python -m tools.compile_report --list              # the cases' names (and families)
+    python -m tools.compile_report -k "attn d128"      # cases whose name contains every word
+    python -m tools.compile_report --arch sm90 --tag before-9d633e7
+    python -m tools.compile_report --json out.json     # raw records too
+    python -m tools.compile_report --out bench/results --overwrite   # replace the committed reports
 
 No GPU is needed: launches are captured on CPU tensors with the GPU's code paths
-(``kernel_capture``), specialised exactly as the JIT would, compiled by Triton and ptxas
-and read back with cuobjdump (``compiled_code``). See ``compile_figures`` for the
+(``capture``), specialised exactly as the JIT would, compiled by Triton and ptxas
+and read back with cuobjdump (``sass``). See ``figures`` for the
 estimates' model. Writes ``compile-<sm>[-<tag>].md`` and ``.png`` into
 ``bench/results/local/`` (git-ignored) unless ``--out DIR`` names another folder, and
 replaces no file that exists unless ``--overwrite`` is given; the committed reports are in
@@ -30,8 +30,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results"
-# bench.compile_tutorial's measurement of Triton's tutorial, which the report quotes (git-ignored).
+from tools.results import RESULTS, ROOT
+
+# tools.compile_report.tutorial's measurement of Triton's tutorial, which the report quotes (git-ignored).
 TUTORIAL_REFERENCE = RESULTS / "tutorial-attention-reference.json"
 FAMILIES = ("attention", "norm", "dropout", "activation", "loss", "gemm")
 
@@ -40,9 +41,9 @@ FAMILIES = ("attention", "norm", "dropout", "activation", "loss", "gemm")
 class Record:
     """One captured launch of one case on one device, with its compiled facts."""
 
-    case: object  # compile_cases.Case
-    launch: object  # kernel_capture.Launch
-    stats: object = None  # compiled_code.KernelStats, or None when compilation failed
+    case: object  # cases.Case
+    launch: object  # capture.Launch
+    stats: object = None  # sass.KernelStats, or None when compilation failed
     error: str = ""
 
 
@@ -55,8 +56,8 @@ class Collection:
 
 
 def _analyse_worker(launch_json: dict, use_cache: bool, sass: bool):
-    from bench.compiled_code import analyse
-    from bench.kernel_capture import Launch
+    from tools.compile_report.capture import Launch
+    from tools.compile_report.sass import analyse
 
     try:
         return "ok", analyse(Launch(**launch_json), use_cache=use_cache, sass=sass).to_json()
@@ -68,11 +69,11 @@ def collect(
     cases, devices, jobs: int = 1, use_cache: bool = True, progress: bool = True, sass: bool = True
 ) -> list[Collection]:
     """Capture every case on every device, then compile each distinct launch once; without
-    ``sass``, read only what ``limit_violations`` needs (``compiled_code.analyse``)."""
+    ``sass``, read only what ``limit_violations`` needs (``sass.analyse``)."""
     from rich.progress import Progress
 
-    from bench.compiled_code import KernelStats
-    from bench.kernel_capture import capture
+    from tools.compile_report.capture import capture
+    from tools.compile_report.sass import KernelStats
 
     collections = [Collection(device) for device in devices]
     with Progress(disable=not progress, transient=False) as bar:
@@ -154,7 +155,8 @@ def _kb(n: int) -> str:
     return f"{n / 1024:.1f}"
 
 
-def _loads(loads: dict) -> str:
+def loads_text(loads: dict) -> str:
+    """``{"LDG.128": 4, "TMA": 2}`` -> ``LDG.128×4, TMA×2`` (most frequent first), ``–`` for none."""
     return ", ".join(f"{kind}×{n}" for kind, n in sorted(loads.items(), key=lambda kv: -kv[1])) or "–"
 
 
@@ -187,8 +189,8 @@ def _error_row(record, width: int) -> list:
 
 
 def attention_section(collection: Collection) -> list[str]:
-    from bench import compile_figures as fig
-    from bench.compile_cases import DTYPES
+    from tools.compile_report import figures as fig
+    from tools.compile_report.cases import DTYPES
 
     device = collection.device
     records = [r for r in collection.records if r.case.family == "attention"]
@@ -205,7 +207,7 @@ def attention_section(collection: Collection) -> list[str]:
         tile = fig.tile_instructions(r.launch, s)
         rows.append(
             [r.case.name, _attention_kernel_label(r.launch)] + _kernel_columns(r)
-            + [_loads(s.hot_loop_loads), s.hot_loop.instructions if s.hot_loop else "–",
+            + [loads_text(s.hot_loop_loads), s.hot_loop.instructions if s.hot_loop else "–",
                f"{tile:.0f}" if tile else "–"]
         )  # fmt: skip
     lines = ["## Attention kernels", ""] + _table(header, rows) + [""]
@@ -262,7 +264,7 @@ def _attention_kernel_label(launch) -> str:
 def dropout_section(records) -> list[str]:
     """Warp-instructions per 128² tile with dropout / without, kernel by kernel, for cases that
     differ only in dropout: per tile, not per loop iteration, since the two may run different blocks."""
-    from bench import compile_figures as fig
+    from tools.compile_report import figures as fig
 
     def key(r):
         return tuple(sorted((k, str(v)) for k, v in r.case.params.items() if k != "dropout")), r.launch.kernel
@@ -289,7 +291,7 @@ def dropout_section(records) -> list[str]:
 
 
 def elementwise_section(collection: Collection) -> list[str]:
-    from bench import compile_figures as fig
+    from tools.compile_report import figures as fig
 
     device = collection.device
     records = [r for r in collection.records if r.case.family in ("norm", "dropout", "activation", "loss")]
@@ -309,7 +311,7 @@ def elementwise_section(collection: Collection) -> list[str]:
         ratio = estimate.issue_s / estimate.memory_s if estimate.memory_s else float("inf")
         rows.append(
             [r.case.name, r.launch.kernel.strip("_").removesuffix("_kernel"), r.launch.phase] + _kernel_columns(r)
-            + [_loads(s.loads), s.sass_instructions, f"{per_element:.1f}",
+            + [loads_text(s.loads), s.sass_instructions, f"{per_element:.1f}",
                f"{fig.kernel_bytes(r.launch) / elements:.1f}", f"{ratio:.2f}×",
                "issue" if ratio > 1 else "memory"]
         )  # fmt: skip
@@ -328,7 +330,7 @@ def elementwise_section(collection: Collection) -> list[str]:
 def norm_bytes_section(collection: Collection) -> list[str]:
     """A norm's backward as a whole: its kernel plus the PyTorch ops slimformer runs around it
     (memsets, the wide kernel's partial-row sum and casts), against the minimum it must move."""
-    from bench import compile_figures as fig
+    from tools.compile_report import figures as fig
 
     rows = []
     for name, phases in collection.torch_bytes.items():
@@ -371,7 +373,7 @@ def _is_gemm(record) -> bool:
 
 
 def gemm_section(collection: Collection) -> list[str]:
-    from bench import compile_figures as fig
+    from tools.compile_report import figures as fig
 
     device = collection.device
     records = [r for r in collection.records if r.case.family == "gemm" and (_is_gemm(r) or r.error)]
@@ -391,7 +393,7 @@ def gemm_section(collection: Collection) -> list[str]:
         rows.append(
             [r.case.name, r.launch.kernel.strip("_").removesuffix("_kernel"), r.launch.note.removeprefix("autotune ")]
             + _kernel_columns(r)
-            + [_loads(s.hot_loop_loads), s.hot_loop.instructions if s.hot_loop else "–", s.hot_loop_mma_flops,
+            + [loads_text(s.hot_loop_loads), s.hot_loop.instructions if s.hot_loop else "–", s.hot_loop_mma_flops,
                f"{issue_cycles / tensor_cycles:.2f}" if tensor_cycles else "–"]
         )  # fmt: skip
     lines = [
@@ -407,7 +409,7 @@ def gemm_section(collection: Collection) -> list[str]:
 
 def tutorial_section(device) -> list[str]:
     """The tutorial's best forward config per head dim (fewest warp-instructions per tile)
-    and its backward kernel, from ``bench.compile_tutorial``'s stored measurement."""
+    and its backward kernel, from ``tutorial``'s stored measurement."""
     if not TUTORIAL_REFERENCE.exists():
         return []
     reference = json.loads(TUTORIAL_REFERENCE.read_text())
@@ -433,13 +435,13 @@ def header_lines(device, tag: str, selection: str) -> list[str]:
     import torch
     import triton
 
-    from bench.compiled_code import ptxas_version
+    from tools.compile_report.sass import ptxas_version
 
     return [
         f"# Compiled-code report: {device.sm} ({device.name})" + (f", {tag}" if tag else ""),
         "",
         f"- generated {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} by "
-        f"`python -m bench.compile_report{selection}` at git revision {git_revision()}",
+        f"`python -m tools.compile_report{selection}` at git revision {git_revision()}",
         f"- torch {torch.__version__}, triton {triton.__version__}, ptxas {ptxas_version()}",
         "- every launch the launchers make for each case, captured on CPU tensors with the CUDA code paths and "
         f"specialised as Triton's JIT does (16-byte pointer alignment, ints divisible by 16, ints equal to 1 as "
@@ -456,13 +458,12 @@ def header_lines(device, tag: str, selection: str) -> list[str]:
 
 
 def git_revision() -> str:
-    root = Path(__file__).resolve().parent.parent
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()  # fmt: skip
-        kernels = subprocess.run(["git", "log", "-1", "--format=%h", "--", "slimformer"], cwd=root,
+        kernels = subprocess.run(["git", "log", "-1", "--format=%h", "--", "slimformer"], cwd=ROOT,
                                  capture_output=True, text=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "slimformer"], cwd=root, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "slimformer"], cwd=ROOT, capture_output=True,
                                text=True).stdout.strip()  # fmt: skip
         return f"{rev} (slimformer/ " + ("with uncommitted changes)" if dirty else f"as of {kernels})")
     except (OSError, subprocess.CalledProcessError):
@@ -500,7 +501,7 @@ def plot(collection: Collection, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from bench import compile_figures as fig
+    from tools.compile_report import figures as fig
 
     base = defaultdict(dict)
     for r in collection.records:
@@ -592,9 +593,9 @@ def select(cases, pattern: str | None, ci_only: bool):
 
 
 def main(argv=None) -> int:
-    from bench.harness import add_output_arguments, refuse_to_replace, shown
+    from tools.results import add_output_arguments, refuse_to_replace, shown
 
-    parser = argparse.ArgumentParser(prog="python -m bench.compile_report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.compile_report", description=__doc__.split("\n\n")[0])
     parser.add_argument("-k", dest="pattern", metavar="WORDS",
                         help="only the cases whose name contains every one of these words, in any order and case "
                         "(e.g. -k \"attn d128 causal\", -k layer-norm); --list shows the names")  # fmt: skip
@@ -611,7 +612,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
-    from bench.compile_cases import all_cases
+    from tools.compile_report.cases import all_cases
 
     cases = select(all_cases(), args.pattern, args.ci)
     if args.family:
@@ -623,7 +624,7 @@ def main(argv=None) -> int:
         print("\n".join(f"{c.family:<{width}}  {c.name}" for c in cases))
         return 0
 
-    from bench.kernel_capture import DEVICES
+    from tools.compile_report.capture import DEVICES
 
     devices = [DEVICES[a] for a in args.arch]
     if not args.no_report:
@@ -643,7 +644,3 @@ def main(argv=None) -> int:
     for problem in problems:
         print(f"[{problem}]", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

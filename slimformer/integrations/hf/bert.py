@@ -1,0 +1,438 @@
+"""BERT-family encoders of HuggingFace transformers (>= 5): fused encoder layers and embeddings.
+
+Encoder layers of BERT, RoBERTa, XLM-RoBERTa, CamemBERT, ELECTRA, ERNIE, Data2VecText and
+RoCBert (so also the sentence-transformers models built on them), whose classes are
+BERT's line for line, become ``Fused<Layer>``, a subclass of the layer's own class
+(``isinstance`` holds, so transformers' ``output_hidden_states`` capture and gradient
+checkpointing still find it) that holds the same submodules and runs, with p the hidden
+dropout:
+
+    c = attention(x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv; mask)   fused kernel, keeps q, k, v, c, lse
+    y = LayerNorm(dropout_p(c Woᵀ + bo) + x)                   one kernel, keeps y and rstd
+    z = LayerNorm(dropout_p(fused_mlp(y)) + y)                 keeps fc1's output (GELU input)
+
+Every dropout mask is regenerated from a Philox seed rather than stored, so dropout
+draws differ from torch's, with the same distribution.
+
+Their embeddings' ``LayerNorm`` and ``dropout``, which the forward calls one after the
+other, become a ``LayerNormDropout`` and a ``DropoutInNorm`` (``slimformer.layers.norm``):
+the same fused norm kernel applies the dropout to its output with the mask regenerated
+from a seed, and the dropout's place passes its input through. Checked against the
+embeddings' source: each ``x = self.LayerNorm(x)`` directly followed by
+``x = self.dropout(x)``, and no other call of either.
+
+The fused layers take the ``recompute`` policies of ``slimformer.recompute``. HF BERT
+keeps q, k and v as three Linears, while ``self_attention``'s QKV recompute wants one
+stacked weight, which would be a 3·E² copy per step kept for backward; so ``qkv``
+checkpoints the projections together with the attention (non-reentrant, RNG restored),
+which also repeats the attention forward in backward (about 3% of a BERT-base layer's
+FLOPs at seq 512) and keeps neither q, k, v nor the log-sum-exp.
+
+The fused layer calls the q, k, v and attention-output Linears as modules (their hooks
+fire; an adapter wrapped around one, such as a PEFT LoRA layer, is used). Its Linears
+may be ``sf.quantize``'s inference layers, in either order (``patch`` of a quantized
+model, ``sf.quantize`` of a patched one, with or without ``unpad``). The MLP Linears are
+read by the fused MLP kernel while they are float nn.Linears without hooks; quantized or
+hooked, they are called as modules (fc1, the activation, fc2). A call runs the layer's
+original, unfused forward instead, for that call only, when it asks for the attention
+weights, by the ``output_attentions`` argument or by ``config.output_attentions`` (read
+at each call, as transformers' output capture reads it; the weights are formed only
+there), when it passes a cache (``cache`` or ``past_key_values``, which the original
+attention writes) or a mask that is not a tensor (flex attention's ``BlockMask``), when
+a submodule the fused forward does not call (``attention``, ``attention.self``,
+``attention.output``, ``intermediate``, ``output``, the dropouts, LayerNorms and the
+activation) has a forward or backward hook (transformers' inactive output-capturing
+hooks excepted) or was replaced by a module of another type (the MLP Linears by anything
+but nn.Linear or sf.quantize's). The original gets the call's arguments as they came.
+
+Left, with the reason in the summary: decoder layers (causal, cache, cross-attention),
+activations other than gelu / gelu_new / gelu_pytorch_tanh / relu, head dims above 256,
+submodules of other types, and every class that only looks like a BERT layer (a subclass
+may compute something else). ``chunk_size_feed_forward`` is not needed (the fused MLP
+keeps less than a chunked one) and is ignored.
+
+The fused layers run the fused kernel under every attention implementation ("eager",
+"sdpa", "slimformer", flash attention), since the result is the same: they read the mask
+transformers builds for the implementation as it is (eager's and sdpa's (batch, 1, seq,
+seq) masks, shared by all layers, or a (batch, seq) padding mask). A call that asks for
+the attention weights runs the original layer, so the implementation answers as it
+would unpatched.
+
+``FAMILY`` is this module's entry in ``slimformer.patch``'s registry; it also fuses the
+masked-LM loss (``slimformer.integrations.hf.masked_lm``) and unpads base models
+(``slimformer.integrations.hf.unpad``) of the same family.
+"""
+
+import copy
+import inspect
+import re
+
+import torch
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from slimformer.integrations import ModelFamily
+from slimformer.integrations.hf.classes import RuntimeMixin
+from slimformer.integrations.hf.masked_lm import FusedMaskedLM, is_masked_lm, masked_lm_problem
+from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, is_unpaddable_base_model
+from slimformer.kernels.activation import fused_mlp
+from slimformer.kernels.attention import attention
+from slimformer.kernels.norm import fused_norm
+from slimformer.kernels.projection import projections
+from slimformer.kernels.varlen_attention import varlen_attention
+from slimformer.layers.linear import Linear8bit, Linear16bit
+from slimformer.layers.memory_modes import MEMORY_MODES
+from slimformer.layers.norm import LayerNorm, fuse_with_dropout
+from slimformer.layers.policies import check_policy
+from slimformer.layers.sharing import NotScriptable, TorchDropout, TorchLayerNorm, has_user_hooks
+
+__all__ = ["FAMILY", "FusedBertFamilyLayer"]
+
+# Encoder layers whose classes (layer, attention, self-attention, output, intermediate)
+# are BERT's line for line in transformers 5, named by module and class so that
+# transformers is never imported here.
+_BERT_LAYERS = frozenset(
+    {
+        ("transformers.models.bert.modeling_bert", "BertLayer"),
+        ("transformers.models.roberta.modeling_roberta", "RobertaLayer"),
+        ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaLayer"),
+        ("transformers.models.camembert.modeling_camembert", "CamembertLayer"),
+        ("transformers.models.electra.modeling_electra", "ElectraLayer"),
+        ("transformers.models.ernie.modeling_ernie", "ErnieLayer"),
+        ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextLayer"),
+        ("transformers.models.roc_bert.modeling_roc_bert", "RoCBertLayer"),
+    }
+)
+# Their embeddings, whose forward ends with LayerNorm then dropout (checked against the source).
+_BERT_EMBEDDINGS = frozenset(
+    {
+        ("transformers.models.bert.modeling_bert", "BertEmbeddings"),
+        ("transformers.models.roberta.modeling_roberta", "RobertaEmbeddings"),
+        ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaEmbeddings"),
+        ("transformers.models.camembert.modeling_camembert", "CamembertEmbeddings"),
+        ("transformers.models.electra.modeling_electra", "ElectraEmbeddings"),
+        ("transformers.models.ernie.modeling_ernie", "ErnieEmbeddings"),
+        ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextEmbeddings"),
+        ("transformers.models.roc_bert.modeling_roc_bert", "RoCBertEmbeddings"),
+    }
+)
+_NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\)\n\s*\1 = self\.dropout\(\1\)\n")
+# config.hidden_act -> fused_mlp's activation.
+_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_MAX_HEAD_DIM = 256
+# The Linears of a fused BERT layer may be ``sf.quantize``'s inference layers (for either
+# order of patch and quantize).
+_LINEARS = (nn.Linear, Linear8bit, Linear16bit)
+# Submodules that the fused forward runs without calling, and the types it computes
+# for (None: a container whose own forward is replaced); the Linears, which it calls
+# (q, k, v, attention.output.dense) or may call (the MLP's), are not listed.
+_BYPASSED = {
+    "attention": None, "attention.self": None, "attention.self.dropout": (TorchDropout,),
+    "attention.output": None, "attention.output.dropout": (TorchDropout,),
+    "attention.output.LayerNorm": (TorchLayerNorm, LayerNorm), "intermediate": None,
+    "intermediate.intermediate_act_fn": None, "output": None, "output.dropout": (TorchDropout,),
+    "output.LayerNorm": (TorchLayerNorm, LayerNorm),
+}  # fmt: skip
+# The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
+# hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
+# calibration's, which so see the real tokens only in an unpadded model).
+_MLP_LINEARS = ("intermediate.dense", "output.dense")
+# The names under which a layer's call may get a cache (``cache`` from transformers 5.24 on).
+_CACHE_ARGUMENTS = ("cache", "past_key_values")
+
+
+def _kernel_masks(attention_mask, batch: int, seq: int):
+    """The mask transformers 5 hands a BERT encoder layer, as ``attention``'s
+    ``(attn_mask, key_padding_mask)``.
+
+    That mask is None (no padding, outside torch.compile), a (batch, 1, seq, seq) bool
+    mask with True = attend (sdpa) or additive float mask (eager), both passed on and read
+    block by block, or (batch, seq) with 0 = padding (flash attention, or slimformer's
+    registered implementation), which becomes a key padding mask. Other masks (flex
+    attention's BlockMask) never reach it: the layer runs its original forward.
+    """
+    if attention_mask is None:
+        return None, None
+    if attention_mask.shape == (batch, seq):
+        return None, attention_mask == 0
+    if attention_mask.dim() == 4:
+        return attention_mask, None
+    raise ValueError(
+        f"attention_mask must be (batch, seq) = {(batch, seq)} or 4-d (batch, 1, seq, seq), "
+        f"got shape {tuple(attention_mask.shape)}"
+    )
+
+
+class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
+    """Forward of a patched BERT-family encoder layer, mixed before the layer's own class.
+
+    ``patch`` makes ``Fused<Layer>(FusedBertFamilyLayer, <Layer>)`` and an instance that shares
+    the original's submodules and hooks. Attributes it adds: ``recompute`` (a policy of
+    ``slimformer.recompute``), ``fused_activation`` and ``saves_output`` (whether each
+    of the two LayerNorms may keep its output instead of its input, re-decided whenever
+    their weights change, see ``slimformer.layers.memory_modes.MemoryModes``).
+
+    ``forward(hidden_states, attention_mask=None, ...)`` takes what the original does (and
+    ``inspect.signature`` of it is the original's) and returns the layer output (batch,
+    seq, hidden) in hidden_states' dtype.
+    """
+
+    # sf.quantize may swap its inference Linears in: the forward calls them as modules.
+    accepts_quantized_linears = True
+
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        packed = isinstance(attention_mask, PackedSequences)
+        reason = self._call_reason(attention_mask, args, kwargs) or self._unfused_reason()
+        if reason is not None:
+            if packed:
+                raise RuntimeError(
+                    f"an unpadded (packed) batch reached a layer that must run its original forward ({reason}); "
+                    "call the base model, which runs such calls padded"
+                )
+            # The caller's arguments as they came: the original names the cache ``cache``
+            # in transformers 5.24 and maps a ``past_key_values`` onto it.
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        policy = check_policy(self.recompute)
+        if packed:
+            attn_mask, padding = attention_mask, None
+        else:
+            attn_mask, padding = _kernel_masks(attention_mask, *hidden_states.shape[:2])
+        if policy == "full" and torch.is_grad_enabled():
+            # The last norm runs outside the checkpoint: it keeps its output (the next
+            # layer's input, which a checkpoint would keep anyway) and rstd, and under
+            # torch.compile a region ending in a multi-output op would lose its saved
+            # boundary (the partitioner then recomputes every layer from the first).
+            h, y = checkpoint(self._attention_mlp, hidden_states, attn_mask, padding, "none", use_reentrant=False)
+            return self._add_norm(h, y, self.output)
+        return self._add_norm(*self._attention_mlp(hidden_states, attn_mask, padding, policy), self.output)
+
+    def _call_reason(self, attention_mask, args, kwargs) -> str | None:
+        """Why this call, by its arguments, must run the original forward, or None.
+
+        The original attention writes a cache (an encoder layer gets one only when a caller
+        passes it) and forms the attention weights, which transformers collects when they
+        are asked for, by argument or in the config (as its ``capture_outputs`` decides).
+        A mask that is not a tensor (flex attention's BlockMask) is read by the original."""
+        if any(value is not None for value in args) or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+            return "a cache or encoder inputs were passed"
+        config = getattr(self.attention.self, "config", None)
+        if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+            return "attentions were asked for"
+        if not (attention_mask is None or isinstance(attention_mask, (torch.Tensor, PackedSequences))):
+            return f"its attention_mask is a {type(attention_mask).__name__}"
+        return None
+
+    def _unfused_reason(self) -> str | None:
+        """Why this call must run the original forward (see the module docstring), or None."""
+        for path, types in _BYPASSED.items():
+            try:
+                module = self.get_submodule(path)
+            except AttributeError:  # an activation that is a plain function
+                continue
+            if types is not None and type(module) not in types:
+                return f"{path} is a {type(module).__name__}"
+            if has_user_hooks(module):
+                return f"{path} has hooks"
+        for path in _MLP_LINEARS:
+            module = self.get_submodule(path)
+            if type(module) not in _LINEARS:
+                return f"{path} is a {type(module).__name__}"
+        return None
+
+    def _attention_mlp(self, x, attn_mask, padding, policy):
+        """(the MLP's output before its dropout, its input y): the layer but its last norm."""
+        if "qkv" in policy and torch.is_grad_enabled():
+            context = checkpoint(self._self_attention, x, attn_mask, padding, use_reentrant=False)
+        else:
+            context = self._self_attention(x, attn_mask, padding)
+        out = self.attention.output
+        y = self._add_norm(out.dense(context), x, out)
+        return self._mlp(y, policy), y
+
+    def _mlp(self, y, policy):
+        """fc2(act(fc1(y))): the fused MLP kernel for float Linears without hooks; else (``sf.quantize``'s
+        inference Linears, which keep no float weight; hooks) the Linears are called as modules."""
+        fc1, fc2 = self.intermediate.dense, self.output.dense
+        if all(type(fc) is nn.Linear and not has_user_hooks(fc) for fc in (fc1, fc2)):
+            return fused_mlp(
+                y,
+                fc1.weight,
+                fc1.bias,
+                fc2.weight,
+                fc2.bias,
+                self.fused_activation,
+                0.0,
+                recompute_fc1="mlp" in policy,
+            )
+        return fc2(self.intermediate.intermediate_act_fn(fc1(y)))
+
+    def _self_attention(self, x, attn_mask, padding):
+        """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
+        a ``PackedSequences`` (x is then (1, total, hidden): every real token, packed)."""
+        attn = self.attention.self
+        dropout_p = attn.dropout.p if attn.training else 0.0
+        qkv = self._qkv(x)
+        if isinstance(attn_mask, PackedSequences):
+            q, k, v = (rearrange(t, "1 t (h d) -> t h d", h=attn.num_attention_heads) for t in qkv)
+            cu, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
+            out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=attn.scaling)
+            return rearrange(out, "t h d -> 1 t (h d)")
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", h=attn.num_attention_heads) for t in qkv)
+        out = attention(q, k, v, attn_mask, dropout_p, scale=attn.scaling, key_padding_mask=padding)
+        return rearrange(out, "b h s d -> b s (h d)")
+
+    def _qkv(self, x):
+        """The query, key and value projections of x: one op with one input gradient for float
+        Linears without hooks (see ``slimformer.kernels.projection``); else the Linears are called."""
+        attn = self.attention.self
+        linears = (attn.query, attn.key, attn.value)
+        if all(type(fc) is nn.Linear and not has_user_hooks(fc) for fc in linears):
+            return projections(x, [fc.weight for fc in linears], [fc.bias for fc in linears])
+        return [fc(x) for fc in linears]
+
+    @staticmethod
+    def _add_norm(branch, residual, block):
+        """``block.LayerNorm(block.dropout(branch) + residual)`` (BertSelfOutput, BertOutput), one kernel."""
+        norm = block.LayerNorm
+        dropout_p = block.dropout.p if block.dropout.training else 0.0
+        rebuilds_input = torch.is_grad_enabled() and MEMORY_MODES.rebuilds_input(norm)
+        return fused_norm(
+            branch,
+            norm.normalized_shape,
+            norm.weight,
+            norm.bias,
+            norm.eps,
+            is_rms=False,
+            residual=residual,
+            dropout_p=dropout_p,
+            memory_efficient=rebuilds_input,
+        )
+
+    @property
+    def saves_output(self) -> tuple[bool, bool]:
+        """Whether each LayerNorm may keep its output instead of its input, for the current weights."""
+        norms = (self.attention.output.LayerNorm, self.output.LayerNorm)
+        return tuple(MEMORY_MODES.rebuilds_input(norm) for norm in norms)
+
+    def refresh_memory_mode(self) -> tuple[bool, bool]:
+        """Re-decide now (one host sync); needed only after writing the weights through ``.data``."""
+        MEMORY_MODES.refresh(self.attention.output.LayerNorm, self.output.LayerNorm)
+        return self.saves_output
+
+    def extra_repr(self) -> str:
+        return f"activation={self.fused_activation!r}, recompute={self.recompute!r}, saves_output={self.saves_output}"
+
+
+def _is_bert_layer(module: nn.Module) -> bool:
+    return (type(module).__module__, type(module).__name__) in _BERT_LAYERS
+
+
+def _looks_like_bert_layer(module: nn.Module) -> bool:
+    attention = getattr(module, "attention", None)
+    return all(hasattr(obj, name) for obj, name in ((attention, "self"), (module, "intermediate"), (module, "output")))
+
+
+def _bert_layer_problem(layer: nn.Module) -> str | None:
+    """Why ``layer`` (an allow-listed BERT-family layer) cannot be fused, or None."""
+    if layer.is_decoder or getattr(layer, "add_cross_attention", False):
+        return "decoder layer (causal self-attention, KV cache, cross-attention) is not fused"
+    act = layer.attention.self.config.hidden_act
+    if act not in _HF_ACTIVATIONS:
+        return f"hidden_act {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
+    expected = {
+        "attention.self.query": _LINEARS, "attention.self.key": _LINEARS,
+        "attention.self.value": _LINEARS, "attention.self.dropout": (TorchDropout,),
+        "attention.output.dense": _LINEARS, "attention.output.dropout": (TorchDropout,),
+        "attention.output.LayerNorm": (TorchLayerNorm, LayerNorm), "intermediate.dense": _LINEARS,
+        "output.dense": _LINEARS, "output.dropout": (TorchDropout,), "output.LayerNorm": (TorchLayerNorm, LayerNorm),
+    }  # fmt: skip
+    for path, types in expected.items():
+        module = layer.get_submodule(path)
+        if type(module) not in types:
+            return f"{path} is a {type(module).__name__}, not torch.nn.{types[0].__name__}"
+    head_dim = layer.attention.self.attention_head_size
+    if head_dim > _MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is above the fused kernel's {_MAX_HEAD_DIM}"
+    return None
+
+
+def _fuse_bert_layer(layer: nn.Module) -> nn.Module:
+    """A ``Fused<Layer>`` sharing ``layer``'s submodules, attributes and hooks."""
+    fused_class = FusedBertFamilyLayer.over(type(layer))
+    fused = fused_class.__new__(fused_class)
+    # The module's dicts (submodules, hooks) are copied so that registering on one of
+    # the two objects later does not change the other; their contents are shared.
+    fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
+    fused.fused_activation = _HF_ACTIVATIONS[layer.attention.self.config.hidden_act]
+    fused.recompute = "none"
+    for norm in (fused.attention.output.LayerNorm, fused.output.LayerNorm):
+        MEMORY_MODES.track(norm)
+    return fused
+
+
+_EMBEDDINGS_SOURCE_PROBLEM: dict[type, str | None] = {}
+
+
+def _embeddings_problem(embeddings: nn.Module) -> str | None:
+    """Why the LayerNorm and dropout of ``embeddings`` (an allow-listed class) cannot be
+    fused, or None."""
+    kind = type(embeddings)
+    if kind not in _EMBEDDINGS_SOURCE_PROBLEM:
+        try:
+            source = inspect.getsource(kind.forward)
+        except (OSError, TypeError):
+            source = ""
+        pairs = len(_NORM_THEN_DROPOUT.findall(source))
+        same = pairs > 0 and source.count("self.LayerNorm") == source.count("self.dropout") == pairs
+        problem = None if same else "its forward does not apply dropout right after each LayerNorm (source checked)"
+        _EMBEDDINGS_SOURCE_PROBLEM[kind] = problem
+    if _EMBEDDINGS_SOURCE_PROBLEM[kind] is not None:
+        return _EMBEDDINGS_SOURCE_PROBLEM[kind]
+    for name, expected in (("LayerNorm", TorchLayerNorm), ("dropout", TorchDropout)):
+        module = getattr(embeddings, name, None)
+        if type(module) is not expected:
+            return f"{name} is a {type(module).__name__}, not torch.nn.{expected.__name__}"
+    return None
+
+
+def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
+    """{"LayerNorm": LayerNormDropout, "dropout": DropoutInNorm} fusing the two in BERT-family
+    ``embeddings``, or ({}, why not), or None when ``embeddings`` is not such a module."""
+    if (type(embeddings).__module__, type(embeddings).__name__) not in _BERT_EMBEDDINGS:
+        return None
+    problem = _embeddings_problem(embeddings)
+    if problem is not None:
+        return {}, problem
+    norm, dropout = fuse_with_dropout(embeddings.LayerNorm, embeddings.dropout)
+    return {"LayerNorm": norm, "dropout": dropout}, None
+
+
+def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
+    if _is_bert_layer(module):
+        problem = _bert_layer_problem(module)
+        return (None, problem) if problem else (_fuse_bert_layer(module), None)
+    if _looks_like_bert_layer(module):
+        return None, f"{type(module).__name__} is not a BERT-family layer verified to compute BertLayer's forward"
+    return None
+
+
+def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
+    if not is_masked_lm(model):
+        return None
+    problem = masked_lm_problem(model)
+    return (None, problem) if problem else (FusedMaskedLM.over(type(model)), None)
+
+
+def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
+    if not is_unpaddable_base_model(model):
+        return None
+    layers = list(getattr(getattr(model, "encoder", None), "layer", ()))
+    if layers and all(isinstance(layer, FusedBertFamilyLayer) for layer in layers):
+        return UnpaddedEncoderModel.over(type(model)), None
+    return None, "unpad: its encoder layers are not all fused"
+
+
+FAMILY = ModelFamily(
+    "BERT family", _replacement, replace_children=_fused_embeddings, fuse_loss=_fused_loss, unpad=_unpadded
+)

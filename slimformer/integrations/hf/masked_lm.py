@@ -1,0 +1,123 @@
+"""The fused masked-LM loss of HuggingFace BERT-family ``*ForMaskedLM`` models.
+
+``slimformer.patch`` changes the class of such a model, in place and reversibly, to
+``Fused<Model>(FusedMaskedLM, <Model>)``: the same object, Parameters, ``state_dict``
+and submodules, with a forward that, in training with ``labels`` (grad enabled,
+``return_dict`` not False, ``fused_loss`` True), runs the encoder as before and then
+``slimformer.layers.mlm_head.masked_token_loss``: the head's transform on the labelled
+positions only and the decoder (tied to the word embeddings, gradients reaching the
+shared Parameter) fused with the cross-entropy, so logits over the vocabulary are never
+formed. It returns the model's ``MaskedLMOutput`` with ``logits=None`` (as
+Liger-Kernel's fused linear cross-entropy does; ``BertForPreTraining``: its output with
+``prediction_logits=None``, the next-sentence loss added as HF does, when both
+``labels`` and ``next_sentence_label`` are given); the loss is HF's (mean over labelled
+tokens, ignore_index -100, NaN when no token is labelled) and so are the gradients.
+Every other call (eval, no labels, ``torch.no_grad``, ``return_dict=False``,
+``model.fused_loss = False`` to get training logits) runs the model's own forward.
+Hooks on the head's decoder do not fire on the fused path (the decoder is not called);
+hooks on the transform's modules do.
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from slimformer.integrations.hf.classes import RuntimeMixin
+from slimformer.layers.mlm_head import masked_token_loss
+
+# model class -> how its head is laid out: "predictions" (BERT: cls.predictions with
+# transform + decoder), "pretraining" (the same, beside cls.seq_relationship for
+# next-sentence prediction) or "lm_head" (RoBERTa: lm_head with dense, gelu,
+# layer_norm, decoder).
+_MASKED_LM_MODELS = {
+    ("transformers.models.bert.modeling_bert", "BertForMaskedLM"): "predictions",
+    ("transformers.models.bert.modeling_bert", "BertForPreTraining"): "pretraining",
+    ("transformers.models.ernie.modeling_ernie", "ErnieForMaskedLM"): "predictions",
+    ("transformers.models.roberta.modeling_roberta", "RobertaForMaskedLM"): "lm_head",
+    ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaForMaskedLM"): "lm_head",
+    ("transformers.models.camembert.modeling_camembert", "CamembertForMaskedLM"): "lm_head",
+    ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextForMaskedLM"): "lm_head",
+}
+
+
+def _layout(model: torch.nn.Module) -> str | None:
+    model_class = getattr(type(model), "_original_class", type(model))
+    return _MASKED_LM_MODELS.get((model_class.__module__, model_class.__name__))
+
+
+def is_masked_lm(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is one of the ``*ForMaskedLM`` classes whose loss can be fused."""
+    return _layout(model) is not None
+
+
+def _head_module(model):
+    return model.lm_head if _layout(model) == "lm_head" else model.cls.predictions
+
+
+def _head(model):
+    """(transform: (rows, H) -> (rows, H), decoder Linear) of the model's MLM head."""
+    head = _head_module(model)
+    if _layout(model) != "lm_head":
+        return head.transform, head.decoder
+    gelu = sys.modules[type(head).__module__].gelu  # the function the head's own forward calls
+
+    def transform(rows):
+        return head.layer_norm(gelu(head.dense(rows)))
+
+    return transform, head.decoder
+
+
+def masked_lm_problem(model: torch.nn.Module) -> str | None:
+    """Why the MLM loss of ``model`` (an allow-listed class) cannot be fused, or None."""
+    head = _head_module(model)
+    if type(head.decoder) is not torch.nn.Linear:
+        return f"the head's decoder is a {type(head.decoder).__name__}, not torch.nn.Linear"
+    return None
+
+
+class FusedMaskedLM(RuntimeMixin):
+    """Forward of a patched ``*ForMaskedLM`` model, mixed before the model's own class
+    (see the module docstring); it takes the model's own arguments, and
+    ``inspect.signature`` of it is the model's (transformers' Trainer keeps the dataset
+    columns it names). ``fused_loss`` (default True) switches the fused loss off."""
+
+    fused_loss = True
+
+    def forward(self, *args, **kwargs):
+        bound = self._forward_signature.bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        labels = arguments.pop("labels", None)
+        next_sentence_label = arguments.pop("next_sentence_label", None)
+        extra = arguments.pop("kwargs", {})
+        return_dict = extra.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        pretraining = _layout(self) == "pretraining"
+        # BertForPreTraining computes a loss only when both label tensors are given
+        has_loss = labels is not None and (next_sentence_label is not None or not pretraining)
+        if not (has_loss and self.training and torch.is_grad_enabled() and self.fused_loss and return_dict):
+            return super().forward(*args, **kwargs)
+        arguments.pop("self")
+        outputs = getattr(self, self.base_model_prefix)(**arguments, **extra, return_dict=True)
+        transform, decoder = _head(self)
+        loss = masked_token_loss(outputs[0], labels, transform, decoder.weight, decoder.bias)
+        common = dict(hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        if not pretraining:
+            return self._output_class(loss=loss, logits=None, **common)
+        scores = self.cls.seq_relationship(outputs[1])
+        loss = loss + F.cross_entropy(scores.view(-1, 2), next_sentence_label.view(-1))
+        return self._output_class(loss=loss, prediction_logits=None, seq_relationship_logits=scores, **common)
+
+    @classmethod
+    def class_attributes(cls, model_class: type) -> dict:
+        return {"_output_class": _output_class(model_class)}
+
+
+def _output_class(model_class: type) -> type:
+    """What the model's forward returns: ``MaskedLMOutput``, or ``BertForPreTrainingOutput``."""
+    if _MASKED_LM_MODELS[model_class.__module__, model_class.__name__] == "pretraining":
+        return getattr(sys.modules[model_class.__module__], f"{model_class.__name__}Output")
+    from transformers.modeling_outputs import MaskedLMOutput
+
+    return MaskedLMOutput
