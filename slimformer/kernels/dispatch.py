@@ -2,6 +2,7 @@
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -45,12 +46,35 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors on a CUDA device (a handful when interpreting)."""
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class DeviceTarget(NamedTuple):
+    """What a launcher picks its block configs by: the compute capability as major · 10 +
+    minor (80 = sm_80) and the shared memory a block may opt in to, in bytes."""
+
+    arch: int
+    shared_bytes: int
+
+
+# What CPU tensors and interpreted launches report: sm_90 with its 227 KB, whose tables they keep.
+INTERPRETED_TARGET = DeviceTarget(90, 227 * 1024)
+
+
+def device_target(tensor: torch.Tensor) -> DeviceTarget:
+    """The device query of every launcher that picks configs by architecture: ``tensor``'s
+    CUDA device, or ``INTERPRETED_TARGET`` for CPU tensors and interpreted launches. Tests
+    that emulate another device patch this one function (called as ``dispatch.device_target``)."""
+    if not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return INTERPRETED_TARGET
+    major, minor = torch.cuda.get_device_capability(tensor.device)
+    shared_bytes = torch.cuda.get_device_properties(tensor.device).shared_memory_per_block_optin
+    return DeviceTarget(major * 10 + minor, shared_bytes)
 
 
 def reference_row_blocks(rows: int, row_elements: int) -> list[tuple[int, int]]:

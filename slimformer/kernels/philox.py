@@ -26,8 +26,8 @@ one Philox-4x32-10 call is ~45 SASS instructions: 2.8 per element at 16 decision
 at 8, out of a dropout budget of 4-15 instructions per element in the attention hot
 loops (1.5x a loop of 8-30 instructions per score element).
 
-The Triton helpers below produce keep masks for a [rows, columns] tile (or its
-transpose) with one Philox call per 16 elements; ``dropout_keep_block`` computes the
+The Triton helper below produces keep masks for a [rows, columns] tile with one Philox
+call per 16 elements; ``dropout_keep_block`` computes the
 same bits in PyTorch (the CPU path and the tests), vectorised over rows and 16-column
 groups.
 
@@ -39,7 +39,7 @@ the dK/dV kernel holds the transposed tile, keys by queries, in the same layout.
 rows ``{2a, 2a + 1, 2a + 8, 2a + 9}`` × columns ``{2b, 2b + 1, 2b + 8, 2b + 9}``, one
 Philox-4x32 call each (7 rounds, ``ATTENTION_PHILOX_ROUNDS``):
 
-    element (i, j) of stream s = b · heads + h:
+    element (i, j) of stream s = b · heads + h (b: the batch index, or varlen's sequence):
         counter = (c0, c1) = (((i // 16) · ceil(seq_k / 16) + j // 16) · 16 + 4 · ((i % 8) // 2) + (j % 8) // 2,  s)
         word    = 2 · (i % 2 ^ (j // 16) % 2) + (i % 16) // 8,   byte = 2 · (j % 2) + (j % 16) // 8,
         keep    = byte >= t.
@@ -74,7 +74,7 @@ right only where Triton keeps the swapped dimension on lane bit 2:
 dropout launch takes and checks it in the TTGIR. On sm_80 Triton computes the words in
 a blocked layout where lane bit 2 walks another dimension (that test found it), and fp32
 dots run on CUDA cores in other layouts, so those launches do not swap
-(``attention._kernel_flags``). The ``tl`` twins that the interpreter runs give the same
+(``attention.launch.kernel_flags``). The ``tl`` twins that the interpreter runs give the same
 bits (the swap exchanges the tensor's halves); ``tests/kernels/test_philox.py`` executes
 the apply's and the packing's PTX instruction by instruction against them. Per call,
 sm_90: about 26 instructions of Philox-4x32-7, made once instead of twice, plus two
@@ -154,16 +154,6 @@ def dropout_keep_tile(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.cons
     counters = rows.to(tl.int64)[:, None] * calls_per_row + groups[None, :]
     keep = _keep_bytes(seed, counters, threshold)
     return tl.reshape(keep, (rows.shape[0], BLOCK_N))
-
-
-@triton.jit
-def dropout_keep_tile_t(seed, rows, col_start, n_cols, threshold, BLOCK_N: tl.constexpr):
-    """``dropout_keep_tile`` transposed: [BLOCK_N, BLOCK_M], for tiles held as (columns, rows)."""
-    calls_per_row = (n_cols + (_G - 1)) // _G
-    groups = col_start // _G + tl.arange(0, BLOCK_N // _G)
-    counters = groups[:, None] + rows.to(tl.int64)[None, :] * calls_per_row
-    keep = tl.permute(_keep_bytes(seed, counters, threshold), (0, 2, 3, 4, 5, 1))
-    return tl.reshape(keep, (BLOCK_N, rows.shape[0]))
 
 
 @triton.jit
@@ -522,11 +512,19 @@ def dropout_keep_block(
 
 
 def dropout_keep_mma_block(
-    seed: torch.Tensor, streams: int, row_start: int, row_stop: int, n_block_cols: int, n_cols: int, p: float
+    seed: torch.Tensor,
+    streams: int,
+    row_start: int,
+    row_stop: int,
+    n_block_cols: int,
+    n_cols: int,
+    p: float,
+    first_stream: int = 0,
 ) -> torch.Tensor:
     """Keep mask (streams, row_stop − row_start, n_block_cols) of rows row_start:row_stop and
-    columns 0:n_block_cols of the dropout matrices (n_cols columns) of streams 0..streams − 1,
-    as ``dropout_mma_words`` and ``dropout_mma_apply`` draw it (the attention scheme of the module docstring)."""
+    columns 0:n_block_cols of the dropout matrices (n_cols columns) of streams first_stream ..
+    first_stream + streams − 1, as ``dropout_mma_words`` and ``dropout_mma_apply`` draw it (the
+    attention scheme of the module docstring)."""
     device = seed.device
     if streams == 0 or row_stop <= row_start or n_block_cols <= 0:
         return torch.ones((streams, max(row_stop - row_start, 0), max(n_block_cols, 0)), dtype=torch.bool,
@@ -538,7 +536,7 @@ def dropout_keep_mma_block(
     pairs = torch.arange(4, device=device)
     blocks = row_blocks * (-(-n_cols // 16)) + torch.arange(col_blocks, device=device)[None, None, :, None]
     groups = blocks * 16 + 4 * pairs[None, :, None, None] + pairs[None, None, None, :]
-    counters = groups + (torch.arange(streams, device=device) << 32).view(-1, 1, 1, 1, 1)
+    counters = groups + (torch.arange(first_stream, first_stream + streams, device=device) << 32).view(-1, 1, 1, 1, 1)
     # [stream, i // 16, i % 8 // 2, j // 16, j % 8 // 2, word // 2, i % 16 // 8, j % 2, j % 16 // 8]
     decision_bytes = _philox4x32(seed, counters, ATTENTION_PHILOX_ROUNDS).view(torch.uint8)
     decision_bytes = decision_bytes.view(*counters.shape, 2, 2, 2, 2)

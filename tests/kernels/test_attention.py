@@ -18,9 +18,8 @@ from einops import rearrange
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
-from slimformer.kernels import attention as attention_module
 from slimformer.kernels import dispatch
-from slimformer.kernels.attention import attention, self_attention
+from slimformer.kernels.attention import attention, backward, configs, forward, launch, ops, self_attention
 from slimformer.kernels.philox import dropout_keep_mma_block, dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error
@@ -230,7 +229,7 @@ def test_atomic_dq_with_dropout_uses_the_same_mask(backend, dtype, ulps):
 
 def test_atomic_dq_skips_the_dq_kernel(backend, monkeypatch):
     """deterministic=False computes dQ without the second pass (its kernel is never launched)."""
-    monkeypatch.setattr(attention_module, "_attention_bwd_dq_kernel", None)
+    monkeypatch.setattr(backward, "_attention_bwd_dq_kernel", None)
     q, k, v, grad, _, _ = _inputs(Case(1, 2, 2, 40, 40, 16), torch.float32)
     got = _forward_backward(lambda q, k, v: attention(q, k, v, deterministic=False), q, k, v, grad)
     exact = _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, grad)
@@ -276,10 +275,9 @@ TMA_CASES = [
 def test_tma_descriptor_loads_match_reference(monkeypatch, case, dropout_p):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the interpreter stands in for a device with TMA")
-    monkeypatch.setattr(attention_module, "_tma_supported", lambda x: True)
+    monkeypatch.setattr(launch, "tma_supported", lambda x: True)
     made = []
-    descriptors = attention_module._tma_descriptors
-    monkeypatch.setattr(attention_module, "_tma_descriptors", lambda *a: made.append(descriptors(*a)) or made[-1])
+    monkeypatch.setattr(forward, "tma_descriptors", lambda *a: made.append(launch.tma_descriptors(*a)) or made[-1])
     if dropout_p:
         _check_dropout(case, torch.float16, 1.0, "cpu", dropout_p)
     else:
@@ -288,24 +286,24 @@ def test_tma_descriptor_loads_match_reference(monkeypatch, case, dropout_p):
 
 
 def test_tma_only_where_the_copy_engine_can_read_the_tensors(monkeypatch):
-    monkeypatch.setattr(attention_module, "_tma_supported", lambda x: True)
+    monkeypatch.setattr(launch, "tma_supported", lambda x: True)
     qkv = torch.zeros(2, 17, 3 * 4 * 40, dtype=torch.bfloat16)
-    fused = attention_module._split_heads(qkv, 4)
-    assert attention_module._tma_descriptors(fused, (128, 64, 64), 64) is not None
-    assert attention_module._tma_descriptors([x.float() for x in fused], (32, 32, 32), 64) is None
+    fused = ops.split_heads(qkv, 4)
+    assert launch.tma_descriptors(fused, (128, 64, 64), 64) is not None
+    assert launch.tma_descriptors([x.float() for x in fused], (32, 32, 32), 64) is None
     odd_rows = torch.zeros(2, 4, 17, 36, dtype=torch.bfloat16)  # 72-byte rows
-    assert attention_module._tma_descriptors([odd_rows], (64,), 64) is None
+    assert launch.tma_descriptors([odd_rows], (64,), 64) is None
     broadcast = torch.zeros(2, 1, 17, 64, dtype=torch.bfloat16).expand(2, 4, 17, 64)
-    assert attention_module._tma_descriptors([broadcast], (64,), 64) is None
-    monkeypatch.setattr(attention_module, "_tma_supported", lambda x: False)
-    assert attention_module._tma_descriptors(fused, (128, 64, 64), 64) is None
+    assert launch.tma_descriptors([broadcast], (64,), 64) is None
+    monkeypatch.setattr(launch, "tma_supported", lambda x: False)
+    assert launch.tma_descriptors(fused, (128, 64, 64), 64) is None
 
 
 def test_grid_takes_any_batch():
     """One grid axis of up to 2^31 - 1 programs: a batch past CUDA's 65,535 (axis z) launches."""
-    assert attention_module._grid(4, 12, 100_000) == (4_800_000,)
+    assert launch.grid(4, 12, 100_000) == (4_800_000,)
     with pytest.raises(ValueError, match="split the batch"):
-        attention_module._grid(2**16, 2**10, 2**6)
+        launch.grid(2**16, 2**10, 2**6)
 
 
 @pytest.mark.parametrize(
@@ -313,7 +311,7 @@ def test_grid_takes_any_batch():
 )
 def test_stride_unit_is_the_largest_dividing_every_row_stride(strides, unit):
     tensors = [torch.empty(1).as_strided((1, 1, 1, 1), stride) for stride in strides]
-    assert attention_module._stride_unit(*tensors) == unit
+    assert launch.stride_unit(*tensors) == unit
 
 
 SM90_SHARED, SM80_SHARED, SM86_SHARED = 227 * 1024, 163 * 1024, 99 * 1024
@@ -323,19 +321,17 @@ def test_compute_capability_picks_the_block_config_table():
     """sm_80 / 8.x devices with 163 KB of shared memory take their own table (mma.sync),
     devices with 99 KB (8.6, 8.9) the 99 KB one; CPU tensors and everything else the sm_90
     one; fp32 one config everywhere but at d256 with 99 KB."""
-    sm80, sm90 = attention_module._SM80_TENSOR_CORE_CONFIGS, attention_module._TENSOR_CORE_CONFIGS
-    small = attention_module._SMALL_SHARED_TENSOR_CORE_CONFIGS
-    block_config = attention_module._block_config
-    assert attention_module._device_arch(torch.zeros(1)) == 90
-    assert attention_module._device_shared_bytes(torch.zeros(1)) == SM90_SHARED
+    sm80, sm90, small = configs.SM80.tensor_core, configs.SM90.tensor_core, configs.SMALL_SHARED.tensor_core
+    block_config = configs.block_config
+    assert dispatch.device_target(torch.zeros(1)) == (90, SM90_SHARED)
     devices = ((80, SM80_SHARED, sm80), (87, SM80_SHARED, sm80), (86, SM86_SHARED, small), (89, SM86_SHARED, small),
                (90, SM90_SHARED, sm90), (100, SM90_SHARED, sm90))  # fmt: skip
     for arch, shared, table in devices:
         for kernel, rows in table.items():
-            for largest, *configs in rows:
+            for largest, *row_configs in rows:
                 # the row's largest head dim and one just above the row before (d40: the d64 row)
                 for head_dim in (largest, max(16, largest // 2 + 8)):
-                    for kind, config in zip(attention_module._CONFIG_KINDS, configs):
+                    for kind, config in zip(configs.CONFIG_KINDS, row_configs):
                         got = block_config(head_dim, torch.bfloat16, kernel, kind, arch, shared)
                         assert (got["BLOCK_M"], got["BLOCK_N"], got["num_warps"], got["num_stages"]) == config
                         fp32 = block_config(head_dim, torch.float32, kernel, kind, arch, shared)
@@ -349,13 +345,13 @@ def test_99kb_table_is_sm80s_but_where_measured_on_sm86():
     """The 99 KB table is sm_80's but for the d256 forward and dQ without masks, whose
     sm_80 configs need 100 KB, and the d64 dQ with dropout, which spills compiled for sm_86
     (bench.compile_report --arch sm86)."""
-    sm80, small = attention_module._SM80_TENSOR_CORE_CONFIGS, attention_module._SMALL_SHARED_TENSOR_CORE_CONFIGS
+    sm80, small = configs.SM80.tensor_core, configs.SMALL_SHARED.tensor_core
     assert small.keys() == sm80.keys()
     changed = {
         (kernel, row[0], kind)
         for kernel in sm80
         for row, sm80_row in zip(small[kernel], sm80[kernel], strict=True)
-        for kind, config, sm80_config in zip(attention_module._CONFIG_KINDS, row[1:], sm80_row[1:])
+        for kind, config, sm80_config in zip(configs.CONFIG_KINDS, row[1:], sm80_row[1:])
         if config != sm80_config
     }
     assert changed == {
@@ -376,19 +372,19 @@ def _fake_cuda_tensor(monkeypatch, capability: tuple[int, int], shared_bytes: in
 
 @pytest.mark.parametrize(
     "capability, shared_bytes, table",
-    [((8, 0), SM80_SHARED, "_SM80_TENSOR_CORE_CONFIGS"), ((8, 6), SM86_SHARED, "_SMALL_SHARED_TENSOR_CORE_CONFIGS"),
-     ((8, 9), SM86_SHARED, "_SMALL_SHARED_TENSOR_CORE_CONFIGS"), ((9, 0), SM90_SHARED, "_TENSOR_CORE_CONFIGS")],
+    [((8, 0), SM80_SHARED, "SM80"), ((8, 6), SM86_SHARED, "SMALL_SHARED"), ((8, 9), SM86_SHARED, "SMALL_SHARED"),
+     ((9, 0), SM90_SHARED, "SM90")],
     ids=["sm80", "sm86", "sm89", "sm90"],
 )  # fmt: skip
 def test_device_queries_pick_the_table(monkeypatch, capability, shared_bytes, table):
-    """The launchers' device queries (capability and opt-in shared memory per block) pick the
+    """The launchers' device query (capability and opt-in shared memory per block) picks the
     table, here for devices faked through torch.cuda's own queries."""
     x = _fake_cuda_tensor(monkeypatch, capability, shared_bytes)
-    arch, shared = attention_module._device_arch(x), attention_module._device_shared_bytes(x)
+    arch, shared = dispatch.device_target(x)
     assert (arch, shared) == (capability[0] * 10 + capability[1], shared_bytes)
-    assert attention_module._tensor_core_configs(arch, shared) is getattr(attention_module, table)
+    assert configs.config_table(arch, shared) is getattr(configs, table)
     if shared_bytes < SM80_SHARED:
-        config = attention_module._block_config(256, torch.bfloat16, "fwd", "plain", arch, shared)
+        config = configs.block_config(256, torch.bfloat16, "fwd", "plain", arch, shared)
         assert (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"]) == (32, 32, 4, 3)
 
 
@@ -403,12 +399,12 @@ SM80_CASES = [
 
 @pytest.mark.parametrize("case", SM80_CASES, ids=str)
 def test_sm80_block_configs_match_reference(backend, monkeypatch, case):
-    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 80)
+    monkeypatch.setattr(dispatch, "device_target", lambda _tensor: dispatch.DeviceTarget(80, SM80_SHARED))
     _check_case(case, torch.float16, 1.0, "cpu")
 
 
 def test_sm80_block_configs_dropout_match_reference(backend, monkeypatch):
-    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 80)
+    monkeypatch.setattr(dispatch, "device_target", lambda _tensor: dispatch.DeviceTarget(80, SM80_SHARED))
     _check_dropout(Case(1, 2, 1, 97, 70, 64, causal=True), torch.float16, 1.0, "cpu")
 
 
@@ -416,15 +412,13 @@ def test_sm80_block_configs_dropout_match_reference(backend, monkeypatch):
 # with dropout), interpreted with the table forced, give the same results.
 @pytest.mark.parametrize("dtype, ulps", [DTYPES[0], DTYPES[1]])
 def test_99kb_block_configs_match_reference(backend, monkeypatch, dtype, ulps):
-    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 86)
-    monkeypatch.setattr(attention_module, "_device_shared_bytes", lambda _tensor: SM86_SHARED)
+    monkeypatch.setattr(dispatch, "device_target", lambda _tensor: dispatch.DeviceTarget(86, SM86_SHARED))
     _check_case(Case(1, 1, 1, 40, 70, 256, causal=True), dtype, ulps, "cpu")
 
 
 @pytest.mark.parametrize("head_dim", [64, 96, 256])
 def test_99kb_block_configs_dropout_match_reference(backend, monkeypatch, head_dim):
-    monkeypatch.setattr(attention_module, "_device_arch", lambda _tensor: 86)
-    monkeypatch.setattr(attention_module, "_device_shared_bytes", lambda _tensor: SM86_SHARED)
+    monkeypatch.setattr(dispatch, "device_target", lambda _tensor: dispatch.DeviceTarget(86, SM86_SHARED))
     _check_dropout(Case(1, 1, 1, 40, 70, head_dim, causal=True), torch.float16, 1.0, "cpu")
 
 
@@ -515,17 +509,17 @@ def test_dropout_forward_and_gradient_use_the_same_mask(backend, dtype, ulps):
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_grouped_dropout_at_d128_takes_its_own_tiles(monkeypatch, deterministic):
     # GQA's dK/dV launches with dropout at head dims over 64 take 16 query rows a step
-    # (_grouped_dropout_tiles): the same gradients, through the interpreter
+    # (ConfigTable.grouped_dropout): the same gradients, through the interpreter
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    configs, block_config = [], attention_module._block_config
+    launched = []
 
     def recorded(*args, **kwargs):
-        configs.append(block_config(*args, **kwargs))  # the launcher updates this very dict
-        return configs[-1]
+        launched.append(configs.block_config(*args, **kwargs))
+        return launched[-1]
 
-    monkeypatch.setattr(attention_module, "_block_config", recorded)
+    monkeypatch.setattr(backward, "block_config", recorded)
     _check_dropout(Case(1, 2, 1, 40, 33, 128, causal=True), torch.float16, 1.0, "cpu", deterministic=deterministic)
-    assert {(c["BLOCK_M"], c["BLOCK_D"]) for c in configs if c["BLOCK_N"] == 128} >= {(16, 128)}, configs
+    assert {(c["BLOCK_M"], c["BLOCK_D"]) for c in launched if c["BLOCK_N"] == 128} >= {(16, 128)}, launched
 
 
 @pytest.mark.parametrize(

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from slimformer.kernels.activation import _mlp_backward_op, _mlp_op
-from slimformer.kernels.attention import _attention_op, _self_attention_op
+from slimformer.kernels.attention.ops import (
+    attention_op as _attention_op,
+    self_attention_op as _self_attention_op,
+    varlen_attention_op as _varlen_op,
+)
 from slimformer.kernels.dropout import _dropout_add_op
 from slimformer.kernels.linear_cross_entropy import _linear_cross_entropy_op
 from slimformer.kernels.norm import _norm_op
 from slimformer.kernels.philox import new_dropout_seed
 from slimformer.kernels.projection import _projections_backward_op, _projections_op
-from slimformer.kernels.varlen_attention import _varlen_op
 
 DTYPES = [torch.float32, torch.bfloat16]
 # each op in fp32 without dropout and in bf16 with it (half the cross product's time)

@@ -14,14 +14,12 @@ from slimformer.kernels.philox import (
     _philox4x32,
     dropout_keep_block,
     dropout_keep_mma_block,
+    dropout_keep_tile,
     dropout_mma_apply,
     dropout_mma_words,
-    dropout_keep_tile,
-    dropout_keep_tile_t,
     dropout_threshold,
     dropout_threshold_and_scale,
 )
-
 
 # Kernels run compiled on a GPU, else interpreted on CPU (conftest sets TRITON_INTERPRET).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,18 +27,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @triton.jit
 def _keep_tile_kernel(SEED, OUT, P, first_row, n_rows, col_start, n_cols, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):  # fmt: skip
+                      BLOCK_N: tl.constexpr):  # fmt: skip
     tile_m = tl.arange(0, BLOCK_M)
     tile_n = tl.arange(0, BLOCK_N)
     threshold, scale = dropout_threshold_and_scale(tl.load(P))
-    rows = first_row + tile_m
-    if KEYS_FIRST:
-        keep = dropout_keep_tile_t(tl.load(SEED), rows, col_start, n_cols, threshold, BLOCK_N)
-        ptrs = OUT + tile_n[:, None] + tile_m[None, :] * BLOCK_N
-    else:
-        keep = dropout_keep_tile(tl.load(SEED), rows, col_start, n_cols, threshold, BLOCK_N)
-        ptrs = OUT + tile_m[:, None] * BLOCK_N + tile_n[None, :]
-    tl.store(ptrs, tl.where(keep, scale, 0.0))
+    keep = dropout_keep_tile(tl.load(SEED), first_row + tile_m, col_start, n_cols, threshold, BLOCK_N)
+    tl.store(OUT + tile_m[:, None] * BLOCK_N + tile_n[None, :], tl.where(keep, scale, 0.0))
 
 
 @triton.jit
@@ -51,23 +43,22 @@ def _randint4x_kernel(SEED, COUNTERS, OUT, BLOCK: tl.constexpr, ROUNDS: tl.const
         tl.store(OUT + 4 * i + k, words[k].to(tl.int32, bitcast=True))
 
 
-def _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols, keys_first):
+def _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols):
     out = torch.empty(block_m, block_n, device=DEVICE)
     p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
     _keep_tile_kernel[(1,)](seed.to(DEVICE), out, p32, first_row, block_m, col_start, n_cols, BLOCK_M=block_m,
-                            BLOCK_N=block_n, KEYS_FIRST=keys_first)  # fmt: skip
+                            BLOCK_N=block_n)  # fmt: skip
     return out.cpu()
 
 
 @pytest.mark.parametrize("n_cols", [1, 17, 97, 130])
-@pytest.mark.parametrize("keys_first", [False, True], ids=["rows-first", "keys-first"])
-def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols, keys_first):
+def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols):
     seed = torch.tensor(0x5EED_1234_ABCD, dtype=torch.int64)
     p = 0.3
     block_m, block_n = 4, 32
     _, scale = dropout_threshold(p)
     for first_row, col_start in [(0, 0), (5, 0), (3, (n_cols - 1) // 16 * 16), (1000003, 96)]:
-        got = _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols, keys_first)
+        got = _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols)
         expected = dropout_keep_block(seed, torch.arange(first_row, first_row + block_m), col_start, block_n,
                                       n_cols, p)  # fmt: skip
         # columns past n_cols are decided too (callers mask them): compare the whole tile
@@ -101,7 +92,7 @@ DROP_DTYPES = (torch.bfloat16, torch.float32, torch.float16)
 def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c, lane_pairs):
     seed = torch.tensor(0x5EED_1234_ABCD, dtype=torch.int64)
     p = 0.3
-    n_rows, n_cols, streams = 70, 97, 3
+    n_cols, streams = 97, 3
     whole = dropout_keep_mma_block(seed, streams, 0, 80, 112, n_cols, p)
     # tiles of 32 start at multiples of 32; those of 16 also at odd blocks
     last = (1, 48 if block_r == 16 else 32, 80 if block_c == 16 else 64)

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slimformer.kernels import attention as attention_module
-from slimformer.kernels import varlen_attention as varlen_module
-from slimformer.kernels.philox import dropout_keep_block, dropout_threshold
+from slimformer.kernels import dispatch
+from slimformer.kernels.attention import attention, configs
+from slimformer.kernels.philox import dropout_keep_mma_block, dropout_threshold
 from slimformer.kernels.varlen_attention import varlen_attention
 from tests.helpers import assert_within_reference_error
 
@@ -54,9 +54,10 @@ def _per_sequence_sdpa(q, k, v, do, cu, causal):
     return (out.detach(), *grads)
 
 
-def _varlen(q, k, v, do, cu, max_len, causal, dropout_p=0.0):
+def _varlen(q, k, v, do, cu, max_len, causal, dropout_p=0.0, deterministic=True):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = varlen_attention(q, k, v, cu, cu, max_len, max_len, dropout_p, causal, return_lse=True)
+    out, lse = varlen_attention(q, k, v, cu, cu, max_len, max_len, dropout_p, causal, return_lse=True,
+                                deterministic=deterministic)  # fmt: skip
     grads = torch.autograd.grad(out, (q, k, v), do)
     return (out.detach(), *grads), lse
 
@@ -84,8 +85,7 @@ def test_other_devices_block_configs_match_sdpa(backend, monkeypatch, arch, shar
                                                head_dim):  # fmt: skip
     """sm_80's block configs, and the 99 KB table's own d256 configs (compute capability 8.6 /
     8.9), forced (CPU launches take sm_90's), give the same results."""
-    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: arch)
-    monkeypatch.setattr(varlen_module, "_device_shared_bytes", lambda _tensor: shared_kb * 1024)
+    monkeypatch.setattr(dispatch, "device_target", lambda _tensor: dispatch.DeviceTarget(arch, shared_kb * 1024))
     q, k, v, do = _inputs(lengths, heads, kv_heads, head_dim, torch.float16)
     cu = _cu_seqlens(lengths)
     actual, _ = _varlen(q, k, v, do, cu, max(lengths), True)
@@ -98,32 +98,35 @@ def test_other_devices_block_configs_match_sdpa(backend, monkeypatch, arch, shar
 DEVICES = {"sm90": (90, 227 * 1024), "sm80": (80, 163 * 1024), "sm86": (86, 99 * 1024)}
 # configs of the varlen launches that differ from the dense table's, which spill there
 OWN_CONFIGS = {
-    "sm90": {("fwd", 128, 0.0): (128, 128, 8, 2)},
-    "sm80": {("dkdv", 256, 0.0): (64, 32, 8, 2), ("dq", 128, 0.1): (64, 32, 4, 2)},
-    "sm86": {("dq", 128, 0.1): (64, 32, 4, 2)},
+    "sm90": {
+        ("fwd", 128, "plain"): (128, 128, 8, 2),
+        ("fwd", 128, "dropout"): (128, 64, 8, 2),
+        ("dkdv", 128, "dropout"): (16, 128, 8, 2),
+        ("dkdv_dq", 128, "dropout"): (16, 128, 8, 2),
+    },
+    "sm80": {("dkdv", 256, "plain"): (64, 32, 8, 2), ("dq", 128, "dropout"): (64, 32, 4, 2)},
+    "sm86": {("dq", 128, "dropout"): (64, 32, 4, 2)},
 }
 
 
 def _force_device(monkeypatch, device):
-    arch, shared_bytes = DEVICES[device]
-    monkeypatch.setattr(varlen_module, "_device_arch", lambda _tensor: arch)
-    monkeypatch.setattr(varlen_module, "_device_shared_bytes", lambda _tensor: shared_bytes)
-    return arch, shared_bytes
+    target = dispatch.DeviceTarget(*DEVICES[device])
+    monkeypatch.setattr(dispatch, "device_target", lambda _tensor: target)
+    return target
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_varlen_configs_are_the_dense_ones_but_where_those_spill(monkeypatch, device):
-    arch, shared_bytes = _force_device(monkeypatch, device)
-    for kernel, head_dim, dropout_p, dtype in itertools.product(
-        ("fwd", "dkdv", "dq"), (64, 96, 256), (0.0, 0.1), (torch.bfloat16, torch.float32)
+def test_varlen_configs_are_the_dense_ones_but_where_those_spill(device):
+    arch, shared_bytes = DEVICES[device]
+    for kernel, head_dim, kind, dtype in itertools.product(
+        ("fwd", "dkdv", "dkdv_dq", "dq"), (64, 96, 256), ("plain", "dropout"), (torch.bfloat16, torch.float32)
     ):
-        config = varlen_module._varlen_block_config(torch.empty(0, 1, head_dim, dtype=dtype), kernel, dropout_p)
-        dense = attention_module._block_config(head_dim, dtype, kernel, "masked" if dropout_p else "plain", arch,
-                                               shared_bytes)  # fmt: skip
-        own = OWN_CONFIGS[device].get((kernel, dense["BLOCK_D"], dropout_p)) if dtype != torch.float32 else None
+        config = configs.block_config(head_dim, dtype, kernel, kind, arch, shared_bytes, varlen=True)
+        dense = configs.block_config(head_dim, dtype, kernel, kind, arch, shared_bytes)
+        own = OWN_CONFIGS[device].get((kernel, dense["BLOCK_D"], kind)) if dtype != torch.float32 else None
         if own is not None:
             dense.update(zip(("BLOCK_M", "BLOCK_N", "num_warps", "num_stages"), own))
-        assert config == dense, (kernel, head_dim, dropout_p, dtype)
+        assert config == dense, (kernel, head_dim, kind, dtype)
 
 
 @pytest.mark.parametrize("device", ["sm80", "sm86"])
@@ -187,11 +190,11 @@ def test_dropout_masks_are_the_documented_philox_bits(backend):
     seed = torch.randint(0, 2**62, (), dtype=torch.int64)  # what the op draws
     heads = q.shape[1]
     bounds = cu.tolist()
-    for start, stop in zip(bounds, bounds[1:]):
+    for b, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        # sequence b, head h: the (length, length) matrix of stream b · heads + h
         length = stop - start
-        rows = torch.arange(start, stop)[:, None] * heads + torch.arange(heads)  # (token, head)
-        keep = dropout_keep_block(seed, rows, 0, length, max_len, p).view(length, heads, length)
-        expected = keep * (dropout_threshold(p)[1] / length)
+        keep = dropout_keep_mma_block(seed, heads, 0, length, length, length, p, first_stream=b * heads)
+        expected = keep.transpose(0, 1) * (dropout_threshold(p)[1] / length)
         torch.testing.assert_close(out[start:stop, :, :length], expected, atol=1e-6, rtol=1e-6)
     dropped = (out[1:18, :, :17] == 0).float().mean().item()  # sequence of 17: 578 decisions
     assert 0.2 < dropped < 0.4, dropped
@@ -211,6 +214,35 @@ def test_dropout_kernel_equals_reference(monkeypatch):
     # the mask really dropped something: the output differs from no dropout
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not torch.allclose(results["0"][0], _varlen(q, k, v, do, cu, 40, True)[0][0])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_is_dense_attentions_per_sequence(backend, causal):
+    """One dropout scheme: sequence b gets the mask that ``attention`` gives batch entry b
+    of a batch of sequences of its length (the same seed), so the outputs are equal."""
+    lengths, heads = (5, 0, 33, 33), 2
+    q, k, v, _ = _inputs(lengths, heads, 1, 16, torch.float32)
+    cu = _cu_seqlens(lengths)
+    torch.manual_seed(11)
+    out = varlen_attention(q, k, v, cu, cu, 33, 33, 0.3, causal)
+    torch.manual_seed(11)
+    batched = [t[38:].view(1, 33, -1, 16).expand(4, -1, -1, -1).transpose(1, 2) for t in (q, k, v)]
+    dense = attention(*batched, dropout_p=0.3, is_causal=causal, enable_gqa=True)
+    torch.testing.assert_close(out[38:], dense[3].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_atomic_dq_matches_deterministic(backend, dropout_p):
+    """deterministic=False adds dQ with atomics in the dK/dV kernel: the same gradients."""
+    lengths = (1, 17, 40)
+    q, k, v, do = _inputs(lengths, 4, 2, 24, torch.float32)
+    cu = _cu_seqlens(lengths)
+    results = []
+    for deterministic in (True, False):
+        torch.manual_seed(5)
+        results.append(_varlen(q, k, v, do, cu, 40, True, dropout_p, deterministic)[0])
+    for name, atomic, two_pass in zip(("out", "dq", "dk", "dv"), results[1], results[0]):
+        torch.testing.assert_close(atomic, two_pass, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_gradcheck_float64():
