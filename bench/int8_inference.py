@@ -153,8 +153,10 @@ def _target_lines(variants: list[Variant]) -> list[str]:
             f"- `{name}`: speed {speeds[1]:.2f}x / {speeds[8]:.2f}x fp32's at batch 1 / 8 (target >= "
             f"{least_speed:.2f}x), mean cosine {v.mean_cosine:.4f} (>= {least_cosine}): **{'met' if met else 'NOT met'}**"
         )
-    lines.append(f"- `quantize_dynamic` in the same run: speed {_speed(fp32, dynamic, 1):.2f}x / "
-                 f"{_speed(fp32, dynamic, 8):.2f}x fp32's at batch 1 / 8")  # fmt: skip
+    lines.append(
+        f"- `quantize_dynamic` in the same run: speed {_speed(fp32, dynamic, 1):.2f}x / "
+        f"{_speed(fp32, dynamic, 8):.2f}x fp32's at batch 1 / 8"
+    )
     int8 = by_name["int8"]
     vs_dynamic = [_speed(dynamic, int8, b) for b in BATCHES]
     met = all(r >= 1.0 for r in vs_dynamic) and int8.mean_cosine >= TARGETS["int8"][1]

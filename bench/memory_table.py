@@ -37,8 +37,6 @@ def norm_memory_table(device: torch.device, dtype: torch.dtype) -> tuple[list[st
     kept = {name: _kept_bytes(make(), device, dtype) for name, make in NORMS.items()}
     baseline = kept["none (Linear -> Linear)"]
     per_unit = TOKENS * HIDDEN
-    rows = [
-        [name, f"{total / per_unit:.2f}", f"{(total - baseline) / per_unit:.3f}"] for name, total in kept.items()
-    ]
+    rows = [[name, f"{total / per_unit:.2f}", f"{(total - baseline) / per_unit:.3f}"] for name, total in kept.items()]
     columns = ["layer in Linear -> layer -> Linear", "chain B/token/hidden", "layer's own B/token/hidden"]
     return columns, rows

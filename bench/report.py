@@ -274,11 +274,7 @@ def target_lines(results: list[Result], device: str) -> list[str]:
     """Whether fused add + LayerNorm forward + backward meets its speed and bandwidth targets."""
     peak = peak_bandwidth(device)
     lo, hi = TARGET_SIZES
-    checked = [
-        r
-        for r in results
-        if all(getattr(r, k) == v for k, v in TARGET.items()) and lo <= r.size <= hi
-    ]
+    checked = [r for r in results if all(getattr(r, k) == v for k, v in TARGET.items()) and lo <= r.size <= hi]
     if not checked:
         return ["No fused add + LayerNorm forward+backward results in this run: targets not checked."]
     lines = []
@@ -527,15 +523,18 @@ def _parser() -> argparse.ArgumentParser:
         "a Markdown report with its plots (make bench; a full run takes many minutes).",
         epilog="Other pytest arguments go after --, e.g. python -m bench.report -k norm -- --benchmark-min-rounds=3. "
         "See bench/README.md.",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "-k", metavar="EXPR", dest="keyword",
+        "-k",
+        metavar="EXPR",
+        dest="keyword",
         help="pytest -k: only the benchmarks and the sections whose names match, as pytest matches test names "
         f"(sections: {', '.join(SECTIONS)}, bert_memory <column>); a partial run",
-    )  # fmt: skip
+    )
     parser.add_argument("-m", metavar="MARKEXPR", dest="marker", help="pytest -m: only benchmarks so marked")
-    parser.add_argument("pytest_args", nargs="*", metavar="PYTEST_ARG",
-                        help="test paths, and after -- any other pytest argument")  # fmt: skip
+    parser.add_argument(
+        "pytest_args", nargs="*", metavar="PYTEST_ARG", help="test paths, and after -- any other pytest argument"
+    )
     add_output_arguments(parser)
     return parser
 

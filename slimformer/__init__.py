@@ -20,11 +20,10 @@ from slimformer import memory
 from slimformer._version import __version__
 from slimformer.integrations.hf.attention import register_transformers_attention
 from slimformer.kernels.activation import fused_mlp
-from slimformer.kernels.attention import attention, self_attention
+from slimformer.kernels.attention import attention, self_attention, varlen_attention
 from slimformer.kernels.dropout import dropout_add
 from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
 from slimformer.kernels.norm import layer_norm, rms_norm
-from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.attention import MultiheadAttention, SelfAttention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.mlp import FusedMLP

@@ -71,13 +71,20 @@ def _result(selection: Selection, collections: list) -> CompileResult:
     records = [r for c in collections for r in c.records if r.case.name in selection.cases]
     problems = {}
     for name in selection.cases:
-        own = Collection(collections[0].device, [r for r in records if r.case.name == name],
-                         [e for c in collections for e in c.capture_errors if e[0] == name])  # fmt: skip
+        own = Collection(
+            collections[0].device,
+            [r for r in records if r.case.name == name],
+            [e for c in collections for e in c.capture_errors if e[0] == name],
+        )
         problems[name] = limit_violations(own) or ([] if own.records else ["no kernel launch captured"])
     kernels = {
-        f"{r.case.name} / {r.launch.kernel}": {"mma": mma_kind(r.stats.mma_opcodes), "hot_loop_loads": r.stats.hot_loop_loads}
-        for r in records if selection.sass and r.stats
-    }  # fmt: skip
+        f"{r.case.name} / {r.launch.kernel}": {
+            "mma": mma_kind(r.stats.mma_opcodes),
+            "hot_loop_loads": r.stats.hot_loop_loads,
+        }
+        for r in records
+        if selection.sass and r.stats
+    }
     return CompileResult(problems, kernels)
 
 
@@ -95,9 +102,10 @@ def _main(selections: list[Selection]) -> list[CompileResult]:
         without = dict.fromkeys(n for s in selections if s.arch == arch for n in s.cases if n not in with_sass)
         collections[arch] = [
             collection
-            for names, sass in ((with_sass, True), (without, False)) if names
+            for names, sass in ((with_sass, True), (without, False))
+            if names
             for collection in collect([by_name[n] for n in names], [DEVICES[arch]], progress=False, sass=sass)
-        ]  # fmt: skip
+        ]
     return [_result(s, collections[s.arch]) for s in selections]
 
 

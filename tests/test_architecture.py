@@ -185,9 +185,10 @@ def test_no_import_cycles():
             edges[imp.importer].append(imp)
     cycles = _cycles(edges)
     described = [
-        "\n  ".join(["cycle among " + ", ".join(cycle)] + [
-            str(imp) for module in cycle for imp in edges[module] if imp.imported in cycle
-        ])
+        "\n  ".join(
+            ["cycle among " + ", ".join(cycle)]
+            + [str(imp) for module in cycle for imp in edges[module] if imp.imported in cycle]
+        )
         for cycle in cycles
-    ]  # fmt: skip
+    ]
     assert not cycles, "module-level imports that form a cycle:\n" + "\n".join(described)

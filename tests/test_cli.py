@@ -21,16 +21,20 @@ ROOT = Path(__file__).resolve().parent.parent
 MAIN_GUARD = 'if __name__ == "__main__":'
 # The script modules of bench/, examples/ and tools/ (a new one is checked as soon as it
 # exists), and python -m slimformer.memory, whose __main__ calls slimformer.memory.cli.main.
-CLIS = [
-    f"{folder}.{path.stem}"
-    for folder in ("bench", "examples")
-    for path in sorted((ROOT / folder).glob("*.py"))
-    if MAIN_GUARD in path.read_text()
-] + [
-    ".".join(path.relative_to(ROOT).with_suffix("").parts)
-    for path in sorted((ROOT / "tools").rglob("*.py"))
-    if MAIN_GUARD in path.read_text()
-] + ["slimformer.memory.cli"]
+CLIS = (
+    [
+        f"{folder}.{path.stem}"
+        for folder in ("bench", "examples")
+        for path in sorted((ROOT / folder).glob("*.py"))
+        if MAIN_GUARD in path.read_text()
+    ]
+    + [
+        ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for path in sorted((ROOT / "tools").rglob("*.py"))
+        if MAIN_GUARD in path.read_text()
+    ]
+    + ["slimformer.memory.cli"]
+)
 KNOWN = {
     "bench.report", "bench.int8_inference", "bench.int8_profile", "bench.unpad", "bench.cpu_step",
     "bench.mlm_memory", "bench.compile_memory", "tools.compile_report.__main__", "tools.compile_report.tutorial",

@@ -29,9 +29,13 @@ BATCH, SEQ = 2, 64
 def bert():
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        hidden_size=128, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256, vocab_size=64,
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=256,
+        vocab_size=64,
         max_position_embeddings=SEQ,
-    )  # fmt: skip
+    )
     model = transformers.BertModel(config).train()
     model.set_attn_implementation("eager")
     return model

@@ -23,8 +23,14 @@ pytestmark = pytest.mark.xdist_group("gpu_check")
 def _run(*args, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return subprocess.run([sys.executable, "-m", "bench.gpu_check", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "bench.gpu_check", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +44,8 @@ def dry_run(tmp_path_factory):
 def test_dry_run_goes_through_every_phase(dry_run):
     out, result, state = dry_run
     assert {name: p["status"] for name, p in state["phases"].items()} == dict.fromkeys(
-        ("environment", "correctness", "speed", "model"), "done")  # fmt: skip
+        ("environment", "correctness", "speed", "model"), "done"
+    )
     assert "errors" not in state
     assert state["ceilings"]["copy_gbps"] > 0 and state["ceilings"]["matmul_tflops"] > 0
     # every GPU test was collected (and skipped: no CUDA here)
@@ -62,8 +69,16 @@ def test_dry_run_goes_through_every_phase(dry_run):
     assert all(r["cosine_vs_fp16"] > 0.99 for r in state["model"]["infer"].values())
     assert len(state["targets"]) == 17
     markdown = (out / "gpu-dry-run-cpu.md").read_text()
-    for heading in ("**Dry run**", "## Targets", "## Correctness", "### Attention", "### Norms", "### MLP",
-                    "### Inference GEMMs", "## Whole model"):  # fmt: skip
+    for heading in (
+        "**Dry run**",
+        "## Targets",
+        "## Correctness",
+        "### Attention",
+        "### Norms",
+        "### MLP",
+        "### Inference GEMMs",
+        "## Whole model",
+    ):
         assert heading in markdown
     assert (out / "gpu-dry-run-cpu-tests.xml").exists()
     assert "BERT-base MLM step" in result.stdout  # the summary table, printed last
@@ -115,20 +130,50 @@ def test_junit_failures_are_summarised(tmp_path):
 
 
 def _row(family, mode, params, results, baselines, work=1e12, unit="TFLOP/s"):
-    return dict(case="c", family=family, label="l", mode=mode, unit=unit, work=work, params=params,
-                baselines=baselines, results=results)  # fmt: skip
+    return dict(
+        case="c",
+        family=family,
+        label="l",
+        mode=mode,
+        unit=unit,
+        work=work,
+        params=params,
+        baselines=baselines,
+        results=results,
+    )
 
 
 def test_targets_read_the_rows_they_name():
     shape = dict(batch=2, heads=2, seq=64, head_dim=16, causal=False)  # the dry run's first attention shape
     rows = [
-        _row("attention", "fwd", {**shape, "variant": "dense"},
-             {"slimformer": {"p50_us": 100.0}, "sdpa-flash": {"p50_us": 120.0}, "sdpa-cudnn": {"p50_us": 90.0},
-              "flex": {"error": "no"}}, ["sdpa-flash", "sdpa-cudnn", "flex"]),  # fmt: skip
-        _row("attention", "fwd", {**shape, "variant": "dropout"},
-             {"slimformer": {"p50_us": 125.0}, "sdpa-flash": {"p50_us": 200.0}}, ["sdpa-flash"]),
-        _row("norm", "fwd", dict(op="LayerNorm", hidden=32), {"slimformer": {"p50_us": 1.0}}, ["torch"],
-             work=850_000, unit="GB/s"),  # fmt: skip
+        _row(
+            "attention",
+            "fwd",
+            {**shape, "variant": "dense"},
+            {
+                "slimformer": {"p50_us": 100.0},
+                "sdpa-flash": {"p50_us": 120.0},
+                "sdpa-cudnn": {"p50_us": 90.0},
+                "flex": {"error": "no"},
+            },
+            ["sdpa-flash", "sdpa-cudnn", "flex"],
+        ),
+        _row(
+            "attention",
+            "fwd",
+            {**shape, "variant": "dropout"},
+            {"slimformer": {"p50_us": 125.0}, "sdpa-flash": {"p50_us": 200.0}},
+            ["sdpa-flash"],
+        ),
+        _row(
+            "norm",
+            "fwd",
+            dict(op="LayerNorm", hidden=32),
+            {"slimformer": {"p50_us": 1.0}},
+            ["torch"],
+            work=850_000,
+            unit="GB/s",
+        ),
     ]
     state = {"meta": {"dry_run": True}, "speed": {"rows": rows}, "ceilings": {"copy_gbps": 1000.0},
              "model": {"train": {"HF SDPA": {"tokens_per_s": 100.0, "peak_bytes": 1000},

@@ -265,7 +265,8 @@ def test_cli_rejects_bad_arguments(tiny_bert_config, capsys):
         (["--model", str(tiny_bert_config), "--device", "gpu"], "--device: device must be a torch device"),
         *(
             [(["--model", str(tiny_bert_config), "--device", "cuda"], "--device: device 'cuda' needs CUDA")]
-            if not torch.cuda.is_available() else []
+            if not torch.cuda.is_available()
+            else []
         ),
     ):
         with pytest.raises(SystemExit) as exit_info:
@@ -305,8 +306,14 @@ def test_masked_lm_head_gets_its_own_row():
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    config = BertConfig(hidden_size=D_MODEL, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                        intermediate_size=FFN, vocab_size=500, max_position_embeddings=SEQ)  # fmt: skip
+    config = BertConfig(
+        hidden_size=D_MODEL,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        intermediate_size=FFN,
+        vocab_size=500,
+        max_position_embeddings=SEQ,
+    )
     eager = BertForMaskedLM(config).train()
     ids = torch.randint(5, 500, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     labels = torch.where(torch.arange(SEQ) % 7 == 0, ids, -100)

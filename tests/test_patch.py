@@ -50,7 +50,10 @@ def _model(name="BertForMaskedLM", dropout=0.1, attn="eager", **config):
     config_class, model_class = MODELS[name]
     torch.manual_seed(0)
     config = config_class(
-        **{**TINY, **config}, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation=attn
+        **{**TINY, **config},
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation=attn,
     )
     model = model_class(config)
     with torch.no_grad():  # LayerNorm weights away from their initial 1 / 0
@@ -236,9 +239,12 @@ def test_state_dict_parameters_and_unpatch(torch_path):
     assert type(model.cls.predictions.transform.LayerNorm) is sf.LayerNorm
     swapped = {swap.name for swap in patch_summary(model).swapped}
     assert swapped == {
-        "bert.embeddings.LayerNorm", "bert.embeddings.dropout", "bert.encoder.layer.0", "bert.encoder.layer.1",
+        "bert.embeddings.LayerNorm",
+        "bert.embeddings.dropout",
+        "bert.encoder.layer.0",
+        "bert.encoder.layer.1",
         "cls.predictions.transform.LayerNorm",
-    }  # fmt: skip
+    }
     model.eval()
     assert unpatch(model) is model
     assert dict(model.named_modules()).keys() == modules.keys()
@@ -630,7 +636,9 @@ def test_patch_on_the_meta_device_then_materialise(torch_path):
     with torch.no_grad():
         torch.testing.assert_close(
             model.eval()(ids, attention_mask=mask).last_hidden_state,
-            reference(ids, attention_mask=mask).last_hidden_state, rtol=1e-5, atol=1e-5,
+            reference(ids, attention_mask=mask).last_hidden_state,
+            rtol=1e-5,
+            atol=1e-5,
         )
 
 

@@ -16,9 +16,13 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 97
 SIZES = dict(
-    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
     max_position_embeddings=64,
-)  # fmt: skip
+)
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +56,9 @@ def _loss_and_grads(model, ids, labels, seed=2, **kwargs):
 def _assert_same_grads(grads, reference):
     assert grads.keys() == reference.keys()
     for name in grads:
-        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads[name], reference[name], rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("name", ["Bert", "Roberta", "XLMRoberta", "Ernie"])
@@ -229,4 +235,6 @@ def test_training_curve_and_final_weights_match(dropout):
     torch.testing.assert_close(losses, expected_losses, rtol=1e-4, atol=1e-5)
     for name, weight in weights.items():
         # per step the grads agree to ~2e-6 (test_loss_and_grads_match_hf): lr · steps · 2e-6 = 1.2e-5, plus slack
-        torch.testing.assert_close(weight, expected_weights[name], rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            weight, expected_weights[name], rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}"
+        )

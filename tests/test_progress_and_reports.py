@@ -44,7 +44,9 @@ def test_memory_report_shows_a_progress_bar(capsys):
     model = _Keywords()
     report({"a": model, "b": model}, {"input_ids": torch.randn(2, 8, requires_grad=True)})
     err = capsys.readouterr().err
-    assert "memory report" in err and "10/10" in err  # 2 models x (2 layers + capture + forward+backward step + whole forward)
+    assert (
+        "memory report" in err and "10/10" in err
+    )  # 2 models x (2 layers + capture + forward+backward step + whole forward)
 
 
 def test_memory_cli_shows_progress(tmp_path, capsys):
@@ -88,11 +90,19 @@ def test_sweep_plot_keeps_coinciding_lines_visible(tmp_path, monkeypatch):
 def _benchmark(op, provider, size, seconds):
     return {
         "extra_info": {
-            "family": "norm", "op": op, "mode": "fwd", "provider": provider, "implementation": "x",
-            "sweep": "hidden", "hidden": size, "unit": "GB/s", "work": 1e6, "dtype": "float32",
+            "family": "norm",
+            "op": op,
+            "mode": "fwd",
+            "provider": provider,
+            "implementation": "x",
+            "sweep": "hidden",
+            "hidden": size,
+            "unit": "GB/s",
+            "work": 1e6,
+            "dtype": "float32",
         },
         "stats": {"data": [seconds] * 5},
-    }  # fmt: skip
+    }
 
 
 def test_bench_report_selection_and_partial_files(tmp_path):

@@ -201,8 +201,9 @@ def test_loading_a_saved_int8_model_never_holds_its_float_linears(tmp_path):
     # BERT-base's widths, two layers and a small vocabulary: 57 MB of fp32 Linear weights.
     from bench.quantized_load import measure, save_checkpoints
 
-    config = transformers.BertConfig(hidden_size=768, num_hidden_layers=2, num_attention_heads=12,
-                                     intermediate_size=3072, vocab_size=1024)  # fmt: skip
+    config = transformers.BertConfig(
+        hidden_size=768, num_hidden_layers=2, num_attention_heads=12, intermediate_size=3072, vocab_size=1024
+    )
     float_dir, int8_dir = save_checkpoints(config, tmp_path)
     int8, float_ = measure([("int8", str(int8_dir), None), ("float", str(float_dir), None)])
     linear_fp32_bytes = 4 * sum(

@@ -56,9 +56,13 @@ def _model(name="BertModel", dropout=0.0, attn="sdpa", **config):
     torch.manual_seed(0)
     extra = {"embedding_size": 16} if name == "ElectraModel" else {}
     config = config_class(
-        **TINY, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, attn_implementation=attn,
-        **extra, **config,
-    )  # fmt: skip
+        **TINY,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        attn_implementation=attn,
+        **extra,
+        **config,
+    )
     model = model_class(config)
     with torch.no_grad():
         for module in model.modules():
@@ -359,7 +363,8 @@ def test_smoothquant_calibration_and_save_load_of_an_unpadded_quantized_model(tm
         if hasattr(layer, "smooth"):
             torch.testing.assert_close(layer.smooth, reference.get_submodule(name).smooth, rtol=1e-5, atol=0)
     assert not torch.allclose(
-        quantized.bert.encoder.layer[1].output.dense.smooth, padded_calibration.bert.encoder.layer[1].output.dense.smooth
+        quantized.bert.encoder.layer[1].output.dense.smooth,
+        padded_calibration.bert.encoder.layer[1].output.dense.smooth,
     )
     sf.save_quantized(quantized, tmp_path)
     fresh = [_model("BertForSequenceClassification").eval() for _ in range(2)]

@@ -20,10 +20,13 @@ def shown(path: Path) -> str:
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--out DIR`` and ``--overwrite``, the same for every command that writes results."""
     parser.add_argument(
-        "--out", type=Path, default=LOCAL_RESULTS, metavar="DIR",
+        "--out",
+        type=Path,
+        default=LOCAL_RESULTS,
+        metavar="DIR",
         help=f"folder the results go to (default {shown(LOCAL_RESULTS)}/, git-ignored; the committed reference "
         f"results are in {shown(RESULTS)}/)",
-    )  # fmt: skip
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace files of the same names in --out")
 
 

@@ -34,6 +34,6 @@ DRY_RUN_OUT = ROOT / "build" / "gpu-check-dry-run"
 def phase_cap(phase: str, selected: list[str], deadline: float) -> float:
     """Seconds for ``phase``: its full cap, or its share of the time left beside the phases
     still to run (in proportion to their full caps), whichever is smaller."""
-    later = [p for p in PHASES[PHASES.index(phase):] if p in selected]
+    later = [p for p in PHASES[PHASES.index(phase) :] if p in selected]
     left = deadline - time.monotonic()
     return max(0.0, min(FULL_CAPS_S[phase], left * FULL_CAPS_S[phase] / sum(FULL_CAPS_S[p] for p in later)))

@@ -76,9 +76,17 @@ def _case(shape, causal: bool, variant: str, dry_run: bool, device, copies: int)
         unit="TFLOP/s",
         work={mode: attention_flops(mode, heads, head_dim, lengths, causal) for mode in MODES},
         build=functools.partial(_providers, shape, causal, variant, lengths, dry_run, device, copies),
-        params=dict(batch=batch, heads=heads, seq=seq, head_dim=head_dim, causal=causal, variant=variant,
-                    dropout_p=DROPOUT_P if variant == "dropout" else 0.0, real_tokens=sum(lengths),
-                    dtype="bfloat16"),  # fmt: skip
+        params=dict(
+            batch=batch,
+            heads=heads,
+            seq=seq,
+            head_dim=head_dim,
+            causal=causal,
+            variant=variant,
+            dropout_p=DROPOUT_P if variant == "dropout" else 0.0,
+            real_tokens=sum(lengths),
+            dtype="bfloat16",
+        ),
     )
 
 
@@ -101,11 +109,16 @@ def _providers(shape, causal, variant, lengths, dry_run, device, copies) -> dict
     }
     sdpa_mask = _sdpa_mask(padding, causal, seq)
     for name, backend in SDPA_BACKENDS.items():
-        providers[name] = Provider(functools.partial(_sdpa, backend, sdpa_mask, p, causal and padding is None),
-                                   inputs, baseline=True)  # fmt: skip
+        providers[name] = Provider(
+            functools.partial(_sdpa, backend, sdpa_mask, p, causal and padding is None), inputs, baseline=True
+        )
     if p == 0.0 and shape == (DRY_SHAPES if dry_run else FULL_SHAPES)[0]:
-        providers["flex"] = Provider(_flex(lengths if padding is not None else None, causal, shape, device, dry_run),
-                                     inputs, baseline=True, compiles=True)  # fmt: skip
+        providers["flex"] = Provider(
+            _flex(lengths if padding is not None else None, causal, shape, device, dry_run),
+            inputs,
+            baseline=True,
+            compiles=True,
+        )
     if padding is not None:
         providers["slimformer varlen"] = _varlen(inputs, padding, lengths, causal)
     return providers
@@ -160,9 +173,7 @@ def _varlen(inputs, padding: torch.Tensor, lengths: list[int], causal: bool) -> 
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
     cu_seqlens[1:] = torch.tensor(lengths, device=device).cumsum(0)
     longest = max(lengths)
-    packed = [
-        tuple(t.detach().transpose(1, 2)[real].contiguous().requires_grad_() for t in copy) for copy in inputs
-    ]
+    packed = [tuple(t.detach().transpose(1, 2)[real].contiguous().requires_grad_() for t in copy) for copy in inputs]
     return Provider(
         lambda q, k, v: sf.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, longest, longest, is_causal=causal),
         packed,

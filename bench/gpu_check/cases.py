@@ -52,8 +52,9 @@ class Provider:
             out = self.fn(*x)
             dout = torch.randn_like(out)
             if mode == "bwd":
-                steps.append(lambda out=out, leaves=leaves, dout=dout: torch.autograd.grad(out, leaves, dout,
-                                                                                          retain_graph=True))  # fmt: skip
+                steps.append(
+                    lambda out=out, leaves=leaves, dout=dout: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+                )
             else:
                 steps.append(lambda x=x, leaves=leaves, dout=dout: torch.autograd.grad(self.fn(*x), leaves, dout))
             del out
@@ -175,8 +176,9 @@ def warm(case: Case, sync: Callable[[], None]) -> list[dict]:
             try:
                 provider.steps(mode)[0]()
                 sync()
-                done.append({"case": case.key, "provider": name, "mode": mode,
-                             "seconds": round(time.perf_counter() - start, 2)})  # fmt: skip
+                done.append(
+                    {"case": case.key, "provider": name, "mode": mode, "seconds": round(time.perf_counter() - start, 2)}
+                )
             except Exception as error:
                 done.append({"case": case.key, "provider": name, "mode": mode, "error": brief(error)})
     return done

@@ -14,25 +14,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "kernel timings against their baselines, BERT-base training and INT8 inference; a Markdown and a JSON "
         "report rewritten after every phase.",
     )
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"where the report goes (default {DEFAULT_OUT.relative_to(ROOT)}/, with --dry-run "
-                        f"{DRY_RUN_OUT.relative_to(ROOT)}/)")  # fmt: skip
-    parser.add_argument("--budget", type=float, default=480.0,
-                        help="seconds the whole run may take; the phases' caps shrink to fit (default 480)")
-    parser.add_argument("--phases", default=",".join(PHASES),
-                        help=f"comma-separated subset of {','.join(PHASES)} (default all)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="every phase on the CPU at tiny sizes, through the same code (no GPU needed)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"where the report goes (default {DEFAULT_OUT.relative_to(ROOT)}/, with --dry-run "
+        f"{DRY_RUN_OUT.relative_to(ROOT)}/)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="seconds the whole run may take; the phases' caps shrink to fit (default 480)",
+    )
+    parser.add_argument(
+        "--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)} (default all)"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="every phase on the CPU at tiny sizes, through the same code (no GPU needed)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report in --out")
-    parser.add_argument("--test-workers", type=int, default=None,
-                        help="pytest-xdist workers for the correctness phase (default: cores - precompile workers)")
-    parser.add_argument("--precompile-workers", type=int, default=None,
-                        help="processes compiling the speed and model phases' kernels during the tests "
-                        "(default 4; 1 with --dry-run; 0: none)")  # fmt: skip
-    parser.add_argument("--tests", nargs="+", default=None, metavar="PATH_OR_ARG",
-                        help="what the correctness phase runs under -m gpu (default: tests)")
-    parser.add_argument("--cases", nargs="+", default=None, metavar="TEXT",
-                        help="run only the speed cases whose key contains one of these (e.g. 'attention b32' norm)")
+    parser.add_argument(
+        "--test-workers",
+        type=int,
+        default=None,
+        help="pytest-xdist workers for the correctness phase (default: cores - precompile workers)",
+    )
+    parser.add_argument(
+        "--precompile-workers",
+        type=int,
+        default=None,
+        help="processes compiling the speed and model phases' kernels during the tests "
+        "(default 4; 1 with --dry-run; 0: none)",
+    )
+    parser.add_argument(
+        "--tests",
+        nargs="+",
+        default=None,
+        metavar="PATH_OR_ARG",
+        help="what the correctness phase runs under -m gpu (default: tests)",
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=None,
+        metavar="TEXT",
+        help="run only the speed cases whose key contains one of these (e.g. 'attention b32' norm)",
+    )
     parser.add_argument("--precompile-worker", metavar="KEYS_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]

@@ -51,7 +51,9 @@ def read_junit(path: Path) -> dict:
     """Counts (tests, passed, failed, errors, skipped, seconds) and the failures of a JUnit XML."""
     root = ElementTree.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")}
+    counts = {
+        key: sum(int(suite.get(key, 0)) for suite in suites) for key in ("tests", "failures", "errors", "skipped")
+    }
     seconds = sum(float(suite.get("time", 0.0)) for suite in suites)
     failures = []
     for case in root.iter("testcase"):
@@ -60,12 +62,14 @@ def read_junit(path: Path) -> dict:
             if element is None:
                 continue
             text = (element.text or "").strip().splitlines()
-            failures.append({
-                "test": f"{case.get('classname', '')}::{case.get('name', '')}",
-                "kind": kind,
-                "message": (element.get("message") or "").splitlines()[0][:300] if element.get("message") else "",
-                "traceback": text[-TRACEBACK_LINES:],
-            })  # fmt: skip
+            failures.append(
+                {
+                    "test": f"{case.get('classname', '')}::{case.get('name', '')}",
+                    "kind": kind,
+                    "message": (element.get("message") or "").splitlines()[0][:300] if element.get("message") else "",
+                    "traceback": text[-TRACEBACK_LINES:],
+                }
+            )
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     summary = {"tests": counts["tests"], "passed": passed, "failed": counts["failures"], "errors": counts["errors"],
                "skipped": counts["skipped"], "seconds": round(seconds, 1)}  # fmt: skip

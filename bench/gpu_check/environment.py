@@ -26,8 +26,12 @@ def _driver_version() -> str:
     if shutil.which("nvidia-smi") is None:
         return "unknown"
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"

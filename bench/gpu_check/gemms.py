@@ -43,8 +43,9 @@ def cases(dry_run: bool, device: torch.device, copies: int) -> list[Case]:
         _gemm_case("gemm", f"Linear {k} → {n}, {m} tokens", _gemm_providers, m, k, n, device, copies)
         for k, n in ((d, f), (f, d), (d, d))
     ]
-    gelu_case = _gemm_case("epilogue", f"Linear {d} → {f} + GELU, {m} tokens", _gelu_providers, m, d, f, device,
-                           copies, activation="gelu")  # fmt: skip
+    gelu_case = _gemm_case(
+        "epilogue", f"Linear {d} → {f} + GELU, {m} tokens", _gelu_providers, m, d, f, device, copies, activation="gelu"
+    )
     mlp_case = Case(
         key=f"mlp {sizes['tokens']}x{d}x{f}",
         family="mlp",
@@ -53,8 +54,9 @@ def cases(dry_run: bool, device: torch.device, copies: int) -> list[Case]:
         unit="TFLOP/s",
         work={"fwd": mlp_flops, "fwd+bwd": 3 * mlp_flops},
         build=functools.partial(_mlp_providers, sizes["tokens"], d, f, dry_run, device, copies),
-        params=dict(tokens=sizes["tokens"], d_model=d, d_ff=f, dropout_p=DROPOUT_P,
-                    dtype="float32" if dry_run else "bfloat16"),  # fmt: skip
+        params=dict(
+            tokens=sizes["tokens"], d_model=d, d_ff=f, dropout_p=DROPOUT_P, dtype="float32" if dry_run else "bfloat16"
+        ),
     )
     return [mlp_case, *gemm_cases, gelu_case]
 
@@ -75,12 +77,12 @@ def _gemm_case(family: str, label: str, providers, m: int, k: int, n: int, devic
 def _mlp_providers(tokens, d, f, dry_run, device, copies) -> dict[str, Provider]:
     dtype = torch.float32 if dry_run else torch.bfloat16
     generator = torch.Generator(device=device).manual_seed(0)
-    inputs = [(torch.randn(tokens, d, device=device, generator=generator).to(dtype).requires_grad_(),)
-              for _ in range(copies)]  # fmt: skip
+    inputs = [
+        (torch.randn(tokens, d, device=device, generator=generator).to(dtype).requires_grad_(),) for _ in range(copies)
+    ]
     torch.manual_seed(0)
     saved = sf.FusedMLP(d, f, activation="gelu", dropout=DROPOUT_P, device=device, dtype=dtype)
-    recomputed = sf.FusedMLP(d, f, activation="gelu", dropout=DROPOUT_P, recompute_fc1=True, device=device,
-                             dtype=dtype)  # fmt: skip
+    recomputed = sf.FusedMLP(d, f, activation="gelu", dropout=DROPOUT_P, recompute_fc1=True, device=device, dtype=dtype)
     recomputed.load_state_dict(saved.state_dict())
     eager = nn.Sequential(nn.Linear(d, f), nn.GELU(), nn.Dropout(DROPOUT_P), nn.Linear(f, d)).to(device, dtype)
     return {

@@ -29,10 +29,32 @@ import slimformer as sf
 from bench.gpu_check.attention import padded_lengths
 from bench.gpu_check.cases import brief, free_memory
 
-FULL = dict(layers=12, hidden=768, heads=12, ff=3072, vocab=30522, batch=32, seq=512, infer_batch=32,
-            infer_seq=128, steps=4, infer_calls=10)  # fmt: skip
-DRY = dict(layers=2, hidden=64, heads=2, ff=128, vocab=512, batch=2, seq=32, infer_batch=2, infer_seq=16, steps=2,
-           infer_calls=3)  # fmt: skip
+FULL = dict(
+    layers=12,
+    hidden=768,
+    heads=12,
+    ff=3072,
+    vocab=30522,
+    batch=32,
+    seq=512,
+    infer_batch=32,
+    infer_seq=128,
+    steps=4,
+    infer_calls=10,
+)
+DRY = dict(
+    layers=2,
+    hidden=64,
+    heads=2,
+    ff=128,
+    vocab=512,
+    batch=2,
+    seq=32,
+    infer_batch=2,
+    infer_seq=16,
+    steps=2,
+    infer_calls=3,
+)
 LABELLED = 0.15
 WARMUP_STEPS = 2
 # name -> how the column's model is made; most important first, so a short budget drops the last
@@ -53,10 +75,16 @@ INFER_COLUMNS = ("HF SDPA fp16", "slimformer int8", "slimformer int8-weight-only
 def _config(sizes: dict):
     from transformers import BertConfig
 
-    return BertConfig(vocab_size=sizes["vocab"], hidden_size=sizes["hidden"], num_hidden_layers=sizes["layers"],
-                      num_attention_heads=sizes["heads"], intermediate_size=sizes["ff"],
-                      max_position_embeddings=max(512, sizes["seq"]), hidden_dropout_prob=0.1,
-                      attention_probs_dropout_prob=0.1)  # fmt: skip
+    return BertConfig(
+        vocab_size=sizes["vocab"],
+        hidden_size=sizes["hidden"],
+        num_hidden_layers=sizes["layers"],
+        num_attention_heads=sizes["heads"],
+        intermediate_size=sizes["ff"],
+        max_position_embeddings=max(512, sizes["seq"]),
+        hidden_dropout_prob=0.1,
+        attention_probs_dropout_prob=0.1,
+    )
 
 
 def training_batch(config, batch: int, seq: int, padded: bool, device) -> tuple[dict, int]:
@@ -179,8 +207,13 @@ def base_models(dry_run: bool):
     return BertForMaskedLM(config), BertModel(config, add_pooling_layer=False)
 
 
-def run(device, dry_run: bool, deadline: float, on_result: Callable[[str, str, dict], None],
-        columns: list[str] | None = None) -> None:  # fmt: skip
+def run(
+    device,
+    dry_run: bool,
+    deadline: float,
+    on_result: Callable[[str, str, dict], None],
+    columns: list[str] | None = None,
+) -> None:
     """Every training column, then the inference ones, in order, while time is left; each
     result (or ``{"error": ...}`` / ``{"skipped": ...}``) goes to ``on_result(kind, name, result)``."""
     sizes = DRY if dry_run else FULL
@@ -201,7 +234,9 @@ def run(device, dry_run: bool, deadline: float, on_result: Callable[[str, str, d
                 result, output = infer_column(name, encoder, sizes, device, dry_run, sizes["infer_calls"])
                 fp16_output = output if name == INFER_COLUMNS[0] else fp16_output
                 if fp16_output is not None:
-                    result["cosine_vs_fp16"] = F.cosine_similarity(output.flatten(1), fp16_output.flatten(1)).min().item()
+                    result["cosine_vs_fp16"] = (
+                        F.cosine_similarity(output.flatten(1), fp16_output.flatten(1)).min().item()
+                    )
         except Exception as error:
             result = {"error": brief(error)}
         on_result(kind, name, result)

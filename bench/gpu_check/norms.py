@@ -51,8 +51,9 @@ def cases(dry_run: bool, device: torch.device, copies: int) -> list[Case]:
             unit="GB/s",
             work={mode: norm_bytes(op, mode, sizes["rows"], hidden, dtype.itemsize) for mode in MODES},
             build=functools.partial(_providers, op, sizes["rows"], hidden, dtype, dry_run, device, copies),
-            params=dict(op=op, rows=sizes["rows"], hidden=hidden, dropout_p=DROPOUT_P,
-                        dtype=str(dtype).removeprefix("torch.")),  # fmt: skip
+            params=dict(
+                op=op, rows=sizes["rows"], hidden=hidden, dropout_p=DROPOUT_P, dtype=str(dtype).removeprefix("torch.")
+            ),
         )
         for op in OPS
         for hidden in sizes["hidden"]
@@ -62,20 +63,28 @@ def cases(dry_run: bool, device: torch.device, copies: int) -> list[Case]:
 def _providers(op, rows, hidden, dtype, dry_run, device, copies) -> dict[str, Provider]:
     generator = torch.Generator(device=device).manual_seed(0)
     inputs = [
-        tuple(torch.randn(rows, hidden, device=device, generator=generator).to(dtype).requires_grad_()
-              for _ in range(2))  # fmt: skip
+        tuple(
+            torch.randn(rows, hidden, device=device, generator=generator).to(dtype).requires_grad_() for _ in range(2)
+        )
         for _ in range(copies)
     ]
     ours = (sf.LayerNorm if op == "LayerNorm" else sf.RMSNorm)(hidden, eps=EPS, device=device, dtype=dtype)
-    eager = DropoutAddNorm((nn.LayerNorm if op == "LayerNorm" else nn.RMSNorm)(hidden, eps=EPS, device=device,
-                                                                               dtype=dtype))  # fmt: skip
+    eager = DropoutAddNorm(
+        (nn.LayerNorm if op == "LayerNorm" else nn.RMSNorm)(hidden, eps=EPS, device=device, dtype=dtype)
+    )
     backend = "eager" if dry_run else "inductor"
     return {
-        "slimformer": Provider(lambda x, residual: ours(x, residual, dropout_p=DROPOUT_P), inputs,
-                               params=tuple(ours.parameters())),  # fmt: skip
+        "slimformer": Provider(
+            lambda x, residual: ours(x, residual, dropout_p=DROPOUT_P), inputs, params=tuple(ours.parameters())
+        ),
         "torch": Provider(eager, inputs, params=tuple(eager.parameters()), baseline=True),
-        "torch.compile": Provider(torch.compile(eager, dynamic=False, backend=backend), inputs,
-                                  params=tuple(eager.parameters()), baseline=True, compiles=True),  # fmt: skip
+        "torch.compile": Provider(
+            torch.compile(eager, dynamic=False, backend=backend),
+            inputs,
+            params=tuple(eager.parameters()),
+            baseline=True,
+            compiles=True,
+        ),
     }
 
 

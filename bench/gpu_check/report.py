@@ -81,7 +81,11 @@ def speed_vs_best(row: dict, provider: str) -> float | None:
 
 def find_row(rows: list[dict], family: str, mode: str, **params) -> dict | None:
     for row in rows:
-        if row["family"] == family and row["mode"] == mode and all(row["params"].get(k) == v for k, v in params.items()):
+        if (
+            row["family"] == family
+            and row["mode"] == mode
+            and all(row["params"].get(k) == v for k, v in params.items())
+        ):
             return row
     return None
 
@@ -103,15 +107,22 @@ def targets(state: dict) -> list[Target]:
     label = f"attention ({b}, {h}, {s}, {d})"
     for mode, needed in (("fwd", 1.0), ("bwd", 0.9)):
         row = attn("dense", mode)
-        found.append(Target(f"{label} {mode} vs SDPA's best backend", row and speed_vs_best(row, "slimformer"),
-                            needed, True))  # fmt: skip
+        found.append(
+            Target(f"{label} {mode} vs SDPA's best backend", row and speed_vs_best(row, "slimformer"), needed, True)
+        )
     for mode in ("fwd", "bwd"):
         dense, dropout = _p50(attn("dense", mode), "slimformer"), _p50(attn("dropout", mode), "slimformer")
         own = dense / dropout if dense and dropout else None
         found.append(Target(f"{label} {mode}, dropout 0.1 vs its own no-dropout speed", own, 0.8, True))
         row = attn("dropout", mode)
-        found.append(Target(f"{label} {mode}, dropout 0.1 vs SDPA's best with dropout",
-                            row and speed_vs_best(row, "slimformer"), 1.3, True))  # fmt: skip
+        found.append(
+            Target(
+                f"{label} {mode}, dropout 0.1 vs SDPA's best with dropout",
+                row and speed_vs_best(row, "slimformer"),
+                1.3,
+                True,
+            )
+        )
     copy_gbps = state.get("ceilings", {}).get("copy_gbps")
     hidden_sizes = (norms.DRY if dry else norms.FULL)["hidden"][:2]
     for op in norms.OPS:
@@ -120,17 +131,34 @@ def targets(state: dict) -> list[Target]:
                 row = find_row(rows, "norm", mode, op=op, hidden=hidden)
                 time_us = _p50(row, "slimformer")
                 share = row["work"] / (time_us * 1e-6) / 1e9 / copy_gbps if time_us and copy_gbps else None
-                found.append(Target(f"{op} x {hidden} {mode}: share of the copy bandwidth", share, 0.85, True,
-                                    unit="of copy"))  # fmt: skip
+                found.append(
+                    Target(f"{op} x {hidden} {mode}: share of the copy bandwidth", share, 0.85, True, unit="of copy")
+                )
     train = state.get("model", {}).get("train", {})
     ours_col, base_col = (train.get(name, {}) for name in TARGET_BERT)
-    found.append(Target("BERT-base MLM step, qkv+mlp: peak vs HF SDPA's", _ratio(ours_col, base_col, "peak_bytes"),
-                        0.35, False, note="peaks are read on CUDA only"))  # fmt: skip
-    found.append(Target("BERT-base MLM step, qkv+mlp: tokens/s vs HF SDPA's",
-                        _ratio(ours_col, base_col, "tokens_per_s"), 0.9, True))  # fmt: skip
+    found.append(
+        Target(
+            "BERT-base MLM step, qkv+mlp: peak vs HF SDPA's",
+            _ratio(ours_col, base_col, "peak_bytes"),
+            0.35,
+            False,
+            note="peaks are read on CUDA only",
+        )
+    )
+    found.append(
+        Target(
+            "BERT-base MLM step, qkv+mlp: tokens/s vs HF SDPA's", _ratio(ours_col, base_col, "tokens_per_s"), 0.9, True
+        )
+    )
     unpad, padded = (train.get(name, {}) for name in TARGET_UNPAD)
-    found.append(Target("BERT-base MLM step, unpad=True at 50% padding: tokens/s vs HF SDPA's",
-                        _ratio(unpad, padded, "tokens_per_s"), 1.6, True))  # fmt: skip
+    found.append(
+        Target(
+            "BERT-base MLM step, unpad=True at 50% padding: tokens/s vs HF SDPA's",
+            _ratio(unpad, padded, "tokens_per_s"),
+            1.6,
+            True,
+        )
+    )
     return found
 
 
@@ -199,9 +227,15 @@ def _family_table(rows: list[dict], copy_gbps: float | None) -> list[str]:
         host = row["results"].get(mine[0], {}).get("host_us") if mine else None
         cells.append("–" if host is None else f"{host:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
-    return [f"Cells: median time · {unit}" + (" (share of the copy bandwidth)" if unit == "GB/s" else "")
-            + "; × = best baseline's time / the slimformer provider's (above 1: slimformer faster)", "",
-            *lines, "", *notes.lines()]  # fmt: skip
+    return [
+        f"Cells: median time · {unit}"
+        + (" (share of the copy bandwidth)" if unit == "GB/s" else "")
+        + "; × = best baseline's time / the slimformer provider's (above 1: slimformer faster)",
+        "",
+        *lines,
+        "",
+        *notes.lines(),
+    ]
 
 
 def _header(state: dict) -> list[str]:
@@ -209,19 +243,31 @@ def _header(state: dict) -> list[str]:
     title = f"# GPU check: {env.get('device', '?')}, {env.get('date', '?')}"
     lines = [title, ""]
     if meta["dry_run"]:
-        lines += ["**Dry run**: every phase on the CPU at tiny sizes (the PyTorch path); no figure here is a GPU "
-                  "measurement.", ""]  # fmt: skip
+        lines += [
+            "**Dry run**: every phase on the CPU at tiny sizes (the PyTorch path); no figure here is a GPU "
+            "measurement.",
+            "",
+        ]
     keys = ("device", "compute_capability", "multiprocessors", "memory_gib", "driver", "cuda", "torch", "triton",
             "transformers", "numpy", "python", "revision", "host")  # fmt: skip
     lines += ["| | |", "|---|---|", *(f"| {k} | {env[k]} |" for k in keys if k in env)]
     lines.append(f"| command | `{meta['command']}` |")
     if ceil:
-        lines += [f"| copy bandwidth (read + write) | {ceil['copy_gbps']:.0f} GB/s ({ceil['copy_bytes'] >> 20} MiB copy) |",
-                  f"| matmul | {ceil['matmul_tflops']:.0f} TFLOP/s ({ceil['matmul_shape']}) |"]  # fmt: skip
+        lines += [
+            f"| copy bandwidth (read + write) | {ceil['copy_gbps']:.0f} GB/s ({ceil['copy_bytes'] >> 20} MiB copy) |",
+            f"| matmul | {ceil['matmul_tflops']:.0f} TFLOP/s ({ceil['matmul_shape']}) |",
+        ]
     phases = state.get("phases", {})
     if phases:
-        lines += ["", "Phases: " + ", ".join(f"{name} {p['status']} in {p['seconds']:.0f} s" + (
-            f" (cap {p['cap_s']:.0f} s)" if p.get("cap_s") else "") for name, p in phases.items())]  # fmt: skip
+        lines += [
+            "",
+            "Phases: "
+            + ", ".join(
+                f"{name} {p['status']} in {p['seconds']:.0f} s"
+                + (f" (cap {p['cap_s']:.0f} s)" if p.get("cap_s") else "")
+                for name, p in phases.items()
+            ),
+        ]
     return lines
 
 
@@ -239,16 +285,24 @@ def _correctness_md(result: dict) -> list[str]:
     lines = ["## Correctness: `pytest -m gpu`", ""]
     if not summary:
         return lines + [f"No JUnit XML came back (exit code {result.get('returncode')}); see the tests log."]
-    lines.append(", ".join(f"{v} {k}" for k, v in summary.items()) + (" — **interrupted at the time cap**"
-                                                                       if result.get("interrupted") else ""))  # fmt: skip
+    lines.append(
+        ", ".join(f"{v} {k}" for k, v in summary.items())
+        + (" — **interrupted at the time cap**" if result.get("interrupted") else "")
+    )
     for failure in result.get("failures", []):
-        lines += ["", f"- `{failure['test']}` ({failure['kind']}): {failure['message']}", "", "```",
-                  *failure["traceback"], "```"]  # fmt: skip
+        lines += [
+            "",
+            f"- `{failure['test']}` ({failure['kind']}): {failure['message']}",
+            "",
+            "```",
+            *failure["traceback"],
+            "```",
+        ]
     return lines
 
 
 def _times(r: dict, key: str, digits: int) -> str:
-    """"median (min–max)" of ``r[key]``."""
+    """ "median (min–max)" of ``r[key]``."""
     t = r[key]
     return f"{t['median']:.{digits}f} ({t['min']:.{digits}f}–{t['max']:.{digits}f})"
 
@@ -264,8 +318,11 @@ def _column_rows(results: dict, names, needed: str, cells) -> list[str]:
         r = results.get(name)
         if r is None:
             continue
-        lines.append(f"| {name} | " + (" | ".join(cells(name, r)) if needed in r else
-                                         f"{r.get('error') or r.get('skipped')} |") + " |")  # fmt: skip
+        lines.append(
+            f"| {name} | "
+            + (" | ".join(cells(name, r)) if needed in r else f"{r.get('error') or r.get('skipped')} |")
+            + " |"
+        )
     return lines
 
 
@@ -275,9 +332,14 @@ def _model_md(model: dict) -> list[str]:
     def train_cells(name, r):
         ref = train.get("HF SDPA, 50% padding" if "padding" in name else "HF SDPA", {})
         peak = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "–"
-        return [f"{r['tokens_per_s']:,.0f}", _times(r, "step_ms", 1), peak,
-                _ratio_text(_ratio(r, ref, "tokens_per_s")), _ratio_text(_ratio(r, ref, "peak_bytes")),
-                f"{r['first_step_s']:.1f}"]  # fmt: skip
+        return [
+            f"{r['tokens_per_s']:,.0f}",
+            _times(r, "step_ms", 1),
+            peak,
+            _ratio_text(_ratio(r, ref, "tokens_per_s")),
+            _ratio_text(_ratio(r, ref, "peak_bytes")),
+            f"{r['first_step_s']:.1f}",
+        ]
 
     def infer_cells(name, r):
         base = infer.get(INFER_COLUMNS[0], {})
@@ -287,26 +349,45 @@ def _model_md(model: dict) -> list[str]:
 
     lines = ["## Whole model"]
     if train:
-        lines += ["", "BertForMaskedLM training step (AdamW, bf16 autocast); speed and peak vs HF SDPA on the same "
-                  "batch (the padded columns vs HF SDPA, 50% padding).", "",
-                  "| column | tokens/s | step ms (min–max) | peak GiB | speed vs HF SDPA | peak vs HF SDPA | first step s |",
-                  "|---|---|---|---|---|---|---|", *_column_rows(train, TRAIN_COLUMNS, "tokens_per_s", train_cells)]  # fmt: skip
+        lines += [
+            "",
+            "BertForMaskedLM training step (AdamW, bf16 autocast); speed and peak vs HF SDPA on the same "
+            "batch (the padded columns vs HF SDPA, 50% padding).",
+            "",
+            "| column | tokens/s | step ms (min–max) | peak GiB | speed vs HF SDPA | peak vs HF SDPA | first step s |",
+            "|---|---|---|---|---|---|---|",
+            *_column_rows(train, TRAIN_COLUMNS, "tokens_per_s", train_cells),
+        ]
     if infer:
-        lines += ["", "BertModel inference (no grad), latency of a synchronised forward:", "",
-                  "| column | latency ms (min–max) | sequences/s | speed vs fp16 | output cosine vs fp16 |",
-                  "|---|---|---|---|---|", *_column_rows(infer, INFER_COLUMNS, "latency_ms", infer_cells)]  # fmt: skip
+        lines += [
+            "",
+            "BertModel inference (no grad), latency of a synchronised forward:",
+            "",
+            "| column | latency ms (min–max) | sequences/s | speed vs fp16 | output cosine vs fp16 |",
+            "|---|---|---|---|---|",
+            *_column_rows(infer, INFER_COLUMNS, "latency_ms", infer_cells),
+        ]
     return lines
 
 
 def _first_calls_md(rows: list[dict], shown: int = 5) -> list[str]:
     """The slowest first calls: a compile the precompile workers did not take off the clock."""
-    calls = sorted(((r["results"][p]["first_call_s"], f"{r['label']} {r['mode']} {p}") for r in rows
-                    for p in r["results"] if "first_call_s" in r["results"][p]), reverse=True)  # fmt: skip
+    calls = sorted(
+        (
+            (r["results"][p]["first_call_s"], f"{r['label']} {r['mode']} {p}")
+            for r in rows
+            for p in r["results"]
+            if "first_call_s" in r["results"][p]
+        ),
+        reverse=True,
+    )
     if not calls:
         return []
     total = sum(seconds for seconds, _ in calls)
     slowest = "; ".join(f"{name}: {seconds:.1f} s" for seconds, name in calls[:shown])
-    return [f"First calls (a compile, or loading one from the on-disk cache): {total:.0f} s in all; slowest: {slowest}."]
+    return [
+        f"First calls (a compile, or loading one from the on-disk cache): {total:.0f} s in all; slowest: {slowest}."
+    ]
 
 
 def markdown(state: dict) -> str:
@@ -318,13 +399,28 @@ def markdown(state: dict) -> str:
     speed = state.get("speed", {})
     rows = speed.get("rows", [])
     if rows:
-        lines += ["", "## Speed", "", "Device time (L2 flushed, the host's overhead kept off the clock; host µs: "
-                  "the host's time per call, queued without a sync), median of the rounds."]  # fmt: skip
-        for family, title in (("attention", "Attention"), ("norm", "Norms"), ("mlp", "MLP"),
-                              ("gemm", "Inference GEMMs"), ("epilogue", "Linear + GELU epilogue")):  # fmt: skip
+        lines += [
+            "",
+            "## Speed",
+            "",
+            "Device time (L2 flushed, the host's overhead kept off the clock; host µs: "
+            "the host's time per call, queued without a sync), median of the rounds.",
+        ]
+        for family, title in (
+            ("attention", "Attention"),
+            ("norm", "Norms"),
+            ("mlp", "MLP"),
+            ("gemm", "Inference GEMMs"),
+            ("epilogue", "Linear + GELU epilogue"),
+        ):
             family_rows = [r for r in rows if r["family"] == family]
             if family_rows:
-                lines += ["", f"### {title}", "", *_family_table(family_rows, state.get("ceilings", {}).get("copy_gbps"))]
+                lines += [
+                    "",
+                    f"### {title}",
+                    "",
+                    *_family_table(family_rows, state.get("ceilings", {}).get("copy_gbps")),
+                ]
     if speed.get("not_run"):
         lines += ["", "Not run (the phase's time was used up): " + ", ".join(speed["not_run"])]
     if rows:
@@ -333,14 +429,20 @@ def markdown(state: dict) -> str:
         pre = state["precompile"]
         compiled = [r for r in pre.get("results", []) if "seconds" in r]
         failed = [r for r in pre.get("results", []) if "error" in r]
-        lines += ["", f"Precompiled before the speed phase by {pre.get('workers', 0)} workers: {len(compiled)} "
-                  f"launches, {sum(r['seconds'] for r in compiled):.0f} s of their time"
-                  + (f"; {len(failed)} failed (see the JSON)" if failed else "") + "."]  # fmt: skip
+        lines += [
+            "",
+            f"Precompiled before the speed phase by {pre.get('workers', 0)} workers: {len(compiled)} "
+            f"launches, {sum(r['seconds'] for r in compiled):.0f} s of their time"
+            + (f"; {len(failed)} failed (see the JSON)" if failed else "")
+            + ".",
+        ]
         entries = pre.get("triton_cache_entries")
         if entries and "after_speed" in entries:
-            lines.append(f"Triton's on-disk cache: {entries['before']} kernels before the workers, "
-                         f"{entries['workers_stopped']} when they stopped, {entries['after_speed']} after the speed "
-                         "phase (what the speed phase compiled itself).")  # fmt: skip
+            lines.append(
+                f"Triton's on-disk cache: {entries['before']} kernels before the workers, "
+                f"{entries['workers_stopped']} when they stopped, {entries['after_speed']} after the speed "
+                "phase (what the speed phase compiled itself)."
+            )
     if state.get("model"):
         lines += ["", *_model_md(state["model"])]
     if state.get("errors"):
@@ -374,8 +476,11 @@ def _replace(path: Path, text: str) -> None:
 def summary_table(state: dict) -> Table:
     """The short table printed last: the targets, and the tests' counts in the title."""
     counts = state.get("correctness", {}).get("summary", {})
-    title = "GPU check" + (f": tests {counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, "
-                           f"{counts.get('errors', 0)} errors" if counts else "")  # fmt: skip
+    title = "GPU check" + (
+        f": tests {counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('errors', 0)} errors"
+        if counts
+        else ""
+    )
     table = Table(title=title)
     for column in ("target", "measured", "needed", "verdict"):
         table.add_column(column)

@@ -45,21 +45,31 @@ def run_check(args: argparse.Namespace) -> int:
     paths = _paths(args.out, slug)
     existing = [str(p) for p in paths.values() if p.exists()]
     if existing and not args.overwrite:
-        print(f"bench.gpu_check: {', '.join(existing)} exist(s); pass --overwrite to replace them, or another --out",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"bench.gpu_check: {', '.join(existing)} exist(s); pass --overwrite to replace them, or another --out",
+            file=sys.stderr,
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     _raise_recompile_limits()
     state = {
-        "meta": {"command": " ".join(["python -m bench.gpu_check", *sys.argv[1:]]), "budget_s": args.budget,
-                 "dry_run": args.dry_run, "phases": args.phases, "full_caps_s": FULL_CAPS_S},  # fmt: skip
+        "meta": {
+            "command": " ".join(["python -m bench.gpu_check", *sys.argv[1:]]),
+            "budget_s": args.budget,
+            "dry_run": args.dry_run,
+            "phases": args.phases,
+            "full_caps_s": FULL_CAPS_S,
+        },
         "environment": env,
         "phases": {},
     }
     print(f"bench.gpu_check: {env['device']}, writing {paths['md']} and {paths['json'].name}", flush=True)
     clock = Clock(device, **({"max_rounds": 3, "min_rounds": 2} if args.dry_run else {}))
-    cases = [c for c in all_cases(args.dry_run, device, copies=1 if args.dry_run else 2)
-             if not args.cases or any(text in c.key for text in args.cases)]  # fmt: skip
+    cases = [
+        c
+        for c in all_cases(args.dry_run, device, copies=1 if args.dry_run else 2)
+        if not args.cases or any(text in c.key for text in args.cases)
+    ]
 
     def phase(name, body):
         if name not in args.phases:
@@ -91,8 +101,9 @@ def run_check(args: argparse.Namespace) -> int:
     def correctness(phase_deadline, cap):
         used = precompiler.workers if precompiler else 0
         workers = args.test_workers if args.test_workers is not None else max(1, (os.cpu_count() or 2) - used)
-        state["correctness"] = run_gpu_tests(paths["junit"], paths["log"], cap, 1 if args.dry_run else workers,
-                                             args.tests)  # fmt: skip
+        state["correctness"] = run_gpu_tests(
+            paths["junit"], paths["log"], cap, 1 if args.dry_run else workers, args.tests
+        )
 
     def speed(phase_deadline, cap):
         state["speed"] = {"rows": [], "not_run": []}
@@ -120,7 +131,10 @@ def run_check(args: argparse.Namespace) -> int:
     phase("correctness", correctness)
     if precompiler is not None:
         state["precompile"] = precompiler.stop()
-        state["precompile"]["triton_cache_entries"] = {"before": cache_before, "workers_stopped": triton_cache_entries()}
+        state["precompile"]["triton_cache_entries"] = {
+            "before": cache_before,
+            "workers_stopped": triton_cache_entries(),
+        }
     phase("speed", speed)
     if precompiler is not None:
         state["precompile"]["triton_cache_entries"]["after_speed"] = triton_cache_entries()

@@ -130,5 +130,4 @@ class Clock:
 def _timing(times_us: list[float], host_us: float, first_call_s: float) -> Timing:
     ordered = sorted(times_us)
     p20, p50, p80 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.2, 0.5, 0.8))
-    return Timing(p20, statistics.median(ordered), p80, ordered[0], ordered[-1], host_us, len(ordered),
-                  first_call_s)  # fmt: skip
+    return Timing(p20, statistics.median(ordered), p80, ordered[0], ordered[-1], host_us, len(ordered), first_call_s)

@@ -228,16 +228,26 @@ def _byte_pairs(low, high, half):
     """Bytes 2 · half and 2 · half + 1 of ``low`` then of ``high``, as one word."""
     if _INLINE_PTX:
         selector = tl.where(half == 0, 0x5410, 0x7632).to(tl.uint32)
-        return tl.inline_asm_elementwise(_PERMUTE, "=r,r,r,r", [low, high, selector], dtype=tl.uint32,
-                                         is_pure=True, pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise(
+            _PERMUTE, "=r,r,r,r", [low, high, selector], dtype=tl.uint32, is_pure=True, pack=1
+        )
     else:
         shift = (16 * half).to(tl.uint32)
         return ((low >> shift) & 0xFFFF) | (((high >> shift) & 0xFFFF) << 16)
 
 
 @triton.jit
-def dropout_mma_words(seed, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      TRANSPOSED: tl.constexpr, LANE_PAIRS: tl.constexpr):  # fmt: skip
+def dropout_mma_words(
+    seed,
+    stream,
+    row_start,
+    col_start,
+    n_cols,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    LANE_PAIRS: tl.constexpr,
+):
     """(words0, words1, byte), uint32 [BLOCK_R, BLOCK_C]: what decides each element of rows
     ``row_start + arange(BLOCK_R)`` and columns ``col_start + arange(BLOCK_C)`` of stream
     ``stream``'s dropout matrix (``n_cols`` columns): byte ``byte`` (0..7) of the 8 bytes of
@@ -391,14 +401,24 @@ def dropout_mma_apply(x, words0, words1, byte, threshold):
             even, odd = tl.split(tl.reshape(nibble, (x.shape[0], x.shape[1] // 2, 2)))
             selector = even * 0x11 | odd * 0x1100
             selector = tl.reshape(tl.join(selector, selector), (x.shape[0], x.shape[1]))
-            bits = tl.inline_asm_elementwise(_APPLY_16, "=r,r,r,r,r,r,r,r,r,r,r,r", [x.to(tl.uint16, bitcast=True),
-                                             words0, words1, selector, t4, t4_low], dtype=tl.uint16, is_pure=True,
-                                             pack=2)  # fmt: skip
+            bits = tl.inline_asm_elementwise(
+                _APPLY_16,
+                "=r,r,r,r,r,r,r,r,r,r,r,r",
+                [x.to(tl.uint16, bitcast=True), words0, words1, selector, t4, t4_low],
+                dtype=tl.uint16,
+                is_pure=True,
+                pack=2,
+            )
             return bits.to(x.dtype, bitcast=True)
         else:
-            bits = tl.inline_asm_elementwise(_APPLY_32, "=r,r,r,r,r,r,r", [x.to(tl.uint32, bitcast=True), words0,
-                                             words1, nibble * 0x1111, t4, t4_low], dtype=tl.uint32, is_pure=True,
-                                             pack=1)  # fmt: skip
+            bits = tl.inline_asm_elementwise(
+                _APPLY_32,
+                "=r,r,r,r,r,r,r",
+                [x.to(tl.uint32, bitcast=True), words0, words1, nibble * 0x1111, t4, t4_low],
+                dtype=tl.uint32,
+                is_pure=True,
+                pack=1,
+            )
             return bits.to(x.dtype, bitcast=True)
     else:
         if BITS == 16:
@@ -527,8 +547,9 @@ def dropout_keep_mma_block(
     attention scheme of the module docstring)."""
     device = seed.device
     if streams == 0 or row_stop <= row_start or n_block_cols <= 0:
-        return torch.ones((streams, max(row_stop - row_start, 0), max(n_block_cols, 0)), dtype=torch.bool,
-                          device=device)  # fmt: skip
+        return torch.ones(
+            (streams, max(row_stop - row_start, 0), max(n_block_cols, 0)), dtype=torch.bool, device=device
+        )
     threshold, _ = dropout_threshold(p)
     first_block, end_block = row_start // 16, -(-row_stop // 16)
     col_blocks = -(-n_block_cols // 16)

@@ -60,9 +60,7 @@ class ActivationMemory:
     def per_token(self, tokens: int, hidden: int) -> float:
         """The larger of the two measurements in bytes per token per hidden unit."""
         if tokens <= 0 or hidden <= 0:
-            raise ValueError(
-                f"tokens and hidden must be positive, got tokens={tokens}, hidden={hidden}"
-            )
+            raise ValueError(f"tokens and hidden must be positive, got tokens={tokens}, hidden={hidden}")
         return max(self.saved_bytes, self.alive_bytes) / (tokens * hidden)
 
     def __str__(self) -> str:
@@ -117,11 +115,7 @@ class _StorageLog:
 
     def alive(self, excluded: set[_StorageKey]) -> tuple[TensorRecord, ...]:
         """Records of the storages still alive and not in ``excluded``."""
-        return tuple(
-            record
-            for key, (ref, record) in self._seen.items()
-            if ref() is not None and key not in excluded
-        )
+        return tuple(record for key, (ref, record) in self._seen.items() if ref() is not None and key not in excluded)
 
 
 class _LogNewStorages(TorchDispatchMode):
@@ -146,9 +140,7 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _not_added(
-    fn: Callable, exclude: Iterable[torch.Tensor], inputs: Any, out: Any
-) -> set[_StorageKey]:
+def _not_added(fn: Callable, exclude: Iterable[torch.Tensor], inputs: Any, out: Any) -> set[_StorageKey]:
     """Storages the forward did not add: ``fn``'s parameters and buffers, ``exclude``,
     the inputs and the outputs."""
     owned = ()
@@ -222,4 +214,3 @@ def _measure(fn: Callable, args: tuple, kwargs: dict, exclude: Iterable[torch.Te
         saved=saved_records,
         alive=alive_records,
     )
-

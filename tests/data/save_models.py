@@ -25,7 +25,9 @@ def _models() -> dict[str, nn.Module]:
     torch.manual_seed(0)
     config = BertConfig(**TINY)
     encoder_layer = nn.TransformerEncoderLayer(32, 4, 64, 0.0, "gelu", batch_first=True)
-    llama = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=100)
+    llama = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=100
+    )
     return {
         "patched_mlm_qkv+mlp": sf.patch(BertForMaskedLM(config), recompute="qkv+mlp"),
         "unpadded_classifier": sf.patch(BertForSequenceClassification(config), unpad=True),

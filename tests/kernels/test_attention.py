@@ -69,7 +69,10 @@ CASES = [
 TINY_CASES = [
     Case(2, heads, kv_heads, seq_q, seq_k, head_dim, causal, masks)
     for (heads, kv_heads), (seq_q, seq_k), head_dim, causal, masks in itertools.product(
-        [(2, 2), (2, 1)], [(1, 17), (17, 5)], [16, 40], [False, True],
+        [(2, 2), (2, 1)],
+        [(1, 17), (17, 5)],
+        [16, 40],
+        [False, True],
         [(), ("padding",), ("bool",), ("additive",)],
     )
 ]
@@ -105,7 +108,7 @@ def _inputs(case: Case, dtype: torch.dtype, device: str = "cpu"):
         attn_mask = additive.to(device, dtype)
     if "padding" in case.masks:
         key_padding_mask = torch.zeros(b, sk, dtype=torch.bool)
-        key_padding_mask[0, sk - sk // 3:] = True
+        key_padding_mask[0, sk - sk // 3 :] = True
         key_padding_mask[1:] = True
         key_padding_mask = key_padding_mask.to(device)
     return q, k, v, grad, attn_mask, key_padding_mask
@@ -162,17 +165,29 @@ def _check_case(case: Case, dtype: torch.dtype, ulps: float, device: str, determ
     attn_mask, is_causal = _mask_arguments(case, attn_mask)
     got = _forward_backward(
         lambda q, k, v: attention(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True,
-            key_padding_mask=key_padding_mask, deterministic=deterministic,
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            enable_gqa=True,
+            key_padding_mask=key_padding_mask,
+            deterministic=deterministic,
         ),
-        q, k, v, grad,
+        q,
+        k,
+        v,
+        grad,
     )
     exact = _forward_backward(
         lambda q, k, v: _reference(q, k, v, bias.double()), q.double(), k.double(), v.double(), grad.double()
     )
     sdpa = _forward_backward(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(dtype), enable_gqa=True),
-        q, k, v, grad,
+        q,
+        k,
+        v,
+        grad,
     )
     for name, actual, same_dtype, reference in zip(("out", "dq", "dk", "dv"), got, sdpa, exact):
         assert_within_reference_error(name, actual, same_dtype.nan_to_num(), reference, ulps)
@@ -242,8 +257,9 @@ def test_self_attention_atomic_dq_matches_deterministic(backend):
     grads = []
     for deterministic, recompute_qkv in ((True, False), (False, False), (False, True)):
         x_ = x.clone().requires_grad_()
-        self_attention(x_, weight, None, 4, is_causal=True, recompute_qkv=recompute_qkv,
-                       deterministic=deterministic).sum().backward()  # fmt: skip
+        self_attention(
+            x_, weight, None, 4, is_causal=True, recompute_qkv=recompute_qkv, deterministic=deterministic
+        ).sum().backward()
         grads.append(x_.grad)
     for grad in grads[1:]:
         torch.testing.assert_close(grad, grads[0], rtol=1e-5, atol=1e-5)
@@ -255,7 +271,10 @@ def test_negative_scale_matches_sdpa(backend):
     got = _forward_backward(lambda q, k, v: attention(q, k, v, scale=-0.2), q, k, v, grad)
     exact = _forward_backward(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=-0.2),
-        q.double(), k.double(), v.double(), grad.double(),
+        q.double(),
+        k.double(),
+        v.double(),
+        grad.double(),
     )
     same_dtype = _forward_backward(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=-0.2), q, k, v, grad)
     for name, actual, ours, reference in zip(("out", "dq", "dk", "dv"), got, same_dtype, exact):
@@ -344,7 +363,7 @@ def test_compute_capability_picks_the_block_config_table():
 def test_99kb_table_is_sm80s_but_where_measured_on_sm86():
     """The 99 KB table is sm_80's but for the d256 forward and dQ without masks, whose
     sm_80 configs need 100 KB, and the d64 dQ with dropout, which spills compiled for sm_86
-    (bench.compile_report --arch sm86)."""
+    (python -m tools.compile_report --arch sm86)."""
     sm80, small = configs.SM80.tensor_core, configs.SMALL_SHARED.tensor_core
     assert small.keys() == sm80.keys()
     changed = {
@@ -355,9 +374,12 @@ def test_99kb_table_is_sm80s_but_where_measured_on_sm86():
         if config != sm80_config
     }
     assert changed == {
-        ("fwd", 256, "plain"), ("fwd", 256, "dropout"), ("dq", 256, "plain"), ("dq", 256, "dropout"),
+        ("fwd", 256, "plain"),
+        ("fwd", 256, "dropout"),
+        ("dq", 256, "plain"),
+        ("dq", 256, "dropout"),
         ("dq", 64, "dropout"),
-    }  # fmt: skip
+    }
 
 
 def _fake_cuda_tensor(monkeypatch, capability: tuple[int, int], shared_bytes: int):
@@ -372,10 +394,14 @@ def _fake_cuda_tensor(monkeypatch, capability: tuple[int, int], shared_bytes: in
 
 @pytest.mark.parametrize(
     "capability, shared_bytes, table",
-    [((8, 0), SM80_SHARED, "SM80"), ((8, 6), SM86_SHARED, "SMALL_SHARED"), ((8, 9), SM86_SHARED, "SMALL_SHARED"),
-     ((9, 0), SM90_SHARED, "SM90")],
+    [
+        ((8, 0), SM80_SHARED, "SM80"),
+        ((8, 6), SM86_SHARED, "SMALL_SHARED"),
+        ((8, 9), SM86_SHARED, "SMALL_SHARED"),
+        ((9, 0), SM90_SHARED, "SM90"),
+    ],
     ids=["sm80", "sm86", "sm89", "sm90"],
-)  # fmt: skip
+)
 def test_device_queries_pick_the_table(monkeypatch, capability, shared_bytes, table):
     """The launchers' device query (capability and opt-in shared memory per block) picks the
     table, here for devices faked through torch.cuda's own queries."""
@@ -484,16 +510,29 @@ def _check_dropout(
     torch.manual_seed(1234)
     got = _forward_backward(
         lambda q, k, v: attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, enable_gqa=True,
-            key_padding_mask=key_padding_mask, deterministic=deterministic,
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=p,
+            is_causal=is_causal,
+            enable_gqa=True,
+            key_padding_mask=key_padding_mask,
+            deterministic=deterministic,
         ),
-        q, k, v, grad,
+        q,
+        k,
+        v,
+        grad,
     )
     torch.manual_seed(1234)
     dropout_scale = _keep(bias.shape, p, device) * dropout_threshold(p)[1]
     exact = _forward_backward(
         lambda q, k, v: _reference(q, k, v, bias.double(), dropout_scale.double()),
-        q.double(), k.double(), v.double(), grad.double(),
+        q.double(),
+        k.double(),
+        v.double(),
+        grad.double(),
     )
     same_dtype = _forward_backward(lambda q, k, v: _reference(q, k, v, bias, dropout_scale), q, k, v, grad)
     for name, *tensors in zip(("out", "dq", "dk", "dv"), got, same_dtype, exact):
@@ -538,10 +577,19 @@ def test_reference_in_small_query_blocks_matches(monkeypatch, case):
         torch.manual_seed(5)
         return _forward_backward(
             lambda q, k, v: attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=0.2, is_causal=is_causal, enable_gqa=True,
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=0.2,
+                is_causal=is_causal,
+                enable_gqa=True,
                 key_padding_mask=key_padding_mask,
             ),
-            q, k, v, grad,
+            q,
+            k,
+            v,
+            grad,
         )
 
     q, k, v, grad, attn_mask, key_padding_mask = _inputs(case, torch.float32)
@@ -660,7 +708,7 @@ def test_large_negative_scores_are_not_a_masked_row(backend, dtype):
     v = torch.randn(1, 2, 6, 16, generator=gen).to(dtype)
     grad = torch.randn(1, 2, 5, 16, generator=gen).to(dtype)
     ours, sdpa = _sdpa_and_ours(q, k, v, grad, scale=2e4)
-    assert (q.float() @ k.float().mT * 2e4).amax() < -2.0**16
+    assert (q.float() @ k.float().mT * 2e4).amax() < -(2.0**16)
     assert sdpa[0].abs().amax() > 0.1
     tolerance = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(ours[0], sdpa[0], rtol=tolerance, atol=tolerance)
@@ -731,9 +779,10 @@ def test_float64_stays_float64_under_autocast_like_sdpa(backend):
 # and CUDA backends let 4-d calls through; slimformer follows the rule everywhere.
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2, 0.5])
 @pytest.mark.parametrize(
-    "input_dim, attn_mask_dim", [(3, 2), (3, 3), (4, 2), (4, 4)],
+    "input_dim, attn_mask_dim",
+    [(3, 2), (3, 3), (4, 2), (4, 4)],
     ids=["3D_input_dim_2D", "3D_input_dim_3D", "4D_input_dim_2D", "4D_input_dim_4D"],
-)  # fmt: skip
+)
 def test_causal_with_an_explicit_attn_mask_raises_like_sdpa(backend, input_dim, attn_mask_dim, dropout_p):
     n, n_prime, seq_q, seq_k, head_dim = 2, 2, 4, 3, 6
     batch = (n,) if input_dim == 3 else (n, n_prime)
@@ -766,13 +815,21 @@ def test_nested_inputs_are_refused_with_the_argument_named():
 
 @pytest.mark.parametrize(
     "q_shape, kv_shape, mask_shape",
-    [((3, 7, 16), (3, 9, 16), (3, 7, 9)), ((3, 7, 16), (3, 9, 16), (7, 9)),
-     ((2, 3, 2, 7, 16), (2, 3, 2, 9, 16), (3, 1, 7, 9)), ((2, 3, 2, 7, 16), (2, 3, 2, 9, 16), (2, 1, 1, 7, 9))],
+    [
+        ((3, 7, 16), (3, 9, 16), (3, 7, 9)),
+        ((3, 7, 16), (3, 9, 16), (7, 9)),
+        ((2, 3, 2, 7, 16), (2, 3, 2, 9, 16), (3, 1, 7, 9)),
+        ((2, 3, 2, 7, 16), (2, 3, 2, 9, 16), (2, 1, 1, 7, 9)),
+    ],
     ids=["3d", "3d-shared-mask", "5d", "5d-batch-mask"],
 )
 def test_any_number_of_leading_dims_like_sdpa(backend, q_shape, kv_shape, mask_shape):
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(q_shape, generator=gen), torch.randn(kv_shape, generator=gen), torch.randn(kv_shape, generator=gen)
+    q, k, v = (
+        torch.randn(q_shape, generator=gen),
+        torch.randn(kv_shape, generator=gen),
+        torch.randn(kv_shape, generator=gen),
+    )
     grad = torch.randn(q_shape, generator=gen)
     mask = torch.rand(mask_shape, generator=gen) > 0.3
     mask[..., 0] = True
@@ -804,9 +861,7 @@ def test_noncontiguous_inputs_and_broadcast_grad(backend):
     qkv = torch.randn(batch, seq, 3, heads, head_dim)
     q, k, v = (x.transpose(1, 2) for x in qkv.unbind(2))
     grad = torch.ones(batch, heads, seq, head_dim)
-    got = _forward_backward(
-        lambda q, k, v: attention(q, k, v, is_causal=True).sum(), q, k, v, torch.tensor(1.0)
-    )
+    got = _forward_backward(lambda q, k, v: attention(q, k, v, is_causal=True).sum(), q, k, v, torch.tensor(1.0))
     bias = _bias(Case(batch, heads, heads, seq, seq, head_dim, causal=True), None, None)
     same_dtype = _forward_backward(lambda q, k, v: _reference(q, k, v, bias), q, k, v, grad)
     exact = _forward_backward(
@@ -839,8 +894,7 @@ def test_kept_bytes_grow_linearly_with_sequence(backend):
     fused = [_kept_bytes(lambda q, k, v: attention(q, k, v, dropout_p=0.1), s) for s in (128, 512)]
     with sdpa_kernel(SDPBackend.MATH):
         math_path = [
-            _kept_bytes(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), s)
-            for s in (128, 512)
+            _kept_bytes(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1), s) for s in (128, 512)
         ]
     assert fused[0][1] == fused[1][1] == 0
     assert fused[1][0] / fused[0][0] <= 4.2
@@ -866,25 +920,41 @@ BAD_INPUTS = [
     (_small(k=torch.randn(2, 4, 9, 8)), {}, ValueError, "key must have query's head_dim 16, got shape (2, 4, 9, 8)"),
     (_small(k=torch.randn(4, 9, 16)), {}, ValueError, "key must have query's leading (batch) dims (2,)"),
     (_small(k=torch.randn(2, 2, 9, 16), v=torch.randn(2, 2, 9, 16)), {}, ValueError, "enable_gqa=True"),
-    (_small(k=torch.randn(2, 3, 9, 16), v=torch.randn(2, 3, 9, 16)), {"enable_gqa": True}, ValueError,
-     "must divide query's 4 heads"),
+    (
+        _small(k=torch.randn(2, 3, 9, 16), v=torch.randn(2, 3, 9, 16)),
+        {"enable_gqa": True},
+        ValueError,
+        "must divide query's 4 heads",
+    ),
     (_small(), {"dropout_p": "0.1"}, TypeError, "dropout_p must be a float in [0, 1), got str '0.1'"),
     (_small(), {"scale": "0.5"}, TypeError, "scale must be a float or None, got str '0.5'"),
     (_small(), {"attn_mask": causal_upper_left(8, 8)}, ValueError, "CausalBias must be for (seq_q, seq_k) = (8, 9)"),
     (_small(), {"attn_mask": causal_upper_left(8, 9), "is_causal": True}, ValueError, "is_causal must be False"),
-    (_small(q=torch.randn(1, 1, 2, 257), k=torch.randn(1, 1, 2, 257), v=torch.randn(1, 1, 2, 257)), {},
-     ValueError, "head_dim must be in"),
+    (
+        _small(q=torch.randn(1, 1, 2, 257), k=torch.randn(1, 1, 2, 257), v=torch.randn(1, 1, 2, 257)),
+        {},
+        ValueError,
+        "head_dim must be in",
+    ),
     (_small(), {"dropout_p": 1.0}, ValueError, "dropout_p must be in [0, 1)"),
     (_small(), {"dropout_p": -0.1}, ValueError, "dropout_p must be in [0, 1)"),
     # the Philox counters of one (batch, head) are 32-bit (expanded views: no memory)
-    ({name: torch.zeros(1, 1, 1, 16).expand(1, 1, 2**18 + 1, 16) for name in "qkv"}, {"dropout_p": 0.1},
-     ValueError, "dropout_p > 0 needs ceil(seq_q / 16)"),
+    (
+        {name: torch.zeros(1, 1, 1, 16).expand(1, 1, 2**18 + 1, 16) for name in "qkv"},
+        {"dropout_p": 0.1},
+        ValueError,
+        "dropout_p > 0 needs ceil(seq_q / 16)",
+    ),
     (_small(), {"attn_mask": torch.ones(8, 9, dtype=torch.int64)}, TypeError, "attn_mask must be bool"),
     (_small(), {"attn_mask": torch.ones(2, 4, 8, 8, dtype=torch.bool)}, ValueError, "must broadcast"),
     (_small(), {"attn_mask": torch.ones(1, 2, 4, 8, 9, dtype=torch.bool)}, ValueError, "must broadcast"),
     (_small(), {"attn_mask": torch.zeros(8, 9, requires_grad=True)}, ValueError, "must not require grad"),
-    (_small(), {"attn_mask": torch.ones(8, 9, dtype=torch.bool, device="meta")}, ValueError,
-     "attn_mask must be on q's device"),
+    (
+        _small(),
+        {"attn_mask": torch.ones(8, 9, dtype=torch.bool, device="meta")},
+        ValueError,
+        "attn_mask must be on q's device",
+    ),
     (_small(), {"key_padding_mask": torch.zeros(2, 9)}, TypeError, "key_padding_mask must be bool"),
     (_small(), {"key_padding_mask": torch.zeros(2, 8, dtype=torch.bool)}, ValueError, "(batch, seq_k) = (2, 9)"),
     (_small(), {"deterministic": 0}, TypeError, "deterministic must be a bool, got int 0"),
@@ -905,20 +975,32 @@ def _self_attention_inputs(**overrides):
 
 BAD_SELF_ATTENTION_INPUTS = [
     (_self_attention_inputs(x=torch.randn(5, 32)), ValueError, r"x must be 3-d \(batch, seq, embed\)"),
-    (_self_attention_inputs(x=torch.ones(2, 5, 32, dtype=torch.int32)), TypeError,
-     "x must be float16, bfloat16, float32 or float64, got torch.int32"),
-    (_self_attention_inputs(x=torch.randn(2, 5, 32, dtype=torch.float64)), TypeError,
-     "qkv_weight must have x's dtype torch.float64, got torch.float32"),
+    (
+        _self_attention_inputs(x=torch.ones(2, 5, 32, dtype=torch.int32)),
+        TypeError,
+        "x must be float16, bfloat16, float32 or float64, got torch.int32",
+    ),
+    (
+        _self_attention_inputs(x=torch.randn(2, 5, 32, dtype=torch.float64)),
+        TypeError,
+        "qkv_weight must have x's dtype torch.float64, got torch.float32",
+    ),
     (_self_attention_inputs(qkv_weight=torch.randn(64, 32)), ValueError, r"qkv_weight must have shape \(96, 32\)"),
     (_self_attention_inputs(qkv_bias=torch.randn(64)), ValueError, r"qkv_bias must have shape \(96,\)"),
-    (_self_attention_inputs(qkv_weight=torch.randn(96, 32, dtype=torch.float16)), TypeError,
-     "qkv_weight must have x's dtype"),
+    (
+        _self_attention_inputs(qkv_weight=torch.randn(96, 32, dtype=torch.float16)),
+        TypeError,
+        "qkv_weight must have x's dtype",
+    ),
     (_self_attention_inputs(num_heads=3), ValueError, "num_heads must divide embed 32, got 3"),
     (_self_attention_inputs(num_heads=2.0), TypeError, "num_heads must be an int, got float"),
     (_self_attention_inputs(qkv_weight=None), TypeError, "qkv_weight must be a torch.Tensor, got NoneType"),
     (_self_attention_inputs(qkv_bias=[0.0] * 96), TypeError, "qkv_bias must be a torch.Tensor, got list"),
-    (_self_attention_inputs(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)), ValueError,
-     "key_padding_mask must have shape"),
+    (
+        _self_attention_inputs(key_padding_mask=torch.zeros(2, 4, dtype=torch.bool)),
+        ValueError,
+        "key_padding_mask must have shape",
+    ),
 ]
 
 
@@ -955,8 +1037,11 @@ DROPOUT_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case, deterministic", DROPOUT_GPU_CASES,
-                         ids=[f"{case}-{'deterministic' if d else 'atomic-dq'}" for case, d in DROPOUT_GPU_CASES])
+@pytest.mark.parametrize(
+    "case, deterministic",
+    DROPOUT_GPU_CASES,
+    ids=[f"{case}-{'deterministic' if d else 'atomic-dq'}" for case, d in DROPOUT_GPU_CASES],
+)
 @pytest.mark.parametrize("dtype, ulps", GPU_DTYPES)
 def test_dropout_on_gpu(dtype, ulps, case, deterministic):
     _check_dropout(case, dtype, ulps, "cuda", p=0.1, deterministic=deterministic)

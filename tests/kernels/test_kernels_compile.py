@@ -12,16 +12,15 @@ from tests.aot_compile import CompileResult, Selection, ci_cases, compile_select
 
 FAMILIES = ("attention", "norm", "dropout", "activation", "loss", "gemm")
 # Cases that break a limit today, each with its reason; strict, so a fix must remove it.
-KNOWN_FAILURES = {
-}
+KNOWN_FAILURES = {}
 
 # sm_80 (A100) has 163 KB of shared memory (sm_90: 227 KB) and mma.sync, whose tiles
-# accumulate in registers: its own attention block configs (``_SM80_TENSOR_CORE_CONFIGS``).
+# accumulate in registers: its own attention block configs (``attention.configs.SM80``).
 # Two cases keep this cheap: d256 with dropout, and with every mask (largest tiles in
 # shared memory, most per-element state), whose sm_90 configs needed 168 KB for dQ there.
 SM80_PATTERN = "attn d256 bf16 s512 fused-qkv dropout0.1"
 # Compute capability 8.6 / 8.9 (RTX 30xx / 40xx, A10, L4) has 99 KB of shared memory per
-# block and takes the 99 KB table (``_SMALL_SHARED_TENSOR_CORE_CONFIGS``): sm_80's configs
+# block and takes the 99 KB table (``attention.configs.SMALL_SHARED``): sm_80's configs
 # needed 100 KB for the d256 forward and dQ (with or without dropout), and 128-132 KB for
 # fp32's backward at d256. Compiled for sm_86, whose limit is 101376 B.
 SM86_PATTERNS = (SM80_PATTERN, "attn d256 fp32")
@@ -72,8 +71,12 @@ def test_sm90_attention_hot_loops_run_wgmma_fed_by_tma_and_cp_async(compiled):
     result = compiled[selection]
     assert result.problems[WGMMA_CASE] == []
     passes = {name.split(" / ")[1]: facts for name, facts in result.kernels.items()}
-    assert set(passes) == {"_attention_fwd_kernel", "_attention_bwd_preprocess_kernel", "_attention_bwd_dkdv_kernel",
-                           "_attention_bwd_dq_kernel"}, passes  # fmt: skip
+    assert set(passes) == {
+        "_attention_fwd_kernel",
+        "_attention_bwd_preprocess_kernel",
+        "_attention_bwd_dkdv_kernel",
+        "_attention_bwd_dq_kernel",
+    }, passes
     for kernel, facts in passes.items():
         if kernel == "_attention_bwd_preprocess_kernel":  # a row sum of dO * O: no dot
             assert facts["mma"] == "–", facts

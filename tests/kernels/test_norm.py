@@ -57,9 +57,16 @@ def _run_and_grads(fn, leaves, dy, dh):
 
 
 def _check_norm(
-    is_rms, dtype, n_cols, with_residual, with_dropout, memory_efficient, return_residual=False, device="cpu",
+    is_rms,
+    dtype,
+    n_cols,
+    with_residual,
+    with_dropout,
+    memory_efficient,
+    return_residual=False,
+    device="cpu",
     dropout_after=False,
-):  # fmt: skip
+):
     torch.manual_seed(0)
     shape = (2, 3, n_cols)
     x = torch.randn(shape).to(device, dtype)
@@ -556,8 +563,14 @@ def test_compiled_backward_rounds_g_once():
     # is never contracted (the rest keeps its fused multiply-adds).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    result = subprocess.run([sys.executable, "-m", "tests.kernels.test_norm"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.test_norm"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     counts = json.loads(result.stdout.splitlines()[-1])
     assert set(counts) == {"_norm_bwd_kernel (1)", "_norm_bwd_wide_kernel (65536)"}, counts

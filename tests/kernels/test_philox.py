@@ -26,8 +26,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @triton.jit
-def _keep_tile_kernel(SEED, OUT, P, first_row, n_rows, col_start, n_cols, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):  # fmt: skip
+def _keep_tile_kernel(SEED, OUT, P, first_row, n_rows, col_start, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile_m = tl.arange(0, BLOCK_M)
     tile_n = tl.arange(0, BLOCK_N)
     threshold, scale = dropout_threshold_and_scale(tl.load(P))
@@ -46,8 +45,9 @@ def _randint4x_kernel(SEED, COUNTERS, OUT, BLOCK: tl.constexpr, ROUNDS: tl.const
 def _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols):
     out = torch.empty(block_m, block_n, device=DEVICE)
     p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
-    _keep_tile_kernel[(1,)](seed.to(DEVICE), out, p32, first_row, block_m, col_start, n_cols, BLOCK_M=block_m,
-                            BLOCK_N=block_n)  # fmt: skip
+    _keep_tile_kernel[(1,)](
+        seed.to(DEVICE), out, p32, first_row, block_m, col_start, n_cols, BLOCK_M=block_m, BLOCK_N=block_n
+    )
     return out.cpu()
 
 
@@ -59,21 +59,32 @@ def test_kernel_tiles_equal_the_reference_bit_for_bit(n_cols):
     _, scale = dropout_threshold(p)
     for first_row, col_start in [(0, 0), (5, 0), (3, (n_cols - 1) // 16 * 16), (1000003, 96)]:
         got = _kernel_tile(seed, p, first_row, block_m, col_start, block_n, n_cols)
-        expected = dropout_keep_block(seed, torch.arange(first_row, first_row + block_m), col_start, block_n,
-                                      n_cols, p)  # fmt: skip
+        expected = dropout_keep_block(seed, torch.arange(first_row, first_row + block_m), col_start, block_n, n_cols, p)
         # columns past n_cols are decided too (callers mask them): compare the whole tile
         assert torch.equal(got != 0, expected), (first_row, col_start)
         assert torch.all((got == 0) | (got == torch.tensor(scale, dtype=torch.float32)))
 
 
 @triton.jit
-def _keep_mma_tile_kernel(SEED, OUT, P, stream, row_start, col_start, n_cols, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr, TRANSPOSED: tl.constexpr, LANE_PAIRS: tl.constexpr):  # fmt: skip
+def _keep_mma_tile_kernel(
+    SEED,
+    OUT,
+    P,
+    stream,
+    row_start,
+    col_start,
+    n_cols,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+    LANE_PAIRS: tl.constexpr,
+):
     tile_r = tl.arange(0, BLOCK_R)
     tile_c = tl.arange(0, BLOCK_C)
     threshold, _ = dropout_threshold_and_scale(tl.load(P))
-    words0, words1, byte = dropout_mma_words(tl.load(SEED), stream, row_start, col_start, n_cols, BLOCK_R, BLOCK_C,
-                                             TRANSPOSED, LANE_PAIRS)  # fmt: skip
+    words0, words1, byte = dropout_mma_words(
+        tl.load(SEED), stream, row_start, col_start, n_cols, BLOCK_R, BLOCK_C, TRANSPOSED, LANE_PAIRS
+    )
     if TRANSPOSED:
         ptrs = OUT + tile_c[:, None] + tile_r[None, :] * BLOCK_C
     else:
@@ -99,8 +110,19 @@ def test_mma_tiles_equal_the_reference_bit_for_bit(transposed, block_r, block_c,
     for (stream, row_start, col_start), dtype in zip([(0, 0, 0), (2, 32, 96), last], DROP_DTYPES):
         out = torch.empty(block_r, block_c, dtype=dtype, device=DEVICE)
         p32 = torch.tensor([p], dtype=torch.float32, device=DEVICE)
-        _keep_mma_tile_kernel[(1,)](seed.to(DEVICE), out, p32, stream, row_start, col_start, n_cols, BLOCK_R=block_r,
-                                    BLOCK_C=block_c, TRANSPOSED=transposed, LANE_PAIRS=lane_pairs)  # fmt: skip
+        _keep_mma_tile_kernel[(1,)](
+            seed.to(DEVICE),
+            out,
+            p32,
+            stream,
+            row_start,
+            col_start,
+            n_cols,
+            BLOCK_R=block_r,
+            BLOCK_C=block_c,
+            TRANSPOSED=transposed,
+            LANE_PAIRS=lane_pairs,
+        )
         expected = whole[stream, row_start : row_start + block_r, col_start : col_start + block_c]
         got = out.cpu()[: expected.shape[0], : expected.shape[1]]
         assert torch.all((got == 0) | (got == 1))
@@ -132,8 +154,11 @@ def test_reference_philox_is_triton_randint4x(rounds):
     # Random123's known-answer vector for Philox-4x32-10 (key 0, counter 0), then
     # tl.randint4x itself on counters that use the high word, under a 64-bit seed.
     assert [w & 0xFFFFFFFF for w in _philox4x32(torch.tensor(0), torch.zeros(1, dtype=torch.int64))[0].tolist()] == [
-        0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8,
-    ]  # fmt: skip
+        0x6627E8D5,
+        0xE169C58D,
+        0xBC57AC4C,
+        0x9B00DBD8,
+    ]
     seed = torch.tensor(0x0123_4567_89AB_CDEF, dtype=torch.int64)
     counters = torch.tensor([0, 1, 2**31, 2**32 + 5, 2**40 + 123456789, 2**62 - 1, 7, 8], dtype=torch.int64)
     words = torch.empty(8, 4, dtype=torch.int32, device=DEVICE)
@@ -253,8 +278,9 @@ def test_compiled_dropout_math_is_the_interpreted_math():
     byte_1 = torch.roll(byte, 777)
     keep_1 = (torch.where(byte_1 < 4, words0, words1) >> (8 * (byte_1 % 4))) & 0xFF >= t
     selector = (byte | 8) * 0x11 | (byte_1 | 8) * 0x1100
-    out = _run_ptx(philox._APPLY_16.value, [None, x, words0, words0, words1, words1, selector, selector, t4, t4,
-                                            t4_low, t4_low])["$0"]  # fmt: skip
+    out = _run_ptx(
+        philox._APPLY_16.value, [None, x, words0, words0, words1, words1, selector, selector, t4, t4, t4_low, t4_low]
+    )["$0"]
     assert torch.equal(out, torch.where(keep, x & 0xFFFF, 0) | torch.where(keep_1, x & 0xFFFF0000, 0))
     # the lane pair's byte packing (dK/dV): bytes 2 · half, 2 · half + 1 of low, then of high
     for half in (0, 1):
@@ -263,7 +289,9 @@ def test_compiled_dropout_math_is_the_interpreted_math():
         expected = ((words0 >> (16 * half)) & 0xFFFF) | (((words1 >> (16 * half)) & 0xFFFF) << 16)
         assert torch.equal(packed, expected)
     a = torch.randint(0, 2**32, (4096,), generator=torch.Generator().manual_seed(2))
-    for asm, multiplier in [(philox._MUL_WIDE_A.value, philox._PHILOX_ROUND_A), (philox._MUL_WIDE_B.value,
-                                                                                 philox._PHILOX_ROUND_B)]:
+    for asm, multiplier in [
+        (philox._MUL_WIDE_A.value, philox._PHILOX_ROUND_A),
+        (philox._MUL_WIDE_B.value, philox._PHILOX_ROUND_B),
+    ]:
         regs = _run_ptx(asm, [None, None, a])
         assert torch.equal(regs["$0"] * 2**32 + regs["$1"], a * multiplier)

@@ -61,8 +61,10 @@ def _lane_bases(definition: str, shape: list[int]) -> list[list[int]] | None:
         return _bases(definition, "lane")
     if not definition.startswith("#ttg.blocked<"):
         return None
-    per_thread, threads, order = (ast.literal_eval(re.search(rf"\b{key} = (\[[\d, ]*\])", definition).group(1))
-                                  for key in ("sizePerThread", "threadsPerWarp", "order"))  # fmt: skip
+    per_thread, threads, order = (
+        ast.literal_eval(re.search(rf"\b{key} = (\[[\d, ]*\])", definition).group(1))
+        for key in ("sizePerThread", "threadsPerWarp", "order")
+    )
     bases = []
     for dim in order:  # fastest first; a layout wider than the tensor wraps (powers of two: to 0)
         for bit in range(threads[dim].bit_length() - 1):
@@ -120,8 +122,9 @@ def compile_and_check(cases: dict[str, list[str]]) -> dict[str, dict]:
 def test_lane_swap_and_packed_apply_see_the_layouts_they_assume():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    result = subprocess.run([sys.executable, "-m", "tests.kernels.test_philox_layout"], cwd=ROOT, env=env,
-                            capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.test_philox_layout"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.splitlines()[-1])
     assert not {kernel: r["problems"] for kernel, r in report.items() if r["problems"]}
@@ -134,6 +137,7 @@ def test_lane_swap_and_packed_apply_see_the_layouts_they_assume():
     single_block = "sm90 / attn d128 bf16 s512 varlen dropout0.1 / _attention_bwd_dkdv_kernel"
     assert len(swaps) == 31 and len(unswapped) <= 6, swaps
     assert all("key-padding" in k or k == single_block for k in unswapped), unswapped
+
 
 if __name__ == "__main__":
     print(json.dumps(compile_and_check(CASES)))

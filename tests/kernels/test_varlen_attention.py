@@ -56,8 +56,9 @@ def _per_sequence_sdpa(q, k, v, do, cu, causal):
 
 def _varlen(q, k, v, do, cu, max_len, causal, dropout_p=0.0, deterministic=True):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = varlen_attention(q, k, v, cu, cu, max_len, max_len, dropout_p, causal, return_lse=True,
-                                deterministic=deterministic)  # fmt: skip
+    out, lse = varlen_attention(
+        q, k, v, cu, cu, max_len, max_len, dropout_p, causal, return_lse=True, deterministic=deterministic
+    )
     grads = torch.autograd.grad(out, (q, k, v), do)
     return (out.detach(), *grads), lse
 
@@ -81,8 +82,9 @@ def test_matches_sdpa_per_sequence(backend, lengths, heads, kv_heads, head_dim, 
     [(80, 163, (1, 17, 150), 2, 1, 64), (86, 99, (1, 17, 70), 1, 1, 256)],
     ids=["sm80", "99kb-d256"],
 )
-def test_other_devices_block_configs_match_sdpa(backend, monkeypatch, arch, shared_kb, lengths, heads, kv_heads,
-                                               head_dim):  # fmt: skip
+def test_other_devices_block_configs_match_sdpa(
+    backend, monkeypatch, arch, shared_kb, lengths, heads, kv_heads, head_dim
+):
     """sm_80's block configs, and the 99 KB table's own d256 configs (compute capability 8.6 /
     8.9), forced (CPU launches take sm_90's), give the same results."""
     monkeypatch.setattr(dispatch, "device_target", lambda _tensor: dispatch.DeviceTarget(arch, shared_kb * 1024))
@@ -255,8 +257,15 @@ def test_gradcheck_float64():
 
 def _good():
     q, k, v, _ = _inputs((2, 3), 2, 2, 16, torch.float32)
-    return dict(query=q, key=k, value=v, cu_seqlens_q=_cu_seqlens((2, 3)), cu_seqlens_k=_cu_seqlens((2, 3)),
-                max_seqlen_q=3, max_seqlen_k=3)  # fmt: skip
+    return dict(
+        query=q,
+        key=k,
+        value=v,
+        cu_seqlens_q=_cu_seqlens((2, 3)),
+        cu_seqlens_k=_cu_seqlens((2, 3)),
+        max_seqlen_q=3,
+        max_seqlen_k=3,
+    )
 
 
 @pytest.mark.parametrize(
@@ -264,10 +273,16 @@ def _good():
     [
         (dict(cu_seqlens_q=torch.tensor([0, 2, 5])), TypeError, "cu_seqlens_q must be int32, got torch.int64"),
         (dict(cu_seqlens_k=torch.tensor([1, 2, 5], dtype=torch.int32)), ValueError, "cu_seqlens_k must start at 0"),
-        (dict(cu_seqlens_q=torch.tensor([0, 4, 2, 5], dtype=torch.int32), cu_seqlens_k=_cu_seqlens((2, 0, 3))),
-         ValueError, "cu_seqlens_q must be non-decreasing, got 4 then 2"),
-        (dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)), ValueError,
-         "cu_seqlens_q\\[-1\\] must equal query's number of rows 5, got 4"),
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 4, 2, 5], dtype=torch.int32), cu_seqlens_k=_cu_seqlens((2, 0, 3))),
+            ValueError,
+            "cu_seqlens_q must be non-decreasing, got 4 then 2",
+        ),
+        (
+            dict(cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32)),
+            ValueError,
+            "cu_seqlens_q\\[-1\\] must equal query's number of rows 5, got 4",
+        ),
         (dict(cu_seqlens_k=_cu_seqlens((5,))), ValueError, "cu_seqlens_k must have cu_seqlens_q's 3 entries"),
         (dict(cu_seqlens_q=_cu_seqlens((2, 3))[None]), ValueError, "cu_seqlens_q must be 1-d"),
         (dict(cu_seqlens_q=[0, 2, 5]), TypeError, "cu_seqlens_q must be a torch.Tensor"),

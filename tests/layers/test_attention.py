@@ -67,9 +67,13 @@ def _padding(batch, seq, device="cpu"):
 @pytest.mark.parametrize("dtype, ulps", DTYPES)
 def test_self_attention_batch_first_with_padding(backend, dtype, ulps):
     _check(
-        dtype, ulps, dict(embed_dim=64, num_heads=4, batch_first=True), [(3, 37, 64)] * 4, True,
+        dtype,
+        ulps,
+        dict(embed_dim=64, num_heads=4, batch_first=True),
+        [(3, 37, 64)] * 4,
+        True,
         lambda _: {"key_padding_mask": _padding(3, 37)},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("dtype, ulps", DTYPES)
@@ -78,18 +82,26 @@ def test_self_attention_sequence_first_with_bool_mask(backend, dtype, ulps):
     blocked = torch.rand(29, 29, generator=gen) > 0.7
     blocked.fill_diagonal_(False)
     _check(
-        dtype, ulps, dict(embed_dim=80, num_heads=2), [(29, 2, 80)] * 4, True,
+        dtype,
+        ulps,
+        dict(embed_dim=80, num_heads=2),
+        [(29, 2, 80)] * 4,
+        True,
         lambda _: {"attn_mask": blocked},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("dtype, ulps", DTYPES)
 def test_causal_hint(backend, dtype, ulps):
     causal = torch.ones(33, 33, dtype=torch.bool).triu(1)
     _check(
-        dtype, ulps, dict(embed_dim=48, num_heads=3, batch_first=True), [(2, 33, 48)] * 4, True,
+        dtype,
+        ulps,
+        dict(embed_dim=48, num_heads=3, batch_first=True),
+        [(2, 33, 48)] * 4,
+        True,
         lambda _: {"attn_mask": causal, "is_causal": True, "key_padding_mask": _padding(2, 33)},
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("dtype, ulps", DTYPES)
@@ -98,10 +110,13 @@ def test_cross_attention_with_kdim_vdim_and_float_masks(backend, dtype, ulps):
     additive = torch.randn(2 * 3, 17, 33, generator=gen)
     padding = torch.zeros(2, 33).masked_fill(_padding(2, 33), -math.inf)
     _check(
-        dtype, ulps, dict(embed_dim=48, num_heads=3, kdim=32, vdim=24, batch_first=True),
-        [(2, 17, 48), (2, 33, 32), (2, 33, 24), (2, 17, 48)], False,
+        dtype,
+        ulps,
+        dict(embed_dim=48, num_heads=3, kdim=32, vdim=24, batch_first=True),
+        [(2, 17, 48), (2, 33, 32), (2, 33, 24), (2, 17, 48)],
+        False,
         lambda dtype: {"attn_mask": additive.to(dtype), "key_padding_mask": padding.to(dtype)},
-    )  # fmt: skip
+    )
 
 
 def test_float64_matches_torch_and_passes_gradcheck(backend):
@@ -111,8 +126,11 @@ def test_float64_matches_torch_and_passes_gradcheck(backend):
     layer = MultiheadAttention.from_torch(reference)
     x, kv = torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 7, 8, dtype=torch.float64)
     causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
-    for key, kwargs in ((x, {"key_padding_mask": _padding(2, 5)}), (x, {"attn_mask": causal, "is_causal": True}),
-                        (kv, {"key_padding_mask": _padding(2, 7)})):  # fmt: skip
+    for key, kwargs in (
+        (x, {"key_padding_mask": _padding(2, 5)}),
+        (x, {"attn_mask": causal, "is_causal": True}),
+        (kv, {"key_padding_mask": _padding(2, 7)}),
+    ):
         out = layer(x, key, key, need_weights=False, **kwargs)[0]
         assert out.dtype == torch.float64
         torch.testing.assert_close(out, reference(x, key, key, need_weights=False, **kwargs)[0], rtol=1e-12, atol=1e-12)
@@ -301,9 +319,15 @@ def test_bad_masks_raise():
 def _tiny_bert(transformers):
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertModel(config, add_pooling_layer=False)
 
 
@@ -325,9 +349,10 @@ def test_transformers_bert_uses_kernel_with_padding_mask(backend):
         out.backward(torch.ones_like(out))
         results[implementation] = (out.detach(), model.encoder.layer[0].attention.self.query.weight.grad.clone())
         memory = measure_activation_memory(
-            lambda ids: model(input_ids=ids, attention_mask=attention_mask).last_hidden_state, input_ids,
+            lambda ids: model(input_ids=ids, attention_mask=attention_mask).last_hidden_state,
+            input_ids,
             exclude=[attention_mask],
-        )  # fmt: skip
+        )
         squares = [r for r in memory.saved if r.shape[-2:] == (24, 24)]
         assert bool(squares) == (implementation == "eager"), squares
     for actual, expected in zip(results[name], results["eager"]):
@@ -341,9 +366,14 @@ def _tiny_llama(model_class):
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=64,
-    )  # fmt: skip
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+    )
     input_ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))
     return model_class(config).eval(), input_ids, torch.ones(2, 9, dtype=torch.long)
 
@@ -361,9 +391,11 @@ def test_transformers_decoder_with_cache_and_gqa(backend):
         with torch.no_grad():
             prefill = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
             step = model(
-                input_ids=input_ids[:, -1:], attention_mask=torch.cat([attention_mask, attention_mask[:, -1:]], 1),
-                past_key_values=prefill.past_key_values, use_cache=True,
-            )  # fmt: skip
+                input_ids=input_ids[:, -1:],
+                attention_mask=torch.cat([attention_mask, attention_mask[:, -1:]], 1),
+                past_key_values=prefill.past_key_values,
+                use_cache=True,
+            )
         logits[implementation] = (prefill.logits[attention_mask.bool()], step.logits)
     for actual, expected in zip(logits[name], logits["eager"]):
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
@@ -421,8 +453,11 @@ def test_fused_path_validates_shapes_like_torch(shapes, message):
 @pytest.mark.parametrize(
     "build",
     [
-        lambda: sf.MultiheadAttention(16, 2), lambda: sf.SelfAttention(16, 2), lambda: sf.LayerNorm(16),
-        lambda: sf.RMSNorm(16), lambda: sf.TransformerEncoderLayer(16, 2, 32),
+        lambda: sf.MultiheadAttention(16, 2),
+        lambda: sf.SelfAttention(16, 2),
+        lambda: sf.LayerNorm(16),
+        lambda: sf.RMSNorm(16),
+        lambda: sf.TransformerEncoderLayer(16, 2, 32),
         lambda: nn.Sequential(nn.Linear(16, 16), sf.LayerNorm(16)),
     ],
     ids=["MultiheadAttention", "SelfAttention", "LayerNorm", "RMSNorm", "TransformerEncoderLayer", "inside a model"],

@@ -65,8 +65,13 @@ def test_loaded_state_dict_gives_same_outputs_and_gradients(backend, torch_class
         h = x.double().flatten(-len(layer.normalized_shape))
         bias = getattr(layer, "bias", None)
         flat = [None if t is None else t.detach().flatten() for t in (layer.weight, bias)]
-        scales[1:3] = norm_rebuild_error_scales(h, dy.flatten(-len(layer.normalized_shape)), *flat,
-                                                torch_class is nn.RMSNorm, layer.eps or torch.finfo(torch.float32).eps)
+        scales[1:3] = norm_rebuild_error_scales(
+            h,
+            dy.flatten(-len(layer.normalized_shape)),
+            *flat,
+            torch_class is nn.RMSNorm,
+            layer.eps or torch.finfo(torch.float32).eps,
+        )
     for i, name in enumerate(["y", "dx", "dweight", "dbias"][: len(scales)]):
         ours, ref, ex = (outputs[k][i] for k in ("ours", "torch", "exact"))
         assert_within_reference_error(name, ours, ref, ex, scale=scales[i])
@@ -263,7 +268,11 @@ def test_in_place_op_on_the_output(backend, torch_class, sf_class):
     "build, error, message",
     [
         (lambda: sf.LayerNorm(8.0), TypeError, "normalized_shape must be an int or a sequence of ints, got float 8.0"),
-        (lambda: sf.RMSNorm([8, 2.0]), TypeError, r"normalized_shape must be an int or a sequence of ints, got list \[8, 2.0\]"),
+        (
+            lambda: sf.RMSNorm([8, 2.0]),
+            TypeError,
+            r"normalized_shape must be an int or a sequence of ints, got list \[8, 2.0\]",
+        ),
         (lambda: sf.LayerNorm(8, eps="1e-5"), TypeError, "eps must be a float, got str '1e-5'"),
         (lambda: sf.LayerNorm(8, memory_efficient="yes"), TypeError, "memory_efficient must be a bool, got str"),
         (lambda: sf.layer_norm(torch.randn(2, 8), 8.0), TypeError, "normalized_shape must be an int or a sequence"),
@@ -313,11 +322,15 @@ def _train_to_zero_weight_under_fsdp2(fully_shard, torch_class, sf_class):
             optimizer.zero_grad()
             leaf = x.clone().requires_grad_(True)
             (module(leaf) * dy).sum().add(norm.weight.square().sum() / 2).backward()
-            grads.append([leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in norm.parameters()])
+            grads.append(
+                [leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in norm.parameters()]
+            )
             optimizer.step()
         for got, expected in zip(*grads):
             assert got.isfinite().all(), f"{sf_class.__name__} step {step}: {got.isnan().sum()} NaN in a gradient"
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{sf_class.__name__} step {step}: {m}")
+            torch.testing.assert_close(
+                got, expected, rtol=1e-4, atol=1e-5, msg=lambda m: f"{sf_class.__name__} step {step}: {m}"
+            )
     assert decisions == [True, False, False], f"{sf_class.__name__}: saved the output at steps {decisions}"
     model(x.clone().requires_grad_(True)).sum().backward()  # decides after the last step
     syncs = []
@@ -386,7 +399,9 @@ def _multi_layer_syncs_under_fsdp2(fully_shard, torch_class, sf_class):
                 (module(leaf) * dy).sum().add(module[2][1].weight.square().sum() / 2).backward()
             finally:
                 undo()
-            grads.append([leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in module.parameters()])
+            grads.append(
+                [leaf.grad] + [getattr(p.grad, "full_tensor", lambda g=p.grad: g)() for p in module.parameters()]
+            )
             undo = _count_host_syncs_and_all_reduces(counts) if module is model else lambda: None
             try:
                 optimizer.step()
@@ -423,8 +438,6 @@ def _multi_layer_syncs_under_fsdp2(fully_shard, torch_class, sf_class):
     assert decisions == [(i, False) for i in range(4)], f"{name}: records unreadable, yet decided {decisions}"
 
 
-
-
 def _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class):
     # Under bf16 mixed precision, block 1's norm runs on bf16 weights: 0.0010001 passes
     # the |w| >= 1e-3 test in fp32 but is 0.000999 in bf16. Block 0's norm decides all
@@ -440,7 +453,9 @@ def _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class):
     fully_shard(model, mp_policy=policy)
     decisions = []
     for block in model:
-        block[1].register_forward_hook(lambda m, args, out: decisions.append((m.weight.dtype, m._slimformer_rebuilds_input)))
+        block[1].register_forward_hook(
+            lambda m, args, out: decisions.append((m.weight.dtype, m._slimformer_rebuilds_input))
+        )
     model(torch.randn(4, 16)).float().sum().backward()
     expected = [(torch.bfloat16, True), (torch.bfloat16, False), (torch.bfloat16, True)]
     assert decisions == expected, f"{sf_class.__name__}: decided {decisions}"

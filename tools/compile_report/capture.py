@@ -218,9 +218,13 @@ class _EmulatedDriver:
         self.utils = SimpleNamespace(get_device_properties=self._properties)
 
     def _properties(self, _device=0) -> dict:
-        return dict(max_shared_mem=self.device.max_shared_bytes, multiprocessor_count=self.device.multiprocessors,
-                    max_num_regs=self.device.registers_per_sm, warpSize=32,
-                    sm_clock_rate=int(self.device.clock_ghz * 1e6))  # fmt: skip
+        return dict(
+            max_shared_mem=self.device.max_shared_bytes,
+            multiprocessor_count=self.device.multiprocessors,
+            max_num_regs=self.device.registers_per_sm,
+            warpSize=32,
+            sm_clock_rate=int(self.device.clock_ghz * 1e6),
+        )
 
     def is_active(self) -> bool:
         return True
@@ -395,9 +399,7 @@ def capture(device: Device, forward: Callable[[], Callable[[], None] | None], ca
     for i, launch in enumerate(launches):
         launch.case = case
         launch.phase = "fwd" if i < n_forward else "bwd"
-    return Capture(
-        launches, {p: t.bytes for p, t in traffic.items()}, {p: dict(t.ops) for p, t in traffic.items()}
-    )
+    return Capture(launches, {p: t.bytes for p, t in traffic.items()}, {p: dict(t.ops) for p, t in traffic.items()})
 
 
 def load_module_from_file(name: str, path: str, device: Device):

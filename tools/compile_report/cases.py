@@ -50,9 +50,21 @@ def _attention_inputs(batch, heads, kv_heads, seq_q, seq_k, head_dim, dtype, lay
 
 
 def attention_case(
-    head_dim, dtype="bf16", *, seq=512, batch=16, heads=None, kv_heads=None, causal=False, dropout=0.0,
-    mask=None, key_padding=False, layout="fused-qkv", deterministic=True, ci=False,
-) -> Case:  # fmt: skip
+    head_dim,
+    dtype="bf16",
+    *,
+    seq=512,
+    batch=16,
+    heads=None,
+    kv_heads=None,
+    causal=False,
+    dropout=0.0,
+    mask=None,
+    key_padding=False,
+    layout="fused-qkv",
+    deterministic=True,
+    ci=False,
+) -> Case:
     from slimformer.kernels.attention import attention
 
     heads = heads or max(1, 768 // head_dim)
@@ -75,16 +87,33 @@ def attention_case(
             attn_mask = torch.zeros(batch, 1, 1, seq, dtype=DTYPES[dtype])
         padding = torch.zeros(batch, seq, dtype=torch.bool) if key_padding else None
         out = attention(
-            q, k, v, attn_mask, dropout, causal, enable_gqa=kv_heads != heads, key_padding_mask=padding,
+            q,
+            k,
+            v,
+            attn_mask,
+            dropout,
+            causal,
+            enable_gqa=kv_heads != heads,
+            key_padding_mask=padding,
             deterministic=deterministic,
         )
         return lambda: out.backward(torch.zeros_like(out))
 
     params = dict(
-        head_dim=head_dim, dtype=dtype, batch=batch, heads=heads, kv_heads=kv_heads, seq_q=seq, seq_k=seq,
-        causal=causal, dropout=dropout, mask=mask, key_padding=key_padding, layout=layout,
+        head_dim=head_dim,
+        dtype=dtype,
+        batch=batch,
+        heads=heads,
+        kv_heads=kv_heads,
+        seq_q=seq,
+        seq_k=seq,
+        causal=causal,
+        dropout=dropout,
+        mask=mask,
+        key_padding=key_padding,
+        layout=layout,
         deterministic=deterministic,
-    )  # fmt: skip
+    )
     return Case(name, "attention", run, params, ci)
 
 
@@ -146,9 +175,19 @@ def varlen_attention_case(head_dim, dtype="bf16", *, seq=512, batch=16, causal=F
         return lambda: out.backward(torch.zeros_like(out))
 
     params = dict(
-        head_dim=head_dim, dtype=dtype, batch=batch, heads=heads, kv_heads=heads, seq_q=seq, seq_k=seq,
-        causal=causal, dropout=dropout, mask=None, key_padding=False, layout="varlen",
-    )  # fmt: skip
+        head_dim=head_dim,
+        dtype=dtype,
+        batch=batch,
+        heads=heads,
+        kv_heads=heads,
+        seq_q=seq,
+        seq_k=seq,
+        causal=causal,
+        dropout=dropout,
+        mask=None,
+        key_padding=False,
+        layout="varlen",
+    )
     return Case(name, "attention", run, params, ci)
 
 
@@ -166,9 +205,18 @@ def varlen_attention_cases() -> list[Case]:
 
 
 def norm_case(
-    n_cols, dtype="bf16", *, kind="layer", residual=False, dropout=0.0, memory_efficient=False,
-    return_residual=False, rows=None, ci=False, dropout_after=False,
-) -> Case:  # fmt: skip
+    n_cols,
+    dtype="bf16",
+    *,
+    kind="layer",
+    residual=False,
+    dropout=0.0,
+    memory_efficient=False,
+    return_residual=False,
+    rows=None,
+    ci=False,
+    dropout_after=False,
+) -> Case:
     """``dropout_after``: dropout(LayerNorm(x)), the embeddings' norm of a patched BERT."""
     from slimformer.kernels.norm import fused_norm, layer_norm, rms_norm
 
@@ -186,8 +234,9 @@ def norm_case(
         x = torch.zeros(rows, n_cols, dtype=torch_dtype, requires_grad=True)
         r = torch.zeros(rows, n_cols, dtype=torch_dtype, requires_grad=True) if residual else None
         w = torch.ones(n_cols, dtype=torch_dtype, requires_grad=True)
-        options = dict(residual=r, dropout_p=dropout, memory_efficient=memory_efficient,
-                       return_residual=return_residual)  # fmt: skip
+        options = dict(
+            residual=r, dropout_p=dropout, memory_efficient=memory_efficient, return_residual=return_residual
+        )
         if dropout_after:
             b = torch.zeros(n_cols, dtype=torch_dtype, requires_grad=True)
             out = fused_norm(x, n_cols, w, b, 1e-5, is_rms=kind == "rms", dropout_after=True, **options)
@@ -199,8 +248,17 @@ def norm_case(
         outs = out if isinstance(out, tuple) else (out,)
         return lambda: torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
 
-    params = dict(rows=rows, n_cols=n_cols, dtype=dtype, elements=rows * n_cols, kind=kind, residual=residual,
-                  dropout=dropout, memory_efficient=memory_efficient, return_residual=return_residual)  # fmt: skip
+    params = dict(
+        rows=rows,
+        n_cols=n_cols,
+        dtype=dtype,
+        elements=rows * n_cols,
+        kind=kind,
+        residual=residual,
+        dropout=dropout,
+        memory_efficient=memory_efficient,
+        return_residual=return_residual,
+    )
     return Case(name, "norm", run, params, ci)
 
 
@@ -251,8 +309,7 @@ def activation_case(activation, dtype="bf16", *, dropout=0.1, rows=512, d_model=
         return lambda: out.backward(torch.zeros_like(out))
 
     name = f"mlp {activation} {rows}x{hidden} {dtype}" + (f" +dropout{dropout:g}" if dropout else "")
-    params = dict(rows=rows, n_cols=hidden, dtype=dtype, elements=rows * hidden, activation=activation,
-                  dropout=dropout)  # fmt: skip
+    params = dict(rows=rows, n_cols=hidden, dtype=dtype, elements=rows * hidden, activation=activation, dropout=dropout)
     return Case(name, "activation", run, params, ci)
 
 
@@ -308,8 +365,14 @@ def gemm_case(kind, dtype="bf16", *, rows=256, in_features=768, out_features=307
         return None  # inference only
 
     name = f"gemm {kind} {rows}x{in_features}->{out_features} {dtype}"
-    params = dict(kind=kind, dtype=dtype, rows=rows, in_features=in_features, out_features=out_features,
-                  flops=2 * rows * in_features * out_features)  # fmt: skip
+    params = dict(
+        kind=kind,
+        dtype=dtype,
+        rows=rows,
+        in_features=in_features,
+        out_features=out_features,
+        flops=2 * rows * in_features * out_features,
+    )
     return Case(name, "gemm", run, params, ci)
 
 

@@ -100,9 +100,11 @@ class Estimate:
 
     def __add__(self, other: "Estimate") -> "Estimate":
         return Estimate(
-            self.issue_s + other.issue_s, self.tensor_s + other.tensor_s, self.memory_s + other.memory_s,
+            self.issue_s + other.issue_s,
+            self.tensor_s + other.tensor_s,
+            self.memory_s + other.memory_s,
             self.useful_flops + other.useful_flops,
-        )  # fmt: skip
+        )
 
 
 def elementwise_estimate(launch: Launch, stats: KernelStats, elements: int, device: Device) -> Estimate:

@@ -129,9 +129,7 @@ def limit_violations(collection: Collection, fp32_spills_ok: bool = True) -> lis
             continue
         stats = record.stats
         if stats.shared_bytes > collection.device.max_shared_bytes:
-            problems.append(
-                f"{label}: {stats.shared_bytes} B shared memory > {collection.device.max_shared_bytes} B"
-            )
+            problems.append(f"{label}: {stats.shared_bytes} B shared memory > {collection.device.max_shared_bytes} B")
         if stats.spill_bytes and spills_forbidden(record.case):
             problems.append(f"{label}: {stats.spill_stores} B spill stores, {stats.spill_loads} B spill loads")
     return problems
@@ -179,9 +177,13 @@ def _table(header: list[str], rows: list[list]) -> list[str]:
 def _kernel_columns(record) -> list:
     s = record.stats
     return [
-        s.registers, _spills(s), _kb(s.shared_bytes), f"{s.num_warps}/{s.num_stages}", _blocks(record.launch),
+        s.registers,
+        _spills(s),
+        _kb(s.shared_bytes),
+        f"{s.num_warps}/{s.num_stages}",
+        _blocks(record.launch),
         s.mma_kind,
-    ]  # fmt: skip
+    ]
 
 
 def _error_row(record, width: int) -> list:
@@ -206,10 +208,14 @@ def attention_section(collection: Collection) -> list[str]:
         s = r.stats
         tile = fig.tile_instructions(r.launch, s)
         rows.append(
-            [r.case.name, _attention_kernel_label(r.launch)] + _kernel_columns(r)
-            + [loads_text(s.hot_loop_loads), s.hot_loop.instructions if s.hot_loop else "–",
-               f"{tile:.0f}" if tile else "–"]
-        )  # fmt: skip
+            [r.case.name, _attention_kernel_label(r.launch)]
+            + _kernel_columns(r)
+            + [
+                loads_text(s.hot_loop_loads),
+                s.hot_loop.instructions if s.hot_loop else "–",
+                f"{tile:.0f}" if tile else "–",
+            ]
+        )
     lines = ["## Attention kernels", ""] + _table(header, rows) + [""]
 
     lines += [
@@ -243,12 +249,20 @@ def attention_section(collection: Collection) -> list[str]:
                 mma += fig.attention_mma_flops(r.launch, r.stats, params)
                 bytes_ += fig.kernel_bytes(r.launch)
                 tile += fig.tile_instructions(r.launch, r.stats) or 0.0
-            rows.append([
-                name, phase, f"{tile:.0f}", f"{mma / estimate.useful_flops:.2f}" if mma else "– (no MMA)",
-                f"{bytes_ / fig.attention_min_bytes(params, phase, element):.2f}",
-                f"{estimate.issue_s * 1e6:.1f}", f"{estimate.tensor_s * 1e6:.1f}", f"{estimate.memory_s * 1e6:.1f}",
-                f"{estimate.tflops:.0f}", estimate.bound,
-            ])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    phase,
+                    f"{tile:.0f}",
+                    f"{mma / estimate.useful_flops:.2f}" if mma else "– (no MMA)",
+                    f"{bytes_ / fig.attention_min_bytes(params, phase, element):.2f}",
+                    f"{estimate.issue_s * 1e6:.1f}",
+                    f"{estimate.tensor_s * 1e6:.1f}",
+                    f"{estimate.memory_s * 1e6:.1f}",
+                    f"{estimate.tflops:.0f}",
+                    estimate.bound,
+                ]
+            )
     lines += _table(header, rows) + [""]
     lines += dropout_section(records)
     return lines
@@ -280,14 +294,32 @@ def dropout_section(records) -> list[str]:
             continue
         without, with_ = fig.tile_instructions(base.launch, base.stats), fig.tile_instructions(r.launch, r.stats)
         if without and with_:
-            rows.append([r.case.name, r.launch.kernel, _blocks(base.launch), f"{without:.0f}", _blocks(r.launch),
-                         f"{with_:.0f}", f"{with_ / without:.2f}×"])  # fmt: skip
+            rows.append(
+                [
+                    r.case.name,
+                    r.launch.kernel,
+                    _blocks(base.launch),
+                    f"{without:.0f}",
+                    _blocks(r.launch),
+                    f"{with_:.0f}",
+                    f"{with_ / without:.2f}×",
+                ]
+            )
     if not rows:
         return []
     header = ["case", "kernel", "blocks without dropout", "warp-instr / 128² tile without", "blocks with dropout",
               "with dropout", "ratio"]  # fmt: skip
-    return ["### Dropout's cost in the hot loop", "", "Warp-instructions per 128² tile (hot-loop SASS × warps × "
-            "tiles), so that launches with different blocks compare.", ""] + _table(header, rows) + [""]
+    return (
+        [
+            "### Dropout's cost in the hot loop",
+            "",
+            "Warp-instructions per 128² tile (hot-loop SASS × warps × "
+            "tiles), so that launches with different blocks compare.",
+            "",
+        ]
+        + _table(header, rows)
+        + [""]
+    )
 
 
 def elementwise_section(collection: Collection) -> list[str]:
@@ -310,11 +342,17 @@ def elementwise_section(collection: Collection) -> list[str]:
         per_element = 32 * fig.elementwise_warp_instructions(r.launch, s, elements) / elements
         ratio = estimate.issue_s / estimate.memory_s if estimate.memory_s else float("inf")
         rows.append(
-            [r.case.name, r.launch.kernel.strip("_").removesuffix("_kernel"), r.launch.phase] + _kernel_columns(r)
-            + [loads_text(s.loads), s.sass_instructions, f"{per_element:.1f}",
-               f"{fig.kernel_bytes(r.launch) / elements:.1f}", f"{ratio:.2f}×",
-               "issue" if ratio > 1 else "memory"]
-        )  # fmt: skip
+            [r.case.name, r.launch.kernel.strip("_").removesuffix("_kernel"), r.launch.phase]
+            + _kernel_columns(r)
+            + [
+                loads_text(s.loads),
+                s.sass_instructions,
+                f"{per_element:.1f}",
+                f"{fig.kernel_bytes(r.launch) / elements:.1f}",
+                f"{ratio:.2f}×",
+                "issue" if ratio > 1 else "memory",
+            ]
+        )
     lines = [
         "## Norms, dropout, activations (elementwise)",
         "",
@@ -341,21 +379,32 @@ def norm_bytes_section(collection: Collection) -> list[str]:
         kernels = sum(fig.kernel_bytes(r.launch) for r in records)
         minimum = fig.norm_backward_min_bytes(params)
         total = kernels + phases["bwd"]
-        rows.append([name, f"{kernels / 1e6:.1f}", f"{phases['bwd'] / 1e6:.1f}", f"{minimum / 1e6:.1f}",
-                     f"{total / minimum:.2f}×"])  # fmt: skip
+        rows.append(
+            [
+                name,
+                f"{kernels / 1e6:.1f}",
+                f"{phases['bwd'] / 1e6:.1f}",
+                f"{minimum / 1e6:.1f}",
+                f"{total / minimum:.2f}×",
+            ]
+        )
     if not rows:
         return []
     header = ["case", "kernel MB", "PyTorch ops MB", "minimum MB", "total / minimum"]
-    return [
-        "### Norm backward: bytes moved vs the minimum",
-        "",
-        "kernel: every tensor the backward kernel is handed, once; PyTorch ops: what slimformer's own "
-        "torch calls in the backward read and write (the zero-filled arrival counters of the in-kernel dW/dB sum; "
-        "after the wide kernel, the sum of its partial rows and casts); "
-        "minimum: dy (+ the returned h's gradient), the saved activation, dx (+ a separate dresidual with "
-        "dropout), w, b, dw, db and the row statistics.",
-        "",
-    ] + _table(header, rows) + [""]
+    return (
+        [
+            "### Norm backward: bytes moved vs the minimum",
+            "",
+            "kernel: every tensor the backward kernel is handed, once; PyTorch ops: what slimformer's own "
+            "torch calls in the backward read and write (the zero-filled arrival counters of the in-kernel dW/dB sum; "
+            "after the wide kernel, the sum of its partial rows and casts); "
+            "minimum: dy (+ the returned h's gradient), the saved activation, dx (+ a separate dresidual with "
+            "dropout), w, b, dw, db and the row statistics.",
+            "",
+        ]
+        + _table(header, rows)
+        + [""]
+    )
 
 
 def _elements(record) -> int:
@@ -393,9 +442,13 @@ def gemm_section(collection: Collection) -> list[str]:
         rows.append(
             [r.case.name, r.launch.kernel.strip("_").removesuffix("_kernel"), r.launch.note.removeprefix("autotune ")]
             + _kernel_columns(r)
-            + [loads_text(s.hot_loop_loads), s.hot_loop.instructions if s.hot_loop else "–", s.hot_loop_mma_flops,
-               f"{issue_cycles / tensor_cycles:.2f}" if tensor_cycles else "–"]
-        )  # fmt: skip
+            + [
+                loads_text(s.hot_loop_loads),
+                s.hot_loop.instructions if s.hot_loop else "–",
+                s.hot_loop_mma_flops,
+                f"{issue_cycles / tensor_cycles:.2f}" if tensor_cycles else "–",
+            ]
+        )
     lines = [
         "## GEMMs (every autotune config that survives pruning for the shape)",
         "",
@@ -419,16 +472,30 @@ def tutorial_section(device) -> list[str]:
     header = ["kernel", "head dim", "blocks, warps/stages", "regs", "spills B", "smem KB", "MMA", "hot-loop loads",
               "innermost loops' SASS", "warp-instr / 128² tile"]  # fmt: skip
     table = [
-        [r["kernel"] + (" (best of its configs)" if r["best"] else ""), r["head_dim"], r["config"], r["registers"],
-         r["spills"], r["smem_kb"], r["mma"], r["loads"], ", ".join(map(str, r["loops"])), r["tile"] or "–"]
+        [
+            r["kernel"] + (" (best of its configs)" if r["best"] else ""),
+            r["head_dim"],
+            r["config"],
+            r["registers"],
+            r["spills"],
+            r["smem_kb"],
+            r["mma"],
+            r["loads"],
+            ", ".join(map(str, r["loops"])),
+            r["tile"] or "–",
+        ]
         for r in rows
-    ]  # fmt: skip
-    return [
-        "## Reference: the Triton tutorial's fused attention, compiled the same way",
-        "",
-        reference["source"],
-        "",
-    ] + _table(header, table) + [""]
+    ]
+    return (
+        [
+            "## Reference: the Triton tutorial's fused attention, compiled the same way",
+            "",
+            reference["source"],
+            "",
+        ]
+        + _table(header, table)
+        + [""]
+    )
 
 
 def header_lines(device, tag: str, selection: str) -> list[str]:
@@ -459,12 +526,15 @@ def header_lines(device, tag: str, selection: str) -> list[str]:
 
 def git_revision() -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()  # fmt: skip
-        kernels = subprocess.run(["git", "log", "-1", "--format=%h", "--", "slimformer"], cwd=ROOT,
-                                 capture_output=True, text=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "slimformer"], cwd=ROOT, capture_output=True,
-                               text=True).stdout.strip()  # fmt: skip
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        kernels = subprocess.run(
+            ["git", "log", "-1", "--format=%h", "--", "slimformer"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "slimformer"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         return f"{rev} (slimformer/ " + ("with uncommitted changes)" if dirty else f"as of {kernels})")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -516,8 +586,11 @@ def plot(collection: Collection, path: Path) -> bool:
     elementwise = []
     for r in collection.records:
         p = r.case.params
-        if r.case.family in ("norm", "dropout", "activation") and r.stats and p.get("dtype") == "bf16" and (
-            p.get("dropout") or r.case.family == "dropout"
+        if (
+            r.case.family in ("norm", "dropout", "activation")
+            and r.stats
+            and p.get("dtype") == "bf16"
+            and (p.get("dropout") or r.case.family == "dropout")
         ):
             e = fig.elementwise_estimate(r.launch, r.stats, _elements(r), collection.device)
             elementwise.append((f"{r.case.name} [{r.launch.phase}]", e.issue_s / e.memory_s))
@@ -529,11 +602,21 @@ def plot(collection: Collection, path: Path) -> bool:
         dims = sorted(points)
         left.plot(dims, [points[d] for d in dims], marker="o", label=kernel.strip("_").removesuffix("_kernel"))
     if TUTORIAL_REFERENCE.exists():
-        ref = [r for r in json.loads(TUTORIAL_REFERENCE.read_text())["rows"]
-               if r["arch"] == collection.device.arch and r.get("best")]  # fmt: skip
+        ref = [
+            r
+            for r in json.loads(TUTORIAL_REFERENCE.read_text())["rows"]
+            if r["arch"] == collection.device.arch and r.get("best")
+        ]
         if ref:
-            left.scatter([r["head_dim"] for r in ref], [r["tile"] for r in ref], marker="*", s=150, color="black",
-                         label="Triton tutorial fwd (best config)", zorder=5)  # fmt: skip
+            left.scatter(
+                [r["head_dim"] for r in ref],
+                [r["tile"] for r in ref],
+                marker="*",
+                s=150,
+                color="black",
+                label="Triton tutorial fwd (best config)",
+                zorder=5,
+            )
     left.set_xlabel("head dim (bf16, seq 512, no mask)")
     left.set_ylabel("hot-loop warp-instructions per 128×128 tile")
     left.set_title(f"attention, {collection.device.sm}")
@@ -541,8 +624,11 @@ def plot(collection: Collection, path: Path) -> bool:
         left.legend(fontsize=8)
     left.grid(alpha=0.3)
     if elementwise:
-        right.barh(range(len(elementwise)), [v for _, v in elementwise],
-                   color=["tab:red" if v > 1 else "tab:green" for _, v in elementwise])  # fmt: skip
+        right.barh(
+            range(len(elementwise)),
+            [v for _, v in elementwise],
+            color=["tab:red" if v > 1 else "tab:green" for _, v in elementwise],
+        )
         right.set_yticks(range(len(elementwise)), [n for n, _ in elementwise], fontsize=6)
         right.axvline(1.0, color="black", lw=0.8)
         right.axvline(0.8, color="gray", lw=0.8, ls="--")
@@ -570,10 +656,17 @@ def write_reports(collections, tag: str, selection: str, out_dir: Path) -> list[
 def records_json(collections) -> dict:
     """Every record, and the limit violations per device."""
     records = [
-        dict(case=r.case.name, family=r.case.family, params=r.case.params, launch=r.launch.to_json(),
-             stats=r.stats.to_json() if r.stats else None, error=r.error)
-        for c in collections for r in c.records
-    ]  # fmt: skip
+        dict(
+            case=r.case.name,
+            family=r.case.family,
+            params=r.case.params,
+            launch=r.launch.to_json(),
+            stats=r.stats.to_json() if r.stats else None,
+            error=r.error,
+        )
+        for c in collections
+        for r in c.records
+    ]
     problems = {c.device.sm: limit_violations(c) for c in collections}
     capture_errors = {c.device.sm: c.capture_errors for c in collections}
     return dict(records=records, problems=problems, capture_errors=capture_errors)
@@ -596,9 +689,13 @@ def main(argv=None) -> int:
     from tools.results import add_output_arguments, refuse_to_replace, shown
 
     parser = argparse.ArgumentParser(prog="python -m tools.compile_report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-k", dest="pattern", metavar="WORDS",
-                        help="only the cases whose name contains every one of these words, in any order and case "
-                        "(e.g. -k \"attn d128 causal\", -k layer-norm); --list shows the names")  # fmt: skip
+    parser.add_argument(
+        "-k",
+        dest="pattern",
+        metavar="WORDS",
+        help="only the cases whose name contains every one of these words, in any order and case "
+        '(e.g. -k "attn d128 causal", -k layer-norm); --list shows the names',
+    )
     parser.add_argument("--list", action="store_true", help="print the selected cases' families and names, and exit")
     parser.add_argument("--family", choices=FAMILIES, nargs="+")
     parser.add_argument("--arch", nargs="+", default=["sm90", "sm80"], choices=["sm90", "sm80", "sm86"])

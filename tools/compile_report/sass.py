@@ -145,9 +145,7 @@ def find_loops(instructions: list[Instruction]) -> list[Loop]:
             target = int(match.group(1), 16)
             if target < inst.address:  # a jump to itself is the trap after EXIT
                 ranges.append((target, inst.address))
-    innermost = [
-        (s, e) for s, e in ranges if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in ranges)
-    ]
+    innermost = [(s, e) for s, e in ranges if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in ranges)]
     loops = []
     for start, end in sorted(set(innermost)):
         body = [i for i in instructions if start <= i.address <= end]
@@ -201,7 +199,7 @@ def mma_flops(opcode: str, num_warps: int) -> int:
 
 
 def mma_kind(opcodes: dict) -> str:
-    """"wgmma", "mma.sync", or "–" (no tensor-core instruction: a dot runs as FFMAs)."""
+    """ "wgmma", "mma.sync", or "–" (no tensor-core instruction: a dot runs as FFMAs)."""
     names = {op.split(".")[0] for op in opcodes}
     if names & {"HGMMA", "IGMMA", "QGMMA"}:
         return "wgmma"

@@ -51,15 +51,24 @@ def measure(path: str, arch: str) -> list[dict]:
             constexprs = launch.named_constexprs()
             blocks = "×".join(str(v) for k, v in constexprs.items() if k.startswith("BLOCK") and isinstance(v, int))
             tile = tile_instructions(launch, stats)
-            rows.append(dict(
-                arch=device.arch, kernel=launch.kernel, phase=launch.phase, head_dim=head_dim,
-                config=f"{blocks}, {stats.num_warps}/{stats.num_stages}", registers=stats.registers,
-                spills=stats.spill_bytes, smem_kb=round(stats.shared_bytes / 1024, 1), mma=stats.mma_kind,
-                loads=loads_text(stats.hot_loop_loads),
-                hot_loop=stats.hot_loop.instructions if stats.hot_loop else None,
-                loops=[loop.instructions for loop in stats.loops],
-                tile=round(tile) if tile else None, best=False,
-            ))  # fmt: skip
+            rows.append(
+                dict(
+                    arch=device.arch,
+                    kernel=launch.kernel,
+                    phase=launch.phase,
+                    head_dim=head_dim,
+                    config=f"{blocks}, {stats.num_warps}/{stats.num_stages}",
+                    registers=stats.registers,
+                    spills=stats.spill_bytes,
+                    smem_kb=round(stats.shared_bytes / 1024, 1),
+                    mma=stats.mma_kind,
+                    loads=loads_text(stats.hot_loop_loads),
+                    hot_loop=stats.hot_loop.instructions if stats.hot_loop else None,
+                    loops=[loop.instructions for loop in stats.loops],
+                    tile=round(tile) if tile else None,
+                    best=False,
+                )
+            )
     for head_dim in (64, 128):
         forward = [r for r in rows if r["head_dim"] == head_dim and r["phase"] == "fwd" and r["tile"]]
         if forward:
@@ -70,7 +79,9 @@ def measure(path: str, arch: str) -> list[dict]:
 def main(argv=None) -> int:
     from tools.results import refuse_to_replace, shown
 
-    parser = argparse.ArgumentParser(prog="python -m tools.compile_report.tutorial", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.compile_report.tutorial", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("path", help="a copy of python/tutorials/06-fused-attention.py")
     parser.add_argument("--commit", default="unknown", help="the triton-lang/triton commit the copy is from")
     parser.add_argument("--overwrite", action="store_true", help=f"replace {shown(TUTORIAL_REFERENCE)}")
@@ -88,7 +99,9 @@ def main(argv=None) -> int:
     TUTORIAL_REFERENCE.write_text(json.dumps(dict(source=source, rows=rows), indent=1) + "\n")
     for row in rows:
         if row["best"]:
-            print(f"sm{row['arch']} d{row['head_dim']} best fwd config {row['config']}: {row['tile']} warp-instr / 128²")
+            print(
+                f"sm{row['arch']} d{row['head_dim']} best fwd config {row['config']}: {row['tile']} warp-instr / 128²"
+            )
     print(f"wrote {shown(TUTORIAL_REFERENCE)}", file=sys.stderr)
     return 0
 

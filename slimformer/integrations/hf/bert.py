@@ -77,10 +77,9 @@ from slimformer.integrations.hf.classes import RuntimeMixin
 from slimformer.integrations.hf.masked_lm import FusedMaskedLM, is_masked_lm, masked_lm_problem
 from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, is_unpaddable_base_model
 from slimformer.kernels.activation import fused_mlp
-from slimformer.kernels.attention import attention
+from slimformer.kernels.attention import MAX_HEAD_DIM, attention, varlen_attention
 from slimformer.kernels.norm import fused_norm
 from slimformer.kernels.projection import projections
-from slimformer.kernels.varlen_attention import varlen_attention
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.layers.memory_modes import MEMORY_MODES
 from slimformer.layers.norm import LayerNorm, fuse_with_dropout
@@ -120,7 +119,6 @@ _BERT_EMBEDDINGS = frozenset(
 _NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\)\n\s*\1 = self\.dropout\(\1\)\n")
 # config.hidden_act -> fused_mlp's activation.
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
-_MAX_HEAD_DIM = 256
 # The Linears of a fused BERT layer may be ``sf.quantize``'s inference layers (for either
 # order of patch and quantize).
 _LINEARS = (nn.Linear, Linear8bit, Linear16bit)
@@ -352,8 +350,8 @@ def _bert_layer_problem(layer: nn.Module) -> str | None:
         if type(module) not in types:
             return f"{path} is a {type(module).__name__}, not torch.nn.{types[0].__name__}"
     head_dim = layer.attention.self.attention_head_size
-    if head_dim > _MAX_HEAD_DIM:
-        return f"head_dim {head_dim} is above the fused kernel's {_MAX_HEAD_DIM}"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is above the fused kernel's {MAX_HEAD_DIM}"
     return None
 
 

@@ -40,11 +40,20 @@ def _attention_bwd_preprocess_kernel(
     DO,  # (batch, heads, seq_q, head_dim), likewise
     DELTA,  # (batch, heads, seq_q) or varlen (heads, total_q) fp32 output, contiguous
     CU_Q,  # varlen: (batch + 1,) int32 first row of each sequence, then total_q
-    stride_ob, stride_oh, stride_os,  # in units of STRIDE_UNIT elements, as in the forward
-    stride_dob, stride_doh, stride_dos,
-    num_heads, seq_q, total_q,  # as in the forward
-    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_os,  # in units of STRIDE_UNIT elements, as in the forward
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    num_heads,
+    seq_q,
+    total_q,  # as in the forward
+    HEAD_DIM: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     stride_ob, stride_oh, stride_os = stride_ob * STRIDE_UNIT, stride_oh * STRIDE_UNIT, stride_os * STRIDE_UNIT
     stride_dob, stride_doh, stride_dos = stride_dob * STRIDE_UNIT, stride_doh * STRIDE_UNIT, stride_dos * STRIDE_UNIT
@@ -73,12 +82,50 @@ def _attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _attention_bwd_dkdv_tile(
-    dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
-    off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, DQ_ATOMIC: tl.constexpr, VARLEN: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_head,
+    do_head,
+    lse_head,
+    delta_head,
+    dq_head,
+    start_m,
+    start_n,
+    tile_m,
+    offs_n,
+    offs_d,
+    off_b,
+    off_h,
+    off_bh,
+    seq_q,
+    seq_k,
+    qk_scale,
+    stride_qs,
+    stride_dos,
+    MASK,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    KPM,
+    stride_kpb,
+    stride_kpn,
+    seed,
+    dropout_p,
+    MASK_KIND: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    EDGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One query block's share of dK and dV: the updated (dk, dv). With DQ_ATOMIC, also
     this key block's share of the query block's dQ / scale, added into ``dq_head``.
@@ -95,21 +142,50 @@ def _attention_bwd_dkdv_tile(
         do = load_sequence_rows(do_head, offs_m, stride_dos, seq_q, offs_d, HEAD_DIM, BLOCK_D, EDGE)
     else:
         q = load_rows(
-            q_head + first_row * stride_qs + tile_m[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d,
-            HEAD_DIM, BLOCK_D, EDGE,
+            q_head + first_row * stride_qs + tile_m[:, None] * stride_qs + offs_d[None, :],
+            offs_m,
+            seq_q,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            EDGE,
         )
         do = load_rows(
-            do_head + first_row * stride_dos + tile_m[:, None] * stride_dos + offs_d[None, :], offs_m, seq_q, offs_d,
-            HEAD_DIM, BLOCK_D, EDGE,
+            do_head + first_row * stride_dos + tile_m[:, None] * stride_dos + offs_d[None, :],
+            offs_m,
+            seq_q,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            EDGE,
         )
     lse_log2 = load_row_stat(lse_head + offs_m, offs_m, seq_q, float("inf"), EDGE) * LOG2E
     delta = load_row_stat(delta_head + offs_m, offs_m, seq_q, 0.0, EDGE)
     qk_t = dot(k, tl.trans(q), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s_t = masked_scores(
-            qk_t, offs_m[None, :], offs_n[:, None], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
-            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
-            MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
+            qk_t,
+            offs_m[None, :],
+            offs_n[:, None],
+            start_m,
+            start_n,
+            off_b,
+            off_h,
+            seq_q,
+            seq_k,
+            qk_scale,
+            MASK,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_mn,
+            KPM,
+            stride_kpb,
+            stride_kpn,
+            MASK_KIND,
+            HAS_KPM,
+            IS_CAUSAL,
+            EDGE,
         )
         p_t = tl.exp2(s_t - lse_log2[None, :])
     else:
@@ -117,8 +193,9 @@ def _attention_bwd_dkdv_tile(
     dp_t = dot(v, tl.trans(do), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words0, words1, byte = dropout_words(seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True,
-                                             HAS_DROPOUT)
+        words0, words1, byte = dropout_words(
+            seed, off_bh, start_m, start_n, seq_k, tile_m.shape[0], BLOCK_N, True, HAS_DROPOUT
+        )
         # r applied to dv at the end
         dv = dot(dropout_mma_apply(p_t.to(do.dtype), words0, words1, byte, threshold), do, dv, PRECISION, UPCAST)
         ds_t = p_t * (dropout_mma_apply(dp_t, words0, words1, byte, threshold) * scale - delta[None, :])
@@ -130,38 +207,79 @@ def _attention_bwd_dkdv_tile(
     if DQ_ATOMIC:
         dq = dot(tl.trans(ds_t), k, None, PRECISION, UPCAST)
         atomic_add_rows(
-            dq_head + first_row * HEAD_DIM + tile_m[:, None] * HEAD_DIM + offs_d[None, :], dq, offs_m, seq_q, offs_d,
-            HEAD_DIM, BLOCK_D, EDGE,
+            dq_head + first_row * HEAD_DIM + tile_m[:, None] * HEAD_DIM + offs_d[None, :],
+            dq,
+            offs_m,
+            seq_q,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            EDGE,
         )
     return dk, dv
 
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V,  # as in the forward
+    Q,
+    K,
+    V,  # as in the forward
     DO,  # (batch, heads, seq_q, head_dim), strided, last dim contiguous
-    LSE, DELTA,  # (batch, heads, seq_q) fp32, contiguous
-    DK, DV,  # (batch, kv_heads, seq_k, head_dim) outputs, strided, last dim contiguous
+    LSE,
+    DELTA,  # (batch, heads, seq_q) fp32, contiguous
+    DK,
+    DV,  # (batch, kv_heads, seq_k, head_dim) outputs, strided, last dim contiguous
     # (batch, heads, seq_q, head_dim) or varlen (heads, total_q, head_dim) fp32, contiguous,
     # zeroed: dQ / scale (DQ_ATOMIC only)
     DQ_ACC,
-    SEED, MASK, KPM, CU_Q, CU_K,  # as in the forward
+    SEED,
+    MASK,
+    KPM,
+    CU_Q,
+    CU_K,  # as in the forward
     # strides of q, k, v, do, dk, dv in units of STRIDE_UNIT elements
-    stride_qb, stride_qh, stride_qs,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_dob, stride_doh, stride_dos,
-    stride_dkb, stride_dkh, stride_dks,
-    stride_dvb, stride_dvh, stride_dvs,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_kpb, stride_kpn,
-    num_heads, group_size, seq_q, seq_k, total_q, sm_scale, dropout_p,  # as in the forward
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dkb,
+    stride_dkh,
+    stride_dks,
+    stride_dvb,
+    stride_dvh,
+    stride_dvs,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_kpb,
+    stride_kpn,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    total_q,
+    sm_scale,
+    dropout_p,  # as in the forward
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,  # also add each tile's dQ into DQ_ACC (one pass, not deterministic)
     VARLEN: tl.constexpr,
 ):
@@ -235,45 +353,211 @@ def _attention_bwd_dkdv_kernel(
                 dq_head += off_bh * seq_q * HEAD_DIM
         for start_m in range(lo, edge_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
-                off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
-                MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
-                DQ_ATOMIC, VARLEN,
+                dk,
+                dv,
+                k,
+                v,
+                q_head,
+                do_head,
+                lse_head,
+                delta_head,
+                dq_head,
+                start_m,
+                start_n,
+                tile_m,
+                offs_n,
+                offs_d,
+                off_b,
+                off_h,
+                off_bh,
+                seq_q,
+                seq_k,
+                qk_scale,
+                stride_qs,
+                stride_dos,
+                MASK,
+                stride_mb,
+                stride_mh,
+                stride_mm,
+                stride_mn,
+                KPM,
+                stride_kpb,
+                stride_kpn,
+                seed,
+                dropout_p,
+                MASK_KIND,
+                HAS_KPM,
+                IS_CAUSAL,
+                HAS_DROPOUT,
+                True,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                PRECISION,
+                UPCAST,
+                DQ_ATOMIC,
+                VARLEN,
             )
         for start_m in range(tl.maximum(lo, edge_hi), full_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
-                off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
-                MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
-                DQ_ATOMIC, VARLEN,
+                dk,
+                dv,
+                k,
+                v,
+                q_head,
+                do_head,
+                lse_head,
+                delta_head,
+                dq_head,
+                start_m,
+                start_n,
+                tile_m,
+                offs_n,
+                offs_d,
+                off_b,
+                off_h,
+                off_bh,
+                seq_q,
+                seq_k,
+                qk_scale,
+                stride_qs,
+                stride_dos,
+                MASK,
+                stride_mb,
+                stride_mh,
+                stride_mm,
+                stride_mn,
+                KPM,
+                stride_kpb,
+                stride_kpn,
+                seed,
+                dropout_p,
+                MASK_KIND,
+                HAS_KPM,
+                IS_CAUSAL,
+                HAS_DROPOUT,
+                False,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                PRECISION,
+                UPCAST,
+                DQ_ATOMIC,
+                VARLEN,
             )
         for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), seq_q, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
-                dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, start_m, start_n, tile_m, offs_n, offs_d,
-                off_b, off_h, off_bh, seq_q, seq_k, qk_scale, stride_qs, stride_dos,
-                MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-                MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST,
-                DQ_ATOMIC, VARLEN,
+                dk,
+                dv,
+                k,
+                v,
+                q_head,
+                do_head,
+                lse_head,
+                delta_head,
+                dq_head,
+                start_m,
+                start_n,
+                tile_m,
+                offs_n,
+                offs_d,
+                off_b,
+                off_h,
+                off_bh,
+                seq_q,
+                seq_k,
+                qk_scale,
+                stride_qs,
+                stride_dos,
+                MASK,
+                stride_mb,
+                stride_mh,
+                stride_mm,
+                stride_mn,
+                KPM,
+                stride_kpb,
+                stride_kpn,
+                seed,
+                dropout_p,
+                MASK_KIND,
+                HAS_KPM,
+                IS_CAUSAL,
+                HAS_DROPOUT,
+                True,
+                HEAD_DIM,
+                BLOCK_N,
+                BLOCK_D,
+                PRECISION,
+                UPCAST,
+                DQ_ATOMIC,
+                VARLEN,
             )
 
-    store_rows(DK + tile_n[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
-                offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    store_rows(
+        DK + tile_n[:, None] * stride_dks + offs_d[None, :],
+        (dk * sm_scale).to(DK.dtype.element_ty),
+        offs_n,
+        seq_k,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     if HAS_DROPOUT:
         dv = dv * dropout_threshold_and_scale(dropout_p)[1]
-    store_rows(DV + tile_n[:, None] * stride_dvs + offs_d[None, :], dv.to(DV.dtype.element_ty),
-                offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    store_rows(
+        DV + tile_n[:, None] * stride_dvs + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        offs_n,
+        seq_k,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
 
 
 @triton.jit
 def _attention_bwd_dq_tile(
-    dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
-    seq_q, seq_k, qk_scale, stride_ks, stride_vs,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EDGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse_log2,
+    delta,
+    K,
+    V,
+    start_m,
+    start_n,
+    offs_m,
+    tile_n,
+    offs_d,
+    off_b,
+    off_h,
+    off_bh,
+    seq_q,
+    seq_k,
+    qk_scale,
+    stride_ks,
+    stride_vs,
+    MASK,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    KPM,
+    stride_kpb,
+    stride_kpn,
+    seed,
+    dropout_p,
+    MASK_KIND: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    EDGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One key block's share of dQ: the updated dq."""
     offs_n = start_n + tile_n
@@ -283,19 +567,48 @@ def _attention_bwd_dq_tile(
         v = load_sequence_rows(V, offs_n, stride_vs, seq_k, offs_d, HEAD_DIM, BLOCK_D, EDGE)
     else:
         k = load_rows(
-            K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d,
-            HEAD_DIM, BLOCK_D, EDGE,
+            K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :],
+            offs_n,
+            seq_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            EDGE,
         )
         v = load_rows(
-            V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d,
-            HEAD_DIM, BLOCK_D, EDGE,
+            V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :],
+            offs_n,
+            seq_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_D,
+            EDGE,
         )
     qk = dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = masked_scores(
-            qk, offs_m[:, None], offs_n[None, :], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
-            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
-            MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
+            qk,
+            offs_m[:, None],
+            offs_n[None, :],
+            start_m,
+            start_n,
+            off_b,
+            off_h,
+            seq_q,
+            seq_k,
+            qk_scale,
+            MASK,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_mn,
+            KPM,
+            stride_kpb,
+            stride_kpn,
+            MASK_KIND,
+            HAS_KPM,
+            IS_CAUSAL,
+            EDGE,
         )
         p = tl.exp2(s - lse_log2[:, None])
     else:
@@ -303,8 +616,9 @@ def _attention_bwd_dq_tile(
     dp = dot(do, tl.trans(v), None, PRECISION, UPCAST)
     if HAS_DROPOUT:
         threshold, scale = dropout_threshold_and_scale(dropout_p)
-        words0, words1, byte = dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
-                                             HAS_DROPOUT)
+        words0, words1, byte = dropout_words(
+            seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False, HAS_DROPOUT
+        )
         ds = p * (dropout_mma_apply(dp, words0, words1, byte, threshold) * scale - delta[:, None])
     else:
         ds = p * (dp - delta[:, None])
@@ -313,24 +627,59 @@ def _attention_bwd_dq_tile(
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA,  # as in the dK/dV kernel
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,  # as in the dK/dV kernel
     DQ,  # like Q, output
-    SEED, MASK, KPM, CU_Q, CU_K,  # as in the forward
+    SEED,
+    MASK,
+    KPM,
+    CU_Q,
+    CU_K,  # as in the forward
     # strides of q, k, v, do, dq in units of STRIDE_UNIT elements
-    stride_qb, stride_qh, stride_qs,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_dob, stride_doh, stride_dos,
-    stride_dqb, stride_dqh, stride_dqs,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_kpb, stride_kpn,
-    num_heads, group_size, seq_q, seq_k, total_q, sm_scale, dropout_p,  # as in the forward
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_dqb,
+    stride_dqh,
+    stride_dqs,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_kpb,
+    stride_kpn,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,
+    total_q,
+    sm_scale,
+    dropout_p,  # as in the forward
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, VARLEN: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
     stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
@@ -385,21 +734,102 @@ def _attention_bwd_dq_kernel(
         full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         dq = _attention_bwd_dq_tile(
-            dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
-            seq_q, seq_k, qk_scale, stride_ks, stride_vs,
-            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST, VARLEN,
+            dq,
+            q,
+            do,
+            lse_log2,
+            delta,
+            K,
+            V,
+            start_m,
+            start_n,
+            offs_m,
+            tile_n,
+            offs_d,
+            off_b,
+            off_h,
+            off_bh,
+            seq_q,
+            seq_k,
+            qk_scale,
+            stride_ks,
+            stride_vs,
+            MASK,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_mn,
+            KPM,
+            stride_kpb,
+            stride_kpn,
+            seed,
+            dropout_p,
+            MASK_KIND,
+            HAS_KPM,
+            IS_CAUSAL,
+            HAS_DROPOUT,
+            False,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            PRECISION,
+            UPCAST,
+            VARLEN,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _attention_bwd_dq_tile(
-            dq, q, do, lse_log2, delta, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_bh,
-            seq_q, seq_k, qk_scale, stride_ks, stride_vs,
-            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn, seed, dropout_p,
-            MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST, VARLEN,
+            dq,
+            q,
+            do,
+            lse_log2,
+            delta,
+            K,
+            V,
+            start_m,
+            start_n,
+            offs_m,
+            tile_n,
+            offs_d,
+            off_b,
+            off_h,
+            off_bh,
+            seq_q,
+            seq_k,
+            qk_scale,
+            stride_ks,
+            stride_vs,
+            MASK,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_mn,
+            KPM,
+            stride_kpb,
+            stride_kpn,
+            seed,
+            dropout_p,
+            MASK_KIND,
+            HAS_KPM,
+            IS_CAUSAL,
+            HAS_DROPOUT,
+            True,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            PRECISION,
+            UPCAST,
+            VARLEN,
         )
 
-    store_rows(DQ + tile_m[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
-                offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    store_rows(
+        DQ + tile_m[:, None] * stride_dqs + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        offs_m,
+        seq_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
 
 
 # (largest BLOCK_D, plain config, masked config, dropout config) per kernel for 16-bit
@@ -446,28 +876,90 @@ def attention_backward(
             grad.zero_()
         return
     _launch(
-        grad_out, q, k, v, out, lse, seed, dq, dk, dv, mask_args(attn_mask, key_padding_mask, q, seq_k),
-        config_kind(attn_mask, key_padding_mask, dropout_p), dropout_p, is_causal, scale, deterministic,
-        batch, seq_q, seq_k, None, None, None,
-    )  # fmt: skip
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        dq,
+        dk,
+        dv,
+        mask_args(attn_mask, key_padding_mask, q, seq_k),
+        config_kind(attn_mask, key_padding_mask, dropout_p),
+        dropout_p,
+        is_causal,
+        scale,
+        deterministic,
+        batch,
+        seq_q,
+        seq_k,
+        None,
+        None,
+        None,
+    )
 
 
-def varlen_backward(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale,
-                    deterministic):  # fmt: skip
+def varlen_backward(
+    grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic
+):
     """Launch the backward kernels on packed (total, heads, head_dim) tensors: (dq, dk, dv)."""
     batch = cu_q.numel() - 1
     if q.numel() == 0 or k.numel() == 0 or batch == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _launch(
-        grad_out, q, k, v, out, lse, seed, dq, dk, dv, NO_MASK_ARGS, config_kind(None, None, dropout_p), dropout_p,
-        is_causal, scale, deterministic, batch, max_q, max_k, cu_q, cu_k, q.shape[0],
-    )  # fmt: skip
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        dq,
+        dk,
+        dv,
+        NO_MASK_ARGS,
+        config_kind(None, None, dropout_p),
+        dropout_p,
+        is_causal,
+        scale,
+        deterministic,
+        batch,
+        max_q,
+        max_k,
+        cu_q,
+        cu_k,
+        q.shape[0],
+    )
     return dq, dk, dv
 
 
-def _launch(grad_out, q, k, v, out, lse, seed, dq, dk, dv, masks_args, kind, dropout_p, is_causal, scale,
-            deterministic, batch, seq_q, seq_k, cu_q, cu_k, total_q):  # fmt: skip
+def _launch(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    seed,
+    dq,
+    dk,
+    dv,
+    masks_args,
+    kind,
+    dropout_p,
+    is_causal,
+    scale,
+    deterministic,
+    batch,
+    seq_q,
+    seq_k,
+    cu_q,
+    cu_k,
+    total_q,
+):
     """The launches of both layouts: varlen ones have cu_q, cu_k and total_q, and seq_q,
     seq_k are their longest sequences."""
     varlen = cu_q is not None
@@ -478,9 +970,20 @@ def _launch(grad_out, q, k, v, out, lse, seed, dq, dk, dv, masks_args, kind, dro
     q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
     unit = stride_unit(q, k, v, out, grad_out, dq, dk, dv)
     _attention_bwd_preprocess_kernel[grid(q_blocks, heads, batch)](
-        out, grad_out, delta, cu_q, *head_strides(unit, out, grad_out), heads, seq_q, total_q,
-        HEAD_DIM=head_dim, STRIDE_UNIT=unit, BLOCK_M=dq_config["BLOCK_M"], BLOCK_D=dq_config["BLOCK_D"],
-        VARLEN=varlen, num_warps=dq_config["num_warps"],
+        out,
+        grad_out,
+        delta,
+        cu_q,
+        *head_strides(unit, out, grad_out),
+        heads,
+        seq_q,
+        total_q,
+        HEAD_DIM=head_dim,
+        STRIDE_UNIT=unit,
+        BLOCK_M=dq_config["BLOCK_M"],
+        BLOCK_D=dq_config["BLOCK_D"],
+        VARLEN=varlen,
+        num_warps=dq_config["num_warps"],
     )
     masks, mask_strides, mask_flags = masks_args
     scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, total_q, scale, dropout_p)
@@ -489,15 +992,35 @@ def _launch(grad_out, q, k, v, out, lse, seed, dq, dk, dv, masks_args, kind, dro
     # key blocks' programs reach it, then scales and casts it in one pass.
     dq_acc = None if deterministic else torch.zeros((*lse.shape, head_dim), dtype=torch.float32, device=q.device)
     dkdv_config = block_config(
-        head_dim, q.dtype, "dkdv" if deterministic else "dkdv_dq", kind, *target, grouped=heads != kv_heads,
+        head_dim,
+        q.dtype,
+        "dkdv" if deterministic else "dkdv_dq",
+        kind,
+        *target,
+        grouped=heads != kv_heads,
         varlen=varlen,
     )
     # GQA's loop over the group's heads holds more: lane pairs sharing out Philox calls
     # (same bits) made its dK/dV tiles spill (compile report)
     dkdv_flags = dict(flags, HAS_DROPOUT=min(flags["HAS_DROPOUT"], 1)) if heads != kv_heads else flags
     _attention_bwd_dkdv_kernel[grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
-        q, k, v, grad_out, lse, delta, dk, dv, dq_acc, seed, *masks, cu_q, cu_k,
-        *head_strides(unit, q, k, v, grad_out, dk, dv), *scalars, **dkdv_flags, **dkdv_config,
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dk,
+        dv,
+        dq_acc,
+        seed,
+        *masks,
+        cu_q,
+        cu_k,
+        *head_strides(unit, q, k, v, grad_out, dk, dv),
+        *scalars,
+        **dkdv_flags,
+        **dkdv_config,
         DQ_ATOMIC=not deterministic,
     )
     if not deterministic:
@@ -505,6 +1028,19 @@ def _launch(grad_out, q, k, v, out, lse, seed, dq, dk, dv, masks_args, kind, dro
         torch.mul(dq_acc.transpose(0, 1) if varlen else dq_acc, scale, out=dq)
         return
     _attention_bwd_dq_kernel[grid(q_blocks, heads, batch)](
-        q, k, v, grad_out, lse, delta, dq, seed, *masks, cu_q, cu_k,
-        *head_strides(unit, q, k, v, grad_out, dq), *scalars, **flags, **dq_config,
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        dq,
+        seed,
+        *masks,
+        cu_q,
+        cu_k,
+        *head_strides(unit, q, k, v, grad_out, dq),
+        *scalars,
+        **flags,
+        **dq_config,
     )

@@ -37,12 +37,49 @@ from slimformer.kernels.philox import dropout_mma_apply, dropout_threshold_and_s
 
 @triton.jit
 def _attention_fwd_tile(
-    acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_hk, seq_q, seq_k, qk_scale,
-    stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
-    seed, off_bh, dropout_p,
-    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    EDGE: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr, VARLEN: tl.constexpr,
+    acc,
+    l_i,
+    m_i,
+    q,
+    K,
+    V,
+    start_m,
+    start_n,
+    offs_m,
+    tile_n,
+    offs_d,
+    off_b,
+    off_h,
+    off_hk,
+    seq_q,
+    seq_k,
+    qk_scale,
+    stride_ks,
+    stride_vs,
+    MASK,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    KPM,
+    stride_kpb,
+    stride_kpn,
+    seed,
+    off_bh,
+    dropout_p,
+    MASK_KIND: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    EDGE: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One key block of the online softmax: the updated (acc, l_i, m_i)."""
     offs_n = start_n + tile_n
@@ -50,14 +87,47 @@ def _attention_fwd_tile(
     if VARLEN:
         k = load_sequence_rows(K, offs_n, stride_ks, seq_k, offs_d, HEAD_DIM, BLOCK_D, EDGE)
     else:
-        k = load_head_rows(K, off_b, off_hk, start_n, first_col * stride_ks, tile_n[:, None] * stride_ks,
-                           offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, EDGE, TMA)  # fmt: skip
+        k = load_head_rows(
+            K,
+            off_b,
+            off_hk,
+            start_n,
+            first_col * stride_ks,
+            tile_n[:, None] * stride_ks,
+            offs_n,
+            seq_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            EDGE,
+            TMA,
+        )
     qk = dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = masked_scores(
-            qk, offs_m[:, None], offs_n[None, :], start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
-            MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
-            MASK_KIND, HAS_KPM, IS_CAUSAL, EDGE,
+            qk,
+            offs_m[:, None],
+            offs_n[None, :],
+            start_m,
+            start_n,
+            off_b,
+            off_h,
+            seq_q,
+            seq_k,
+            qk_scale,
+            MASK,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_mn,
+            KPM,
+            stride_kpb,
+            stride_kpn,
+            MASK_KIND,
+            HAS_KPM,
+            IS_CAUSAL,
+            EDGE,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
@@ -77,12 +147,27 @@ def _attention_fwd_tile(
     if VARLEN:
         v = load_sequence_rows(V, offs_n, stride_vs, seq_k, offs_d, HEAD_DIM, BLOCK_D, EDGE)
     else:
-        v = load_head_rows(V, off_b, off_hk, start_n, first_col * stride_vs, tile_n[:, None] * stride_vs,
-                           offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, EDGE, TMA)  # fmt: skip
+        v = load_head_rows(
+            V,
+            off_b,
+            off_hk,
+            start_n,
+            first_col * stride_vs,
+            tile_n[:, None] * stride_vs,
+            offs_n,
+            seq_k,
+            offs_d,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            EDGE,
+            TMA,
+        )
     p = p.to(v.dtype)
     if HAS_DROPOUT:
-        words0, words1, byte = dropout_words(seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False,
-                                             HAS_DROPOUT)
+        words0, words1, byte = dropout_words(
+            seed, off_bh, start_m, start_n, seq_k, offs_m.shape[0], BLOCK_N, False, HAS_DROPOUT
+        )
         p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
     acc = dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
     return acc, l_i, m_new
@@ -103,22 +188,44 @@ def _attention_fwd_kernel(
     CU_Q,  # varlen: (batch + 1,) int32 first row of each sequence in q, then total_q
     CU_K,  # varlen: (batch + 1,) int32 likewise in k and v
     # (batch, head, seq) strides of q, k, v, o in units of STRIDE_UNIT elements; varlen: (0, head, token)
-    stride_qb, stride_qh, stride_qs,
-    stride_kb, stride_kh, stride_ks,
-    stride_vb, stride_vh, stride_vs,
-    stride_ob, stride_oh, stride_os,
-    stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_kpb, stride_kpn,
-    num_heads, group_size,
-    seq_q, seq_k,  # varlen: the longest sequences, which size the grid
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    stride_kpb,
+    stride_kpn,
+    num_heads,
+    group_size,
+    seq_q,
+    seq_k,  # varlen: the longest sequences, which size the grid
     total_q,  # varlen: q's rows
-    sm_scale, dropout_p,
+    sm_scale,
+    dropout_p,
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, STRIDE_UNIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    STRIDE_UNIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+    TMA: tl.constexpr,
     VARLEN: tl.constexpr,  # packed sequences found by CU_Q / CU_K instead of a batch dim
 ):
     # Multiplying by the constexpr unit tells Triton each row starts 16 bytes aligned
@@ -155,8 +262,22 @@ def _attention_fwd_kernel(
     tile_n = tl.arange(0, BLOCK_N)
     offs_m = start_m + tile_m
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_head_rows(Q, off_b, off_h, start_m, 0, tile_m[:, None] * stride_qs, offs_m, seq_q, offs_d, HEAD_DIM,
-                       BLOCK_M, BLOCK_D, True, TMA)  # fmt: skip
+    q = load_head_rows(
+        Q,
+        off_b,
+        off_h,
+        start_m,
+        0,
+        tile_m[:, None] * stride_qs,
+        offs_m,
+        seq_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_D,
+        True,
+        TMA,
+    )
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -173,19 +294,95 @@ def _attention_fwd_kernel(
         full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_hk, seq_q, seq_k,
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            start_m,
+            start_n,
+            offs_m,
+            tile_n,
+            offs_d,
+            off_b,
+            off_h,
+            off_hk,
+            seq_q,
+            seq_k,
             qk_scale,
-            stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
-            seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
-            False, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST, TMA, VARLEN,
+            stride_ks,
+            stride_vs,
+            MASK,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_mn,
+            KPM,
+            stride_kpb,
+            stride_kpn,
+            seed,
+            off_bh,
+            dropout_p,
+            MASK_KIND,
+            HAS_KPM,
+            IS_CAUSAL,
+            HAS_DROPOUT,
+            False,
+            NEGATIVE_SCALE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            PRECISION,
+            UPCAST,
+            TMA,
+            VARLEN,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
-            acc, l_i, m_i, q, K, V, start_m, start_n, offs_m, tile_n, offs_d, off_b, off_h, off_hk, seq_q, seq_k,
+            acc,
+            l_i,
+            m_i,
+            q,
+            K,
+            V,
+            start_m,
+            start_n,
+            offs_m,
+            tile_n,
+            offs_d,
+            off_b,
+            off_h,
+            off_hk,
+            seq_q,
+            seq_k,
             qk_scale,
-            stride_ks, stride_vs, MASK, stride_mb, stride_mh, stride_mm, stride_mn, KPM, stride_kpb, stride_kpn,
-            seed, off_bh, dropout_p, MASK_KIND, HAS_KPM, IS_CAUSAL, HAS_DROPOUT,
-            True, NEGATIVE_SCALE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, UPCAST, TMA, VARLEN,
+            stride_ks,
+            stride_vs,
+            MASK,
+            stride_mb,
+            stride_mh,
+            stride_mm,
+            stride_mn,
+            KPM,
+            stride_kpb,
+            stride_kpn,
+            seed,
+            off_bh,
+            dropout_p,
+            MASK_KIND,
+            HAS_KPM,
+            IS_CAUSAL,
+            HAS_DROPOUT,
+            True,
+            NEGATIVE_SCALE,
+            HEAD_DIM,
+            BLOCK_N,
+            BLOCK_D,
+            PRECISION,
+            UPCAST,
+            TMA,
+            VARLEN,
         )
 
     # l_i >= 1 (the best key adds exp2(0)) or NaN once a row has an allowed key; only a
@@ -195,8 +392,15 @@ def _attention_fwd_kernel(
     if HAS_DROPOUT:
         out = out * dropout_threshold_and_scale(dropout_p)[1]
     lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * LN2, float("inf"))
-    store_rows(O + tile_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty), offs_m, seq_q,
-               offs_d, HEAD_DIM, BLOCK_D)  # fmt: skip
+    store_rows(
+        O + tile_m[:, None] * stride_os + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        offs_m,
+        seq_q,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+    )
     if VARLEN:
         tl.store(LSE + off_h * total_q + q_first + offs_m, lse, mask=offs_m < seq_q)
     else:
@@ -233,10 +437,29 @@ def attention_forward(
         rows = (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_N"])
         inputs = tma_descriptors((q, k, v), rows, config["BLOCK_D"])
     _attention_fwd_kernel[grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
-        *(inputs or (q, k, v)), out, lse, seed, *masks, None, None, *head_strides(unit, q, k, v, out), *mask_strides,
-        heads, heads // kv_heads, seq_q, seq_k, None, scale, dropout_p,
-        **mask_flags, **kernel_flags(q, is_causal, dropout_p), NEGATIVE_SCALE=scale < 0, STRIDE_UNIT=unit,
-        TMA=inputs is not None, VARLEN=False, **config,
+        *(inputs or (q, k, v)),
+        out,
+        lse,
+        seed,
+        *masks,
+        None,
+        None,
+        *head_strides(unit, q, k, v, out),
+        *mask_strides,
+        heads,
+        heads // kv_heads,
+        seq_q,
+        seq_k,
+        None,
+        scale,
+        dropout_p,
+        **mask_flags,
+        **kernel_flags(q, is_causal, dropout_p),
+        NEGATIVE_SCALE=scale < 0,
+        STRIDE_UNIT=unit,
+        TMA=inputs is not None,
+        VARLEN=False,
+        **config,
     )
     return out, lse
 
@@ -258,9 +481,30 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scal
     unit = stride_unit(q, k, v, out)
     masks, mask_strides, mask_flags = NO_MASK_ARGS
     _attention_fwd_kernel[grid(triton.cdiv(max_q, config["BLOCK_M"]), heads, batch)](
-        q, k, v, out, lse, seed, *masks, cu_q, cu_k, *head_strides(unit, q, k, v, out), *mask_strides,
-        heads, heads // kv_heads, max_q, max_k, total_q, scale, dropout_p,
-        **mask_flags, **kernel_flags(q, is_causal, dropout_p), NEGATIVE_SCALE=scale < 0, STRIDE_UNIT=unit,
-        TMA=False, VARLEN=True, **config,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        *masks,
+        cu_q,
+        cu_k,
+        *head_strides(unit, q, k, v, out),
+        *mask_strides,
+        heads,
+        heads // kv_heads,
+        max_q,
+        max_k,
+        total_q,
+        scale,
+        dropout_p,
+        **mask_flags,
+        **kernel_flags(q, is_causal, dropout_p),
+        NEGATIVE_SCALE=scale < 0,
+        STRIDE_UNIT=unit,
+        TMA=False,
+        VARLEN=True,
+        **config,
     )
     return out, lse

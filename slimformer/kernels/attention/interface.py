@@ -49,9 +49,7 @@ def _check_masks(
             raise ValueError("attn_mask must not require grad: slimformer.attention gives masks no gradient")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor):
-            raise TypeError(
-                f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}"
-            )
+            raise TypeError(f"key_padding_mask must be a torch.Tensor or None, got {type(key_padding_mask).__name__}")
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
         if key_padding_mask.device != device:
@@ -271,9 +269,17 @@ def attention(
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
     out, _ = attention_op(
-        query, key, value, attn_mask, key_padding_mask, seed, float(dropout_p), bool(is_causal), scale,
+        query,
+        key,
+        value,
+        attn_mask,
+        key_padding_mask,
+        seed,
+        float(dropout_p),
+        bool(is_causal),
+        scale,
         _check_deterministic(deterministic),
-    )  # fmt: skip
+    )
     return out.view(*batch_shape, heads, seq_q, head_dim)
 
 
@@ -353,9 +359,19 @@ def self_attention(
     seed = new_dropout_seed(x.device, x.detach(), "self_attention") if dropout_p > 0.0 else None
     with torch.autocast(x.device.type, enabled=False):
         out, _ = self_attention_op(
-            x, qkv_weight, qkv_bias, num_heads, attn_mask, key_padding_mask, seed,
-            float(dropout_p), bool(is_causal), scale, dtype, _check_deterministic(deterministic),
-        )  # fmt: skip
+            x,
+            qkv_weight,
+            qkv_bias,
+            num_heads,
+            attn_mask,
+            key_padding_mask,
+            seed,
+            float(dropout_p),
+            bool(is_causal),
+            scale,
+            dtype,
+            _check_deterministic(deterministic),
+        )
     return rearrange(out, "b h s d -> b s (h d)")
 
 
@@ -460,7 +476,17 @@ def varlen_attention(
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "varlen_attention") if dropout_p > 0.0 else None
     out, lse = varlen_attention_op(
-        query, key, value, cu_seqlens_q, cu_seqlens_k, seed, max_seqlen_q, max_seqlen_k, float(dropout_p),
-        bool(is_causal), scale, _check_deterministic(deterministic),
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seed,
+        max_seqlen_q,
+        max_seqlen_k,
+        float(dropout_p),
+        bool(is_causal),
+        scale,
+        _check_deterministic(deterministic),
+    )
     return (out, lse) if return_lse else out

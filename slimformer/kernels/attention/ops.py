@@ -42,11 +42,43 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causa
     return fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
 
 
-def _attention_backward(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale,
-                        deterministic, dq, dk, dv):  # fmt: skip
+def _attention_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    seed,
+    attn_mask,
+    key_padding_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    deterministic,
+    dq,
+    dk,
+    dv,
+):
     bwd = attention_backward if runs_kernels(q) else attention_backward_reference
-    bwd(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, deterministic,
-        dq, dk, dv)  # fmt: skip
+    bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        attn_mask,
+        key_padding_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        deterministic,
+        dq,
+        dk,
+        dv,
+    )
 
 
 def _fake_out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +127,23 @@ def attention_backward_op(
     """(dq, dk, dv), each shaped and strided like q, k, v (``empty_like``)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _attention_backward(
-        last_dim_contiguous(grad_out), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
-        dropout_p, is_causal, scale, deterministic, dq, dk, dv,
-    )  # fmt: skip
+        last_dim_contiguous(grad_out),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        attn_mask,
+        key_padding_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        deterministic,
+        dq,
+        dk,
+        dv,
+    )
     return dq, dk, dv
 
 
@@ -121,9 +167,20 @@ def _attention_grad(ctx, grad_out, _grad_lse):
         return (None,) * 10
     q, k, v, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(
-        grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, ctx.dropout_p, ctx.is_causal, ctx.scale,
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        attn_mask,
+        key_padding_mask,
+        ctx.dropout_p,
+        ctx.is_causal,
+        ctx.scale,
         ctx.deterministic,
-    )  # fmt: skip
+    )
     return dq, dk, dv, *(None,) * 7
 
 
@@ -155,8 +212,7 @@ def self_attention_op(
 
 
 @self_attention_op.register_fake
-def _(x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, dtype,
-      deterministic):  # fmt: skip
+def _(x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, dtype, deterministic):
     batch, seq, embed = x.shape
     q = x.new_empty((batch, num_heads, seq, embed // num_heads), dtype=dtype)
     return _fake_out_and_lse(q)
@@ -191,9 +247,23 @@ def self_attention_backward_op(
     dqkv = torch.empty_like(qkv)
     dq, dk, dv = split_heads(dqkv, num_heads)
     _attention_backward(
-        last_dim_contiguous(grad_out.to(dtype)), q, k, v, out, lse, seed, attn_mask, key_padding_mask,
-        dropout_p, is_causal, scale, deterministic, dq, dk, dv,
-    )  # fmt: skip
+        last_dim_contiguous(grad_out.to(dtype)),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        seed,
+        attn_mask,
+        key_padding_mask,
+        dropout_p,
+        is_causal,
+        scale,
+        deterministic,
+        dq,
+        dk,
+        dv,
+    )
     needs_x, needs_weight, needs_bias = needs_input_grad
     dx = (dqkv @ weight_).to(x.dtype) if needs_x else absent_output(x.device)
     dweight = (dqkv.flatten(0, 1).mT @ x_.flatten(0, 1)).to(weight.dtype) if needs_weight else absent_output(x.device)
@@ -202,8 +272,23 @@ def self_attention_backward_op(
 
 
 @self_attention_backward_op.register_fake
-def _(grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask, num_heads, dropout_p, is_causal,
-      scale, deterministic, needs_input_grad):  # fmt: skip
+def _(
+    grad_out,
+    x,
+    weight,
+    bias,
+    out,
+    lse,
+    seed,
+    attn_mask,
+    key_padding_mask,
+    num_heads,
+    dropout_p,
+    is_causal,
+    scale,
+    deterministic,
+    needs_input_grad,
+):
     needs_x, needs_weight, needs_bias = needs_input_grad
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format) if needs_x else absent_output(x.device),
@@ -213,7 +298,9 @@ def _(grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask, nu
 
 
 def _self_attention_setup_context(ctx, inputs, output):
-    x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, _, deterministic = inputs
+    x, weight, bias, num_heads, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, _, deterministic = (
+        inputs
+    )
     out, lse = output
     ctx.save_for_backward(x, weight, bias, out, lse, seed, attn_mask, key_padding_mask)
     ctx.mark_non_differentiable(lse)
@@ -228,9 +315,22 @@ def _self_attention_grad(ctx, grad_out, _grad_lse):
     x, weight, bias, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
     dx, dweight, dbias = self_attention_backward_op(
-        grad_out, x, weight, bias, out, lse, seed, attn_mask, key_padding_mask,
-        ctx.num_heads, ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.deterministic, needs,
-    )  # fmt: skip
+        grad_out,
+        x,
+        weight,
+        bias,
+        out,
+        lse,
+        seed,
+        attn_mask,
+        key_padding_mask,
+        ctx.num_heads,
+        ctx.dropout_p,
+        ctx.is_causal,
+        ctx.scale,
+        ctx.deterministic,
+        needs,
+    )
     grads = [grad if need else None for grad, need in zip((dx, dweight, dbias), needs)]
     return *grads, *(None,) * 9
 

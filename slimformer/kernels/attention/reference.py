@@ -229,22 +229,45 @@ def varlen_forward_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_ca
     with torch.autocast(q.device.type, enabled=False):
         for b, rows, keys in _sequences(cu_q, cu_k):
             _attention_fwd_blocks(
-                _as_batch_of_one(q[rows]), _as_batch_of_one(k[keys]), _as_batch_of_one(v[keys]), None, None,
-                dropout_p, is_causal, scale, seed, _as_batch_of_one(out[rows]), lse[None, :, rows], b * heads,
-            )  # fmt: skip
+                _as_batch_of_one(q[rows]),
+                _as_batch_of_one(k[keys]),
+                _as_batch_of_one(v[keys]),
+                None,
+                None,
+                dropout_p,
+                is_causal,
+                scale,
+                seed,
+                _as_batch_of_one(out[rows]),
+                lse[None, :, rows],
+                b * heads,
+            )
     return out, lse
 
 
-def varlen_backward_reference(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
-                              scale, deterministic):  # fmt: skip
+def varlen_backward_reference(
+    grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic
+):
     """What ``backward.varlen_backward`` computes, sequence by sequence: (dq, dk, dv)."""
     heads = q.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     with torch.autocast(q.device.type, enabled=False):
         for b, rows, keys in _sequences(cu_q, cu_k):
             _attention_bwd_blocks(
-                _as_batch_of_one(grad_out[rows]), _as_batch_of_one(q[rows]), _as_batch_of_one(k[keys]),
-                _as_batch_of_one(v[keys]), lse[None, :, rows], seed, None, None, dropout_p, is_causal, scale,
-                _as_batch_of_one(dq[rows]), _as_batch_of_one(dk[keys]), _as_batch_of_one(dv[keys]), b * heads,
-            )  # fmt: skip
+                _as_batch_of_one(grad_out[rows]),
+                _as_batch_of_one(q[rows]),
+                _as_batch_of_one(k[keys]),
+                _as_batch_of_one(v[keys]),
+                lse[None, :, rows],
+                seed,
+                None,
+                None,
+                dropout_p,
+                is_causal,
+                scale,
+                _as_batch_of_one(dq[rows]),
+                _as_batch_of_one(dk[keys]),
+                _as_batch_of_one(dv[keys]),
+                b * heads,
+            )
     return dq, dk, dv

@@ -69,8 +69,9 @@ def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.co
 
 
 @triton.jit
-def load_sequence_rows(X, rows, stride, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       CHECK_ROWS: tl.constexpr):  # fmt: skip
+def load_sequence_rows(
+    X, rows, stride, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr
+):
     """Varlen's ``load_rows`` of rows ``rows`` counted from a sequence's first row ``X``: int32
     offsets recomputed for every block, so that no offset tile stays live across the loop
     (the dense kernels' int64 block offset plus a hoisted int32 tile serialized varlen's
@@ -88,8 +89,9 @@ def store_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: t
 
 
 @triton.jit
-def atomic_add_rows(ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     CHECK_ROWS: tl.constexpr):  # fmt: skip
+def atomic_add_rows(
+    ptrs, x, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr
+):
     """Add a (rows, BLOCK_D) fp32 tile into memory with atomics, as ``store_rows`` masks."""
     if CHECK_ROWS:
         if HEAD_DIM == BLOCK_D:
@@ -115,11 +117,27 @@ def load_row_stat(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 @triton.jit
 def masked_scores(
-    qk, rows, cols, start_m, start_n, off_b, off_h, seq_q, seq_k, qk_scale,
-    MASK, stride_mb, stride_mh, stride_mm, stride_mn,
-    KPM, stride_kpb, stride_kpn,
+    qk,
+    rows,
+    cols,
+    start_m,
+    start_n,
+    off_b,
+    off_h,
+    seq_q,
+    seq_k,
+    qk_scale,
+    MASK,
+    stride_mb,
+    stride_mh,
+    stride_mm,
+    stride_mn,
+    KPM,
+    stride_kpb,
+    stride_kpn,
     MASK_KIND: tl.constexpr,  # 0: no attn_mask, 1: bool, 2: additive
-    HAS_KPM: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
     EDGE: tl.constexpr,
 ):
     """Scores of one tile in log2 units, −inf where a key is not allowed.
@@ -138,8 +156,11 @@ def masked_scores(
         s = tl.where(padding == 0, s, float("-inf"))
     if MASK_KIND != 0:
         mask_tile = (
-            MASK + off_b * stride_mb + off_h * stride_mh
-            + tl.cast(start_m, tl.int64) * stride_mm + tl.cast(start_n, tl.int64) * stride_mn
+            MASK
+            + off_b * stride_mb
+            + off_h * stride_mh
+            + tl.cast(start_m, tl.int64) * stride_mm
+            + tl.cast(start_n, tl.int64) * stride_mn
         )
         mask_ptrs = mask_tile + ((rows - start_m) * stride_mm + (cols - start_n) * stride_mn)
         mask = tl.load(mask_ptrs, mask=(rows < seq_q) & (cols < seq_k), other=0)
@@ -160,8 +181,17 @@ def masked_scores(
 
 
 @triton.jit
-def dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   KEYS_FIRST: tl.constexpr, HAS_DROPOUT: tl.constexpr):  # fmt: skip
+def dropout_words(
+    seed,
+    off_bh,
+    start_m,
+    start_n,
+    seq_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KEYS_FIRST: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+):
     """The words and bytes that decide z for queries start_m .. start_m + BLOCK_M and keys
     start_n .. start_n + BLOCK_N ([BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] when KEYS_FIRST):
     stream ``off_bh`` = batch · heads + head of ``philox.py``'s attention scheme, drawn in
@@ -173,8 +203,20 @@ def dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M: tl.constexpr, 
 
 @triton.jit
 def load_head_rows(
-    X, off_b, off_h, start, first, row_offsets, rows, n_rows, offs_d,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, TMA: tl.constexpr,
+    X,
+    off_b,
+    off_h,
+    start,
+    first,
+    row_offsets,
+    rows,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """A (BLOCK, BLOCK_D) tile, rows start .. start + BLOCK of head (off_b, off_h): through
     ``X``'s TMA descriptor when TMA (the copy engine zero-fills past seq and HEAD_DIM and
