@@ -832,19 +832,6 @@ def _attention_bwd_dq_kernel(
     )
 
 
-# (largest BLOCK_D, plain config, masked config, dropout config) per kernel for 16-bit
-# inputs, a config being (BLOCK_M, BLOCK_N, num_warps, num_stages); "masked" launches
-# (attn_mask or key_padding_mask, with or without dropout) hold more per-element state;
-# "dropout" launches (dropout alone) make their keep bits in the score tile's registers
-# and need only a little more than plain ones. Picked by compiling the runtime
-# specialisations for sm_90: wgmma for every dot, at least two pipeline stages, shared
-# memory within 227 KB, no register spills where some config avoids them (with dropout,
-# the plain dK/dV config at d64 spills 4-44 B in some specialisation, and so do 128 x 128
-# dQ tiles at d64 and d128). The d128 dropout dK/dV takes 2 stages: with 3, ptxas
-# serializes its wgmmas (warning C7515), 25 more loop instructions than its 2-stage
-# build; GQA with dropout spills there either way (20-196 B; 44-180 B with 3 stages).
-
-
 def attention_backward(
     grad_out: torch.Tensor,
     q: torch.Tensor,
