@@ -33,3 +33,14 @@ def test_saved_model_loads_and_computes_the_same(name):
         assert sf.patch_summary(model).swapped
         sf.unpatch(model)
         assert not any(type(m).__module__.startswith("slimformer") for m in model.modules())
+
+
+def test_names_that_moved_import_from_their_earlier_modules():
+    from slimformer.kernels.norm import MEMORY_MODES, MemoryModes
+    from slimformer.kernels.varlen_attention import varlen_attention
+    from slimformer.layers import memory_modes, policies
+    from slimformer.recompute import POLICIES, check_policy
+
+    assert (MemoryModes, MEMORY_MODES) == (memory_modes.MemoryModes, memory_modes.MEMORY_MODES)
+    assert varlen_attention is sf.varlen_attention
+    assert (POLICIES, check_policy) == (policies.POLICIES, policies.check_policy)

@@ -1476,3 +1476,13 @@ def rms_norm(
         memory_efficient=memory_efficient,
         return_residual=return_residual,
     )
+
+
+def __getattr__(name: str):
+    # MemoryModes and MEMORY_MODES lived here before the layers took the memory-mode policy;
+    # imported when asked for, since kernels never import layers.
+    if name in ("MemoryModes", "MEMORY_MODES"):
+        from slimformer.layers import memory_modes
+
+        return getattr(memory_modes, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
