@@ -215,7 +215,7 @@ class ClassSwap:
     name: str
     module: nn.Module
     original_class: type
-    change: str = "masked-LM loss fused with the decoder"
+    change: str = _MASKED_LM_CHANGE
 
 
 @dataclass(frozen=True)

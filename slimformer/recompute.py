@@ -6,6 +6,7 @@ The policies, what each recomputes and why every one gives the same gradients:
 
 from torch import nn
 
+# re-exported: their import path in earlier releases, and the one model code reads
 from slimformer.layers.policies import POLICIES, check_policy
 
 __all__ = ["POLICIES", "check_policy", "recompute"]

@@ -25,10 +25,11 @@ from transformers import (
 )
 
 import slimformer as sf
+from slimformer.integrations.hf.bert import FusedBertFamilyLayer
 from slimformer.kernels.philox import dropout_threshold
 from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
 from slimformer.memory import measure_activation_memory
-from slimformer.patch import FusedBertFamilyLayer, patch, patch_summary, unpatch
+from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.quantize import quantized_modules
 from slimformer.recompute import POLICIES
 from tests.helpers import BRANCH_COVERING_POLICIES, TINY_BERT as TINY
@@ -353,7 +354,7 @@ def test_hidden_states_cache_checkpointing_and_pickling(torch_path):
 def test_pickles_name_the_integrations_and_earlier_paths_still_import(torch_path):
     import pickletools
 
-    from slimformer.integrations.hf.bert import FusedBertFamilyLayer as InIntegrations
+    from slimformer.patch import FusedBertFamilyLayer as AtEarlierPath
 
     model = patch(_model("BertForMaskedLM"), unpad=True)
     listing = io.StringIO()
@@ -374,7 +375,7 @@ def test_pickles_name_the_integrations_and_earlier_paths_still_import(torch_path
     from slimformer.layers.attention import register_transformers_attention
     from slimformer.patch import _rebuild_fused_layer
 
-    assert FusedBertFamilyLayer is InIntegrations
+    assert AtEarlierPath is FusedBertFamilyLayer
     assert register_transformers_attention is sf.register_transformers_attention
     assert slimformer.unpad.unpadded_class(BertModel) is type(model.bert)
     assert slimformer.masked_lm.fused_masked_lm_class(BertForMaskedLM) is type(model)

@@ -14,7 +14,8 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 import slimformer as sf  # noqa: E402
-from slimformer.patch import FusedLlamaStyleRMSNorm, patch_summary, unpatch  # noqa: E402
+from slimformer.integrations.hf.llama import FusedLlamaStyleRMSNorm  # noqa: E402
+from slimformer.patch import patch_summary, unpatch  # noqa: E402
 
 LLAMA = {
     "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,

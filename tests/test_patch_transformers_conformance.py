@@ -42,7 +42,8 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.roberta.modeling_roberta import RobertaSelfAttention
 
 import slimformer as sf
-from slimformer.patch import FusedBertFamilyLayer, patch_summary
+from slimformer.integrations.hf.bert import FusedBertFamilyLayer
+from slimformer.patch import patch_summary
 from tests.helpers import TINY_BERT as TINY
 
 ROOT = Path(__file__).resolve().parents[1]

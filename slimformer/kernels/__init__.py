@@ -1,0 +1,1 @@
+"""Functions on tensors: Triton kernels, their launchers, PyTorch references and custom ops (docs/architecture.md)."""

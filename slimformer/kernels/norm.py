@@ -824,7 +824,7 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     dw = None if weight is None or not summed_in_kernel else torch.empty(N, dtype=weight.dtype, device=dy.device)
     db = None if bias is None or not summed_in_kernel else torch.empty(N, dtype=bias.dtype, device=dy.device)
     if M > 0 and N > 0:
-        # x̂ = (y - b) · (1 / w): a multiply per element where a division is eight instructions
+        # x̂ = (y - b) · (1 / w): a multiply per element instead of a division
         w_reciprocal = weight.float().reciprocal() if spec.rebuild_from_output and weight is not None else None
         args = (dy, saved, weight, w_reciprocal, bias, mean, rstd, dh_out, dx, dresidual, dw_partial, db_partial)
         scalars = (seed, M, N, spec.dropout_p, rows_per_program)

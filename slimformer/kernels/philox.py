@@ -21,10 +21,9 @@ per element. The effective drop rate is ``p_eff = t / 256`` (p quantised to the 
 1/256: 0.1 -> 26/256 = 0.1016, 0.25 exact) and kept elements are scaled by
 ``1 / (1 - p_eff)``, so the expectation is still exactly the input; a p below 1/512 rounds
 to no dropout, and t stops at 255 so that some elements are always kept. 8-bit rather
-than 16-bit thresholds (8 decisions per call, p exact to 1/65536): compiled for sm_90,
-one Philox-4x32-10 call is ~45 SASS instructions: 2.8 per element at 16 decisions, 5.6
-at 8, out of a dropout budget of 4-15 instructions per element in the attention hot
-loops (1.5x a loop of 8-30 instructions per score element).
+than 16-bit thresholds: 16 decisions per call instead of 8 halve the generator's cost per
+element, which the attention hot loops cannot afford twice (the instruction counts are in
+the compile report, bench/results/compile-sm90.md).
 
 The Triton helper below produces keep masks for a [rows, columns] tile with one Philox
 call per 16 elements; ``dropout_keep_block`` computes the
@@ -100,7 +99,7 @@ _PHILOX_ROUNDS = 10
 # Attention's Philox-4x32 runs 7 rounds, as FlashAttention-2's dropout does
 # (csrc/flash_attn/src/philox.cuh): 7 is the fewest rounds with which Philox-4x32 passes
 # TestU01's BigCrush (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11;
-# 10 is their default margin), and it saves 30% of the generator's instructions.
+# 10 is their default margin).
 ATTENTION_PHILOX_ROUNDS = 7
 _ROUND_A: tl.constexpr = tl.constexpr(_PHILOX_ROUND_A)
 _ROUND_B: tl.constexpr = tl.constexpr(_PHILOX_ROUND_B)

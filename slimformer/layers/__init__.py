@@ -1,0 +1,1 @@
+"""Drop-in torch modules over the kernels, each a subclass of the module it replaces (docs/architecture.md)."""

@@ -9,8 +9,8 @@ The layer keeps torch's submodules (``self_attn``, ``linear1``, ``linear2``, ``n
 attention keeps q, k, v, its output and the log-sum-exp (never the score matrix), the
 norms keep their output (memory-efficient mode), the MLP keeps fc1's output, and every
 dropout mask is regenerated from a seed. The ``recompute`` policy
-(``slimformer.recompute``) drops more: ``qkv`` recomputes the QKV projection, ``mlp``
-fc1, ``full`` checkpoints the whole layer but its last op (see ``slimformer.recompute``).
+(``slimformer.layers.policies``) drops more: ``qkv`` recomputes the QKV projection, ``mlp``
+fc1, ``full`` checkpoints the whole layer but its last op (see ``slimformer.layers.policies``).
 
 Inputs are (batch, seq, d_model) with ``batch_first=True``; sequence-first inputs are
 transposed to a batch-first copy on entry (one more activation kept for backward).

@@ -16,13 +16,13 @@ KNOWN_FAILURES = {}
 
 # sm_80 (A100) has 163 KB of shared memory (sm_90: 227 KB) and mma.sync, whose tiles
 # accumulate in registers: its own attention block configs (``attention.configs.SM80``).
-# Two cases keep this cheap: d256 with dropout, and with every mask (largest tiles in
-# shared memory, most per-element state), whose sm_90 configs needed 168 KB for dQ there.
+# d256 with dropout is the case closest to its limits (largest tiles in shared memory,
+# most per-element state).
 SM80_PATTERN = "attn d256 bf16 s512 fused-qkv dropout0.1"
 # Compute capability 8.6 / 8.9 (RTX 30xx / 40xx, A10, L4) has 99 KB of shared memory per
-# block and takes the 99 KB table (``attention.configs.SMALL_SHARED``): sm_80's configs
-# needed 100 KB for the d256 forward and dQ (with or without dropout), and 128-132 KB for
-# fp32's backward at d256. Compiled for sm_86, whose limit is 101376 B.
+# block and takes the 99 KB table (``attention.configs.SMALL_SHARED``): d256 and fp32's
+# d256 backward are the launches that would not fit sm_80's. Compiled for sm_86, whose
+# limit is 101376 B.
 SM86_PATTERNS = (SM80_PATTERN, "attn d256 fp32")
 
 # The sm_90 attention's headline: every pass's hot loop on wgmma, the forward's loads by

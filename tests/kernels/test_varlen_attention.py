@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from slimformer.kernels import dispatch
-from slimformer.kernels.attention import attention, configs
+from slimformer.kernels.attention import attention, configs, varlen_attention
 from slimformer.kernels.philox import dropout_keep_mma_block, dropout_threshold
-from slimformer.kernels.varlen_attention import varlen_attention
 from tests.helpers import assert_within_reference_error
 
 DTYPES = [

@@ -21,7 +21,7 @@ from a seed, and the dropout's place passes its input through. Checked against t
 embeddings' source: each ``x = self.LayerNorm(x)`` directly followed by
 ``x = self.dropout(x)``, and no other call of either.
 
-The fused layers take the ``recompute`` policies of ``slimformer.recompute``. HF BERT
+The fused layers take the ``recompute`` policies of ``slimformer.layers.policies``. HF BERT
 keeps q, k and v as three Linears, while ``self_attention``'s QKV recompute wants one
 stacked weight, which would be a 3·E² copy per step kept for backward; so ``qkv``
 checkpoints the projections together with the attention (non-reentrant, RNG restored),
@@ -167,7 +167,7 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
 
     ``patch`` makes ``Fused<Layer>(FusedBertFamilyLayer, <Layer>)`` and an instance that shares
     the original's submodules and hooks. Attributes it adds: ``recompute`` (a policy of
-    ``slimformer.recompute``), ``fused_activation`` and ``saves_output`` (whether each
+    ``slimformer.layers.policies``), ``fused_activation`` and ``saves_output`` (whether each
     of the two LayerNorms may keep its output instead of its input, re-decided whenever
     their weights change, see ``slimformer.layers.memory_modes.MemoryModes``).
 

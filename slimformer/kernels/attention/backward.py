@@ -987,8 +987,8 @@ def _launch(
         grouped=heads != kv_heads,
         varlen=varlen,
     )
-    # GQA's loop over the group's heads holds more: lane pairs sharing out Philox calls
-    # (same bits) made its dK/dV tiles spill (compile report)
+    # GQA's loop over the group's heads keeps more live, so its dK/dV tiles draw without
+    # lane-paired Philox calls (HAS_DROPOUT 1), which would need the registers
     dkdv_flags = dict(flags, HAS_DROPOUT=min(flags["HAS_DROPOUT"], 1)) if heads != kv_heads else flags
     _attention_bwd_dkdv_kernel[grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q,
