@@ -70,7 +70,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from slimformer.integrations.hf import bert, llama
+from slimformer.integrations.hf import bert, distilbert, llama
 from slimformer.integrations.hf.bert import FusedBertFamilyLayer
 from slimformer.integrations.hf.classes import new_mixed
 from slimformer.integrations.hf.llama import FusedLlamaStyleRMSNorm
@@ -102,7 +102,7 @@ __all__ = [
 
 # The model families patch recognises, asked in this order about every module that is no
 # torch.nn swap: one integration module each.
-_FAMILIES = (bert.FAMILY, llama.FAMILY)
+_FAMILIES = (bert.FAMILY, distilbert.FAMILY, llama.FAMILY)
 _RECORD = "_slimformer_patch"
 _MASKED_LM_CHANGE = "masked-LM loss fused with the decoder"
 _UNPAD_CHANGE = "unpadded: packed real tokens, varlen attention"

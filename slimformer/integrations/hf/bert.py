@@ -65,7 +65,9 @@ masked-LM loss (``slimformer.integrations.hf.masked_lm``) and unpads base models
 
 import copy
 import inspect
+import operator
 import re
+from dataclasses import dataclass
 
 import torch
 from einops import rearrange
@@ -74,7 +76,7 @@ from torch.utils.checkpoint import checkpoint
 
 from slimformer.integrations import ModelFamily
 from slimformer.integrations.hf.classes import RuntimeMixin
-from slimformer.integrations.hf.masked_lm import FusedMaskedLM, is_masked_lm, masked_lm_problem
+from slimformer.integrations.hf.masked_lm import BERT_HEADS, FusedMaskedLM, is_masked_lm, masked_lm_problem
 from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, is_unpaddable_base_model
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import MAX_HEAD_DIM, attention, varlen_attention
@@ -116,26 +118,76 @@ _BERT_EMBEDDINGS = frozenset(
         ("transformers.models.roc_bert.modeling_roc_bert", "RoCBertEmbeddings"),
     }
 )
-_NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\)\n\s*\1 = self\.dropout\(\1\)\n")
+# ``x = self.LayerNorm(x)`` then ``x = self.dropout(x)``, either line may end in a comment (DistilBERT's do).
+_NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\) *(?:#.*)?\n\s*\1 = self\.dropout\(\1\) *(?:#.*)?\n")
 # config.hidden_act -> fused_mlp's activation.
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 # The Linears of a fused BERT layer may be ``sf.quantize``'s inference layers (for either
 # order of patch and quantize).
 _LINEARS = (nn.Linear, Linear8bit, Linear16bit)
-# Submodules that the fused forward runs without calling, and the types it computes
-# for (None: a container whose own forward is replaced); the Linears, which it calls
-# (q, k, v, attention.output.dense) or may call (the MLP's), are not listed.
-_BYPASSED = {
-    "attention": None, "attention.self": None, "attention.self.dropout": (TorchDropout,),
-    "attention.output": None, "attention.output.dropout": (TorchDropout,),
-    "attention.output.LayerNorm": (TorchLayerNorm, LayerNorm), "intermediate": None,
-    "intermediate.intermediate_act_fn": None, "output": None, "output.dropout": (TorchDropout,),
-    "output.LayerNorm": (TorchLayerNorm, LayerNorm),
-}  # fmt: skip
-# The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
-# hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
-# calibration's, which so see the real tokens only in an unpadded model).
-_MLP_LINEARS = ("intermediate.dense", "output.dense")
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where a post-LN encoder layer keeps its parts, as submodule paths, for the fused forward:
+
+        c = attention(q(x), k(x), v(x))                     ``attention``: its q, k, v Linears,
+                                                            ``dropout``, ``attention_head_size``,
+                                                            ``scaling`` and ``config``
+        y = out_norm(out_dropout(out_proj(c)) + x)          ``out_dropout`` None: no dropout there
+        z = mlp_norm(mlp_dropout(fc2(activation(fc1(y)))) + y)
+
+    ``containers``: the modules whose own forward the fused one replaces. ``activation_config``:
+    the config attribute naming the activation.
+    """
+
+    attention: str
+    qkv: tuple[str, str, str]
+    out_proj: str
+    out_dropout: str | None
+    out_norm: str
+    fc1: str
+    activation: str
+    fc2: str
+    mlp_dropout: str
+    mlp_norm: str
+    containers: tuple[str, ...]
+    activation_config: str
+
+    def bypassed(self) -> dict[str, tuple[type, ...] | None]:
+        """Submodules that the fused forward runs without calling, and the types it computes
+        for (None: a container, or the activation); the Linears, which it calls (q, k, v,
+        out_proj) or may call (the MLP's), are not listed."""
+        dropouts = (f"{self.attention}.dropout", self.out_dropout, self.mlp_dropout)
+        return {
+            **dict.fromkeys(self.containers),
+            **{path: (TorchDropout,) for path in dropouts if path is not None},
+            self.out_norm: (TorchLayerNorm, LayerNorm),
+            self.mlp_norm: (TorchLayerNorm, LayerNorm),
+            self.activation: None,
+        }
+
+    def expected(self) -> dict[str, tuple[type, ...]]:
+        """Submodule types a layer must have to be fused (the Linears may be ``sf.quantize``'s)."""
+        linears = (*self.qkv, self.out_proj, self.fc1, self.fc2)
+        typed = {path: types for path, types in self.bypassed().items() if types is not None}
+        return {**dict.fromkeys(linears, _LINEARS), **typed}
+
+
+_BERT_LAYOUT = LayerLayout(
+    attention="attention.self",
+    qkv=("attention.self.query", "attention.self.key", "attention.self.value"),
+    out_proj="attention.output.dense",
+    out_dropout="attention.output.dropout",
+    out_norm="attention.output.LayerNorm",
+    fc1="intermediate.dense",
+    activation="intermediate.intermediate_act_fn",
+    fc2="output.dense",
+    mlp_dropout="output.dropout",
+    mlp_norm="output.LayerNorm",
+    containers=("attention", "attention.self", "attention.output", "intermediate", "output"),
+    activation_config="hidden_act",
+)
 # The names under which a layer's call may get a cache (``cache`` from transformers 5.24 on).
 _CACHE_ARGUMENTS = ("cache", "past_key_values")
 
@@ -178,6 +230,8 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
 
     # sf.quantize may swap its inference Linears in: the forward calls them as modules.
     accepts_quantized_linears = True
+    # Where the layer keeps its parts; a subclass for another family's layer sets its own.
+    layout = _BERT_LAYOUT
 
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         packed = isinstance(attention_mask, PackedSequences)
@@ -202,8 +256,9 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
             # torch.compile a region ending in a multi-output op would lose its saved
             # boundary (the partitioner then recomputes every layer from the first).
             h, y = checkpoint(self._attention_mlp, hidden_states, attn_mask, padding, "none", use_reentrant=False)
-            return self._add_norm(h, y, self.output)
-        return self._add_norm(*self._attention_mlp(hidden_states, attn_mask, padding, policy), self.output)
+            return self._add_norm(h, y, self.layout.mlp_norm, self.layout.mlp_dropout)
+        h, y = self._attention_mlp(hidden_states, attn_mask, padding, policy)
+        return self._add_norm(h, y, self.layout.mlp_norm, self.layout.mlp_dropout)
 
     def _call_reason(self, attention_mask, args, kwargs) -> str | None:
         """Why this call, by its arguments, must run the original forward, or None.
@@ -214,7 +269,7 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
         A mask that is not a tensor (flex attention's BlockMask) is read by the original."""
         if any(value is not None for value in args) or any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
             return "a cache or encoder inputs were passed"
-        config = getattr(self.attention.self, "config", None)
+        config = getattr(self._part(self.layout.attention), "config", None)
         if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
             return "attentions were asked for"
         if not (attention_mask is None or isinstance(attention_mask, (torch.Tensor, PackedSequences))):
@@ -223,7 +278,7 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
 
     def _unfused_reason(self) -> str | None:
         """Why this call must run the original forward (see the module docstring), or None."""
-        for path, types in _BYPASSED.items():
+        for path, types in self.layout.bypassed().items():
             try:
                 module = self.get_submodule(path)
             except AttributeError:  # an activation that is a plain function
@@ -232,7 +287,10 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
                 return f"{path} is a {type(module).__name__}"
             if has_user_hooks(module):
                 return f"{path} has hooks"
-        for path in _MLP_LINEARS:
+        # The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
+        # hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
+        # calibration's, which so see the real tokens only in an unpadded model).
+        for path in (self.layout.fc1, self.layout.fc2):
             module = self.get_submodule(path)
             if type(module) not in _LINEARS:
                 return f"{path} is a {type(module).__name__}"
@@ -244,14 +302,14 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
             context = checkpoint(self._self_attention, x, attn_mask, padding, use_reentrant=False)
         else:
             context = self._self_attention(x, attn_mask, padding)
-        out = self.attention.output
-        y = self._add_norm(out.dense(context), x, out)
+        layout = self.layout
+        y = self._add_norm(self._part(layout.out_proj)(context), x, layout.out_norm, layout.out_dropout)
         return self._mlp(y, policy), y
 
     def _mlp(self, y, policy):
         """fc2(act(fc1(y))): the fused MLP kernel for float Linears without hooks; else (``sf.quantize``'s
         inference Linears, which keep no float weight; hooks) the Linears are called as modules."""
-        fc1, fc2 = self.intermediate.dense, self.output.dense
+        fc1, fc2 = self._part(self.layout.fc1), self._part(self.layout.fc2)
         if all(type(fc) is nn.Linear and not has_user_hooks(fc) for fc in (fc1, fc2)):
             return fused_mlp(
                 y,
@@ -263,37 +321,40 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
                 0.0,
                 recompute_fc1="mlp" in policy,
             )
-        return fc2(self.intermediate.intermediate_act_fn(fc1(y)))
+        return fc2(self._part(self.layout.activation)(fc1(y)))
 
     def _self_attention(self, x, attn_mask, padding):
         """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
         a ``PackedSequences`` (x is then (1, total, hidden): every real token, packed)."""
-        attn = self.attention.self
+        attn = self._part(self.layout.attention)
         dropout_p = attn.dropout.p if attn.training else 0.0
         qkv = self._qkv(x)
         if isinstance(attn_mask, PackedSequences):
-            q, k, v = (rearrange(t, "1 t (h d) -> t h d", h=attn.num_attention_heads) for t in qkv)
+            q, k, v = (rearrange(t, "1 t (h d) -> t h d", d=attn.attention_head_size) for t in qkv)
             cu, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
             out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=attn.scaling)
             return rearrange(out, "t h d -> 1 t (h d)")
-        q, k, v = (rearrange(t, "b s (h d) -> b h s d", h=attn.num_attention_heads) for t in qkv)
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=attn.attention_head_size) for t in qkv)
         out = attention(q, k, v, attn_mask, dropout_p, scale=attn.scaling, key_padding_mask=padding)
         return rearrange(out, "b h s d -> b s (h d)")
 
     def _qkv(self, x):
         """The query, key and value projections of x: one op with one input gradient for float
         Linears without hooks (see ``slimformer.kernels.projection``); else the Linears are called."""
-        attn = self.attention.self
-        linears = (attn.query, attn.key, attn.value)
+        linears = [self._part(path) for path in self.layout.qkv]
         if all(type(fc) is nn.Linear and not has_user_hooks(fc) for fc in linears):
             return projections(x, [fc.weight for fc in linears], [fc.bias for fc in linears])
         return [fc(x) for fc in linears]
 
-    @staticmethod
-    def _add_norm(branch, residual, block):
-        """``block.LayerNorm(block.dropout(branch) + residual)`` (BertSelfOutput, BertOutput), one kernel."""
-        norm = block.LayerNorm
-        dropout_p = block.dropout.p if block.dropout.training else 0.0
+    def _part(self, path: str):
+        """The submodule (or activation function) at ``path``, one of the layout's."""
+        return operator.attrgetter(path)(self)
+
+    def _add_norm(self, branch, residual, norm_path: str, dropout_path: str | None):
+        """``norm(dropout(branch) + residual)`` (BertSelfOutput, BertOutput), one kernel."""
+        norm = self._part(norm_path)
+        dropout = None if dropout_path is None else self._part(dropout_path)
+        dropout_p = dropout.p if dropout is not None and dropout.training else 0.0
         rebuilds_input = torch.is_grad_enabled() and MEMORY_MODES.rebuilds_input(norm)
         return fused_norm(
             branch,
@@ -310,12 +371,12 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
     @property
     def saves_output(self) -> tuple[bool, bool]:
         """Whether each LayerNorm may keep its output instead of its input, for the current weights."""
-        norms = (self.attention.output.LayerNorm, self.output.LayerNorm)
+        norms = (self._part(self.layout.out_norm), self._part(self.layout.mlp_norm))
         return tuple(MEMORY_MODES.rebuilds_input(norm) for norm in norms)
 
     def refresh_memory_mode(self) -> tuple[bool, bool]:
         """Re-decide now (one host sync); needed only after writing the weights through ``.data``."""
-        MEMORY_MODES.refresh(self.attention.output.LayerNorm, self.output.LayerNorm)
+        MEMORY_MODES.refresh(self._part(self.layout.out_norm), self._part(self.layout.mlp_norm))
         return self.saves_output
 
     def extra_repr(self) -> str:
@@ -331,41 +392,44 @@ def _looks_like_bert_layer(module: nn.Module) -> bool:
     return all(hasattr(obj, name) for obj, name in ((attention, "self"), (module, "intermediate"), (module, "output")))
 
 
-def _bert_layer_problem(layer: nn.Module) -> str | None:
-    """Why ``layer`` (an allow-listed BERT-family layer) cannot be fused, or None."""
-    if layer.is_decoder or getattr(layer, "add_cross_attention", False):
-        return "decoder layer (causal self-attention, KV cache, cross-attention) is not fused"
-    act = layer.attention.self.config.hidden_act
+def layer_problem(layer: nn.Module, layout: LayerLayout) -> str | None:
+    """Why ``layer`` (an allow-listed encoder layer laid out as ``layout``) cannot be fused, or None."""
+    attention = layer.get_submodule(layout.attention)
+    act = getattr(attention.config, layout.activation_config)
     if act not in _HF_ACTIVATIONS:
-        return f"hidden_act {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
-    expected = {
-        "attention.self.query": _LINEARS, "attention.self.key": _LINEARS,
-        "attention.self.value": _LINEARS, "attention.self.dropout": (TorchDropout,),
-        "attention.output.dense": _LINEARS, "attention.output.dropout": (TorchDropout,),
-        "attention.output.LayerNorm": (TorchLayerNorm, LayerNorm), "intermediate.dense": _LINEARS,
-        "output.dense": _LINEARS, "output.dropout": (TorchDropout,), "output.LayerNorm": (TorchLayerNorm, LayerNorm),
-    }  # fmt: skip
-    for path, types in expected.items():
+        return f"{layout.activation_config} {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
+    for path, types in layout.expected().items():
         module = layer.get_submodule(path)
         if type(module) not in types:
             return f"{path} is a {type(module).__name__}, not torch.nn.{types[0].__name__}"
-    head_dim = layer.attention.self.attention_head_size
+    head_dim = attention.attention_head_size
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} is above the fused kernel's {MAX_HEAD_DIM}"
     return None
 
 
-def _fuse_bert_layer(layer: nn.Module) -> nn.Module:
-    """A ``Fused<Layer>`` sharing ``layer``'s submodules, attributes and hooks."""
-    fused_class = FusedBertFamilyLayer.over(type(layer))
+def _bert_layer_problem(layer: nn.Module) -> str | None:
+    """Why ``layer`` (an allow-listed BERT-family layer) cannot be fused, or None."""
+    if layer.is_decoder or getattr(layer, "add_cross_attention", False):
+        return "decoder layer (causal self-attention, KV cache, cross-attention) is not fused"
+    return layer_problem(layer, _BERT_LAYOUT)
+
+
+def fuse_layer(layer: nn.Module, mixin: type[FusedBertFamilyLayer] = FusedBertFamilyLayer) -> nn.Module:
+    """A ``Fused<Layer>`` (``mixin`` over the layer's class) sharing ``layer``'s submodules,
+    attributes and hooks."""
+    fused_class = mixin.over(type(layer))
     fused = fused_class.__new__(fused_class)
     # The module's dicts (submodules, hooks) are copied so that registering on one of
     # the two objects later does not change the other; their contents are shared.
     fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
-    fused.fused_activation = _HF_ACTIVATIONS[layer.attention.self.config.hidden_act]
+    layout = mixin.layout
+    fused.fused_activation = _HF_ACTIVATIONS[
+        getattr(fused.get_submodule(layout.attention).config, layout.activation_config)
+    ]
     fused.recompute = "none"
-    for norm in (fused.attention.output.LayerNorm, fused.output.LayerNorm):
-        MEMORY_MODES.track(norm)
+    for path in (layout.out_norm, layout.mlp_norm):
+        MEMORY_MODES.track(fused.get_submodule(path))
     return fused
 
 
@@ -394,10 +458,13 @@ def _embeddings_problem(embeddings: nn.Module) -> str | None:
     return None
 
 
-def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
-    """{"LayerNorm": LayerNormDropout, "dropout": DropoutInNorm} fusing the two in BERT-family
-    ``embeddings``, or ({}, why not), or None when ``embeddings`` is not such a module."""
-    if (type(embeddings).__module__, type(embeddings).__name__) not in _BERT_EMBEDDINGS:
+def fuse_embeddings(
+    embeddings: nn.Module, classes: frozenset[tuple[str, str]] = _BERT_EMBEDDINGS
+) -> tuple[dict[str, nn.Module], str | None] | None:
+    """{"LayerNorm": LayerNormDropout, "dropout": DropoutInNorm} fusing the two in
+    ``embeddings``, or ({}, why not), or None when its class is none of ``classes``
+    ((module, class name) pairs; BERT-family embeddings by default)."""
+    if (type(embeddings).__module__, type(embeddings).__name__) not in classes:
         return None
     problem = _embeddings_problem(embeddings)
     if problem is not None:
@@ -409,14 +476,16 @@ def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str 
 def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
     if _is_bert_layer(module):
         problem = _bert_layer_problem(module)
-        return (None, problem) if problem else (_fuse_bert_layer(module), None)
+        return (None, problem) if problem else (fuse_layer(module), None)
     if _looks_like_bert_layer(module):
         return None, f"{type(module).__name__} is not a BERT-family layer verified to compute BertLayer's forward"
     return None
 
 
-def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
-    if not is_masked_lm(model):
+def fused_loss(model: nn.Module, heads: frozenset[str] = BERT_HEADS) -> tuple[type | None, str | None] | None:
+    """``Fused<Model>`` for a ``*ForMaskedLM`` model with one of the head layouts ``heads``
+    (``slimformer.integrations.hf.masked_lm``), or (None, why not), or None for any other model."""
+    if not is_masked_lm(model, heads):
         return None
     problem = masked_lm_problem(model)
     return (None, problem) if problem else (FusedMaskedLM.over(type(model)), None)
@@ -432,5 +501,5 @@ def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
 
 
 FAMILY = ModelFamily(
-    "BERT family", _replacement, replace_children=_fused_embeddings, fuse_loss=_fused_loss, unpad=_unpadded
+    "BERT family", _replacement, replace_children=fuse_embeddings, fuse_loss=fused_loss, unpad=_unpadded
 )

@@ -1,4 +1,4 @@
-"""The fused masked-LM loss of HuggingFace BERT-family ``*ForMaskedLM`` models.
+"""The fused masked-LM loss of HuggingFace BERT-family and DistilBERT ``*ForMaskedLM`` models.
 
 ``slimformer.patch`` changes the class of such a model, in place and reversibly, to
 ``Fused<Model>(FusedMaskedLM, <Model>)``: the same object, Parameters, ``state_dict``
@@ -28,8 +28,9 @@ from slimformer.layers.mlm_head import masked_token_loss
 
 # model class -> how its head is laid out: "predictions" (BERT: cls.predictions with
 # transform + decoder), "pretraining" (the same, beside cls.seq_relationship for
-# next-sentence prediction) or "lm_head" (RoBERTa: lm_head with dense, gelu,
-# layer_norm, decoder).
+# next-sentence prediction), "lm_head" (RoBERTa: lm_head with dense, gelu,
+# layer_norm, decoder) or "distilbert" (the model's own vocab_transform, activation,
+# vocab_layer_norm, vocab_projector).
 _MASKED_LM_MODELS = {
     ("transformers.models.bert.modeling_bert", "BertForMaskedLM"): "predictions",
     ("transformers.models.bert.modeling_bert", "BertForPreTraining"): "pretraining",
@@ -38,7 +39,10 @@ _MASKED_LM_MODELS = {
     ("transformers.models.xlm_roberta.modeling_xlm_roberta", "XLMRobertaForMaskedLM"): "lm_head",
     ("transformers.models.camembert.modeling_camembert", "CamembertForMaskedLM"): "lm_head",
     ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextForMaskedLM"): "lm_head",
+    ("transformers.models.distilbert.modeling_distilbert", "DistilBertForMaskedLM"): "distilbert",
 }
+# The head layouts of BERT-family models (``slimformer.integrations.hf.bert``'s).
+BERT_HEADS = frozenset({"predictions", "pretraining", "lm_head"})
 
 
 def _layout(model: torch.nn.Module) -> str | None:
@@ -46,19 +50,23 @@ def _layout(model: torch.nn.Module) -> str | None:
     return _MASKED_LM_MODELS.get((model_class.__module__, model_class.__name__))
 
 
-def is_masked_lm(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is one of the ``*ForMaskedLM`` classes whose loss can be fused."""
-    return _layout(model) is not None
-
-
-def _head_module(model):
-    return model.lm_head if _layout(model) == "lm_head" else model.cls.predictions
+def is_masked_lm(model: torch.nn.Module, heads: frozenset[str]) -> bool:
+    """Whether ``model`` is one of the ``*ForMaskedLM`` classes whose loss can be fused,
+    with one of the head layouts ``heads`` (a family asks for its own)."""
+    return _layout(model) in heads
 
 
 def _head(model):
     """(transform: (rows, H) -> (rows, H), decoder Linear) of the model's MLM head."""
-    head = _head_module(model)
-    if _layout(model) != "lm_head":
+    layout = _layout(model)
+    if layout == "distilbert":
+
+        def transform(rows):
+            return model.vocab_layer_norm(model.activation(model.vocab_transform(rows)))
+
+        return transform, model.vocab_projector
+    head = model.lm_head if layout == "lm_head" else model.cls.predictions
+    if layout != "lm_head":
         return head.transform, head.decoder
     gelu = sys.modules[type(head).__module__].gelu  # the function the head's own forward calls
 
@@ -70,9 +78,9 @@ def _head(model):
 
 def masked_lm_problem(model: torch.nn.Module) -> str | None:
     """Why the MLM loss of ``model`` (an allow-listed class) cannot be fused, or None."""
-    head = _head_module(model)
-    if type(head.decoder) is not torch.nn.Linear:
-        return f"the head's decoder is a {type(head.decoder).__name__}, not torch.nn.Linear"
+    decoder = _head(model)[1]
+    if type(decoder) is not torch.nn.Linear:
+        return f"the head's decoder is a {type(decoder).__name__}, not torch.nn.Linear"
     return None
 
 

@@ -1,0 +1,116 @@
+"""DistilBERT encoders of HuggingFace transformers (>= 5): fused transformer blocks and embeddings.
+
+DistilBERT's ``TransformerBlock`` is BERT's post-LN encoder layer under other names, with
+no dropout on the attention output (p the FFN's dropout):
+
+    c = attention(x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv; mask)   ``attention.q_lin / k_lin / v_lin``
+    y = sa_layer_norm(c Woᵀ + bo + x)                          ``attention.out_lin``, one kernel
+    z = output_layer_norm(dropout_p(ffn(y)) + y)               ``ffn.lin1``, activation, ``ffn.lin2``
+
+so it runs ``FusedBertFamilyLayer``'s forward (``slimformer.integrations.hf.bert``) over the
+block's own layout: the same kernels, recompute policies, fallbacks to the original
+forward (attentions asked for, a mask that is not a tensor, hooks on or replaced
+submodules it does not call), quantized Linears and memory modes. ``FusedDistilBertTransformerBlock``
+subclasses the block's class and shares its submodules, so Parameters, ``state_dict``
+keys and hooks are the original's, and ``unpatch`` puts the original object back. The
+embeddings' ``LayerNorm`` and ``dropout`` become one fused norm kernel, as BERT's, after
+the same check of their forward's source. ``DistilBertForMaskedLM`` gets the fused
+masked-LM loss (``slimformer.integrations.hf.masked_lm``): its ``vocab_transform``,
+``activation`` and ``vocab_layer_norm`` on the labelled positions only, and
+``vocab_projector`` (tied to the word embeddings) fused with the cross-entropy.
+
+Left, with the reason in the summary:
+
+- ``unpad=True``: ``DistilBertModel`` builds its attention mask with transformers'
+  ``create_bidirectional_mask`` inside its forward, where the unpadded model
+  (``slimformer.integrations.hf.unpad``) replaces the base model's
+  ``_create_attention_masks`` to hand the layers the packing; so it runs padded;
+- activations other than gelu / gelu_new / gelu_pytorch_tanh / relu, head dims above 256,
+  submodules of other types, and every class that only looks like a DistilBERT block.
+"""
+
+from torch import nn
+
+from slimformer.integrations import ModelFamily
+from slimformer.integrations.hf.bert import (
+    FusedBertFamilyLayer,
+    LayerLayout,
+    fuse_embeddings,
+    fuse_layer,
+    fused_loss,
+    layer_problem,
+)
+
+__all__ = ["FAMILY", "FusedDistilBertLayer"]
+
+_MODULE = "transformers.models.distilbert.modeling_distilbert"
+_BLOCK = (_MODULE, "TransformerBlock")
+_EMBEDDINGS = frozenset({(_MODULE, "Embeddings")})
+# The head layout ``slimformer.integrations.hf.masked_lm`` gives DistilBertForMaskedLM.
+_HEADS = frozenset({"distilbert"})
+_BASE_MODEL = (_MODULE, "DistilBertModel")
+
+_LAYOUT = LayerLayout(
+    attention="attention",
+    qkv=("attention.q_lin", "attention.k_lin", "attention.v_lin"),
+    out_proj="attention.out_lin",
+    out_dropout=None,
+    out_norm="sa_layer_norm",
+    fc1="ffn.lin1",
+    activation="ffn.activation",
+    fc2="ffn.lin2",
+    mlp_dropout="ffn.dropout",
+    mlp_norm="output_layer_norm",
+    containers=("attention", "ffn"),
+    activation_config="activation",
+)
+
+
+class FusedDistilBertLayer(FusedBertFamilyLayer):
+    """``FusedBertFamilyLayer``'s forward over DistilBERT's ``TransformerBlock`` (see the
+    module docstring); ``patch`` makes ``FusedDistilBertTransformerBlock(FusedDistilBertLayer,
+    TransformerBlock)``."""
+
+    prefix = "FusedDistilBert"
+    layout = _LAYOUT
+
+
+def _class_name(module: nn.Module) -> tuple[str, str]:
+    kind = getattr(type(module), "_original_class", type(module))
+    return kind.__module__, kind.__name__
+
+
+def _looks_like_block(module: nn.Module) -> bool:
+    attention = getattr(module, "attention", None)
+    return hasattr(attention, "q_lin") and hasattr(module, "ffn") and hasattr(module, "sa_layer_norm")
+
+
+def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
+    if (type(module).__module__, type(module).__name__) == _BLOCK:
+        problem = layer_problem(module, _LAYOUT)
+        return (None, problem) if problem else (fuse_layer(module, FusedDistilBertLayer), None)
+    if _looks_like_block(module):
+        return None, f"{type(module).__name__} is not a DistilBERT block verified to compute TransformerBlock's forward"
+    return None
+
+
+def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
+    return fuse_embeddings(embeddings, _EMBEDDINGS)
+
+
+def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
+    return fused_loss(model, _HEADS)
+
+
+def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
+    if _class_name(model) != _BASE_MODEL:
+        return None
+    return None, (
+        "unpad: not supported for DistilBERT (DistilBertModel builds its attention mask inside its forward, "
+        "which the unpadded path cannot hand a packing); it runs padded"
+    )
+
+
+FAMILY = ModelFamily(
+    "DistilBERT", _replacement, replace_children=_fused_embeddings, fuse_loss=_fused_loss, unpad=_unpadded
+)

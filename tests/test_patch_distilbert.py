@@ -1,0 +1,296 @@
+"""slimformer.patch of HuggingFace DistilBERT: fused blocks and embeddings compute like the originals.
+
+Tiny models from configs (no downloads), on the PyTorch path (TRITON_INTERPRET=0).
+"""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    DistilBertConfig,
+    DistilBertForMaskedLM,
+    DistilBertForQuestionAnswering,
+    DistilBertForSequenceClassification,
+    DistilBertForTokenClassification,
+    DistilBertModel,
+)
+
+from slimformer.integrations.hf.distilbert import FusedDistilBertLayer
+from slimformer.kernels.philox import dropout_threshold
+from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
+from slimformer.patch import patch, patch_summary, unpatch
+from slimformer.recompute import POLICIES
+
+# the BERT tests' batch and comparison helpers, for the same checks
+from tests.test_patch import _assert_grads_close, _batch, _loss_and_grads, _outputs
+
+MODELS = {
+    "DistilBertModel": DistilBertModel,
+    "DistilBertForSequenceClassification": DistilBertForSequenceClassification,
+    "DistilBertForMaskedLM": DistilBertForMaskedLM,
+    "DistilBertForTokenClassification": DistilBertForTokenClassification,
+    "DistilBertForQuestionAnswering": DistilBertForQuestionAnswering,
+}
+TINY = {"vocab_size": 100, "dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64, "max_position_embeddings": 64}
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _model(name="DistilBertModel", dropout=0.1, attn="eager", **config):
+    torch.manual_seed(0)
+    config = DistilBertConfig(
+        **{**TINY, **config},
+        dropout=dropout,
+        attention_dropout=dropout,
+        seq_classif_dropout=dropout,
+        qa_dropout=dropout,
+        attn_implementation=attn,
+    )
+    model = MODELS[name](config)
+    with torch.no_grad():  # LayerNorm weights away from their initial 1 / 0
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def _blocks(model):
+    return model.base_model.transformer.layer
+
+
+@pytest.fixture
+def original_forward_refused(monkeypatch):
+    """Call it to make the original TransformerBlock.forward raise: the fused forward must not need it."""
+    from transformers.models.distilbert.modeling_distilbert import TransformerBlock
+
+    def refuse():
+        def forward(*args, **kwargs):
+            raise AssertionError("the original TransformerBlock.forward ran")
+
+        monkeypatch.setattr(TransformerBlock, "forward", forward)
+
+    return refuse
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "slimformer"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eval_outputs_match_with_padding(name, attn, original_forward_refused):
+    reference = _model(name, attn=attn).eval()
+    model = patch(copy.deepcopy(reference))
+    assert all(isinstance(block, FusedDistilBertLayer) for block in _blocks(model))
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        # sdpa hands the blocks no mask without padding
+        masks = (mask, torch.ones_like(mask))
+        expected = [_outputs(reference, ids, m) for m in masks]
+        original_forward_refused()
+        for m, want in zip(masks, expected, strict=True):
+            for out, value in zip(_outputs(model, ids, m), want, strict=True):
+                torch.testing.assert_close(out, value, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_gradients_match_without_dropout(name, attn, original_forward_refused):
+    reference = _model(name, dropout=0.0, attn=attn).train()
+    model = patch(copy.deepcopy(reference))
+    ids, mask = _batch(model.config)
+    expected_loss, expected = _loss_and_grads(reference, ids, mask)
+    original_forward_refused()
+    loss, grads = _loss_and_grads(model, ids, mask)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    _assert_grads_close(grads, expected)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", ["DistilBertModel", "DistilBertForSequenceClassification"])
+def test_every_policy_gives_the_reference_gradients(name, policy, original_forward_refused):
+    reference = _model(name, dropout=0.0, attn="sdpa").train()
+    model = patch(copy.deepcopy(reference), recompute=policy)
+    assert {block.recompute for block in _blocks(model)} == {policy}
+    ids, mask = _batch(model.config)
+    expected = _loss_and_grads(reference, ids, mask)[1]
+    original_forward_refused()
+    _assert_grads_close(_loss_and_grads(model, ids, mask)[1], expected)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_dropout_in_train_mode_is_seeded_by_torch_under_every_policy(policy):
+    reference = _model("DistilBertForSequenceClassification", dropout=0.1)
+    model = patch(copy.deepcopy(reference), recompute=policy).train()
+    ids, mask = _batch(model.config)
+    runs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        loss, grads = _loss_and_grads(model, ids, mask)
+        runs.append((loss, grads))
+    (first, first_grads), (again, again_grads), (other, _) = runs
+    assert torch.equal(first, again)  # the masks come from torch's seed, forward and backward
+    assert all(torch.equal(first_grads[name], again_grads[name]) for name in first_grads)
+    assert not torch.equal(first, other)  # dropout is on
+    reference.eval()
+    model.eval()
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+
+
+def _embeddings_grads(embeddings, ids, dy):
+    embeddings.zero_grad()
+    out = embeddings(input_ids=ids)
+    (out * dy).sum().backward()
+    return out, {name: p.grad.clone() for name, p in embeddings.named_parameters()}
+
+
+def test_embeddings_norm_and_dropout_run_as_one_kernel():
+    # Without dropout exactly HF's embeddings; with it, HF's computation with the mask the
+    # kernel drew (read from its output), which backward must regenerate.
+    ids, _ = _batch(_model().config, batch=2, seq=7)
+    dy = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(5))
+    for p in (0.0, 0.3):
+        reference = _model(dropout=p).train()
+        model = patch(copy.deepcopy(reference))
+        assert type(model.embeddings.LayerNorm) is LayerNormDropout and model.embeddings.LayerNorm.fuses_dropout()
+        assert type(model.embeddings.dropout) is DropoutInNorm
+        out, grads = _embeddings_grads(model.embeddings, ids, dy)
+        keep = out != 0
+        if p:
+            assert 0.5 < keep.float().mean() < 0.9  # ~0.7 kept
+            reference.embeddings.dropout = nn.Identity()
+            scale = dropout_threshold(p)[1]
+            reference.embeddings.register_forward_hook(lambda m, a, y: torch.where(keep, y * scale, 0.0))
+        expected_out, expected = _embeddings_grads(reference.embeddings, ids, dy)
+        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        _assert_grads_close(grads, expected)
+
+
+def test_state_dict_parameters_summary_and_unpatch():
+    model = _model("DistilBertForSequenceClassification")
+    modules = dict(model.named_modules())
+    parameters = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    assert patch(model) is model
+    assert list(model.state_dict()) == keys
+    assert all(p is parameters[name] for name, p in model.named_parameters())
+    summary = patch_summary(model)
+    assert {swap.name for swap in summary.swapped} == {
+        "distilbert.embeddings.LayerNorm",
+        "distilbert.embeddings.dropout",
+        "distilbert.transformer.layer.0",
+        "distilbert.transformer.layer.1",
+    }
+    assert "FusedDistilBertTransformerBlock" in str(summary)
+    model.eval()
+    assert unpatch(model) is model
+    assert all(module is modules[name] for name, module in model.named_modules())
+    assert dict(model.named_modules()).keys() == modules.keys()
+    assert type(model.distilbert.transformer.layer[0]).__name__ == "TransformerBlock"
+    assert not any(module.training for module in model.modules())
+    with pytest.raises(ValueError, match="is not patched"):
+        unpatch(model)
+
+
+@pytest.mark.parametrize("policy", ["none", "qkv+mlp"])
+def test_masked_lm_loss_is_fused_with_the_vocabulary_projection(policy):
+    reference = _model("DistilBertForMaskedLM", dropout=0.0).train()
+    model = patch(copy.deepcopy(reference), recompute=policy)
+    assert type(model).__name__ == "FusedDistilBertForMaskedLM"
+    assert [swap.change for swap in patch_summary(model).class_swaps] == ["masked-LM loss fused with the decoder"]
+    ids, mask = _batch(model.config)
+    labels = torch.full_like(ids, -100)
+    labels[:, 1::3] = ids[:, 1::3]
+    results = []
+    for m in (model, reference):
+        m.zero_grad()
+        out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results.append((out, {name: p.grad for name, p in m.named_parameters()}))
+    (out, grads), (expected_out, expected) = results
+    assert out.logits is None and expected_out.logits is not None
+    torch.testing.assert_close(out.loss, expected_out.loss, rtol=1e-5, atol=1e-6)
+    _assert_grads_close(grads, expected)
+    with torch.no_grad():  # no grad, or eval: the model's own forward, logits and all
+        torch.testing.assert_close(model(ids, attention_mask=mask, labels=labels).logits, expected_out.logits)
+    unpatch(model)
+    assert type(model) is DistilBertForMaskedLM
+
+
+def test_unpad_is_left_with_its_reason():
+    reference = _model("DistilBertModel", dropout=0.0).eval()
+    with pytest.warns(UserWarning, match="nothing is unpadded"):
+        model = patch(copy.deepcopy(reference), unpad=True)
+    left = {item.name: item.reason for item in patch_summary(model).left}
+    assert "unpad: not supported for DistilBERT" in left[""]
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).last_hidden_state, reference(ids, attention_mask=mask).last_hidden_state
+        )
+
+
+def test_unsupported_blocks_are_left_with_reasons():
+    model = patch(_model("DistilBertModel", activation="silu"))
+    reasons = {item.name: item.reason for item in patch_summary(model).left}
+    assert "activation 'silu' has no fused kernel" in reasons["transformer.layer.0"]
+
+    model = _model("DistilBertModel")
+    block_class = type(model.transformer.layer[0])
+    subclass = type("MyBlock", (block_class,), {})
+    for block in model.transformer.layer:
+        block.__class__ = subclass
+    reasons = {item.name: item.reason for item in patch_summary(patch(model)).left}
+    assert "not a DistilBERT block verified" in reasons["transformer.layer.0"]
+
+
+def test_hidden_states_attentions_checkpointing_and_pickling():
+    reference = _model("DistilBertModel", dropout=0.0).train()
+    model = patch(copy.deepcopy(reference))
+    ids, mask = _batch(model.config)
+    outs = [m(ids, attention_mask=mask, output_hidden_states=True).hidden_states for m in (model, reference)]
+    for out, expected in zip(*outs, strict=True):
+        torch.testing.assert_close(out, expected)
+    with torch.no_grad():  # attentions asked for: the original blocks run that call
+        out, expected = (m.eval()(ids, attention_mask=mask, output_attentions=True) for m in (model, reference))
+    assert len(out.attentions) == len(expected.attentions) == model.config.n_layers
+    for got, want in zip((*out.attentions, out.last_hidden_state), (*expected.attentions, expected.last_hidden_state)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    model.train().activation_checkpointing_enable()  # transformers' own checkpointing wraps the fused blocks
+    reference.train()
+    _assert_grads_close(_loss_and_grads(model, ids, mask)[1], _loss_and_grads(reference, ids, mask)[1])
+
+    fresh = patch(_model("DistilBertForSequenceClassification")).eval()
+    buffer = io.BytesIO()
+    torch.save(fresh, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert type(loaded.distilbert.transformer.layer[0]) is type(fresh.distilbert.transformer.layer[0])
+    torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, fresh(ids, attention_mask=mask).logits)
+    unpatch(loaded)
+    assert type(loaded.distilbert.transformer.layer[0]).__name__ == "TransformerBlock"
+
+
+def test_hooks_on_submodules_of_a_fused_block_fire():
+    reference = _model("DistilBertModel", dropout=0.0).eval()
+    model = patch(copy.deepcopy(reference))
+    paths = ("attention", "attention.q_lin", "ffn", "output_layer_norm")
+    calls = {}
+    for m in (model, reference):
+        block = m.transformer.layer[0]
+        for path in paths:
+            block.get_submodule(path).register_forward_hook(
+                lambda module, args, out, key=(id(m), path): calls.setdefault(key, []).append(out)
+            )
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).last_hidden_state, reference(ids, attention_mask=mask).last_hidden_state
+        )
+    for path in paths:
+        got, want = calls[(id(model), path)], calls[(id(reference), path)]
+        assert len(got) == len(want) == 1
+        torch.testing.assert_close(got, want)
