@@ -29,9 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-# bench's commands take the output convention from here; it lives in tools.results, which the
-# compile report shares without importing bench
-from tools.results import LOCAL_RESULTS, RESULTS, ROOT, add_output_arguments, refuse_to_replace, shown  # noqa: F401
+from tools.results import ROOT
 
 ROUNDS = 100
 WARMUP = 5

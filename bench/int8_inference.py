@@ -39,7 +39,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_model  # noqa: E402
 
-from bench.harness import add_output_arguments, device_name, device_slug, refuse_to_replace, shown  # noqa: E402
+from bench.harness import device_name, device_slug  # noqa: E402
+from tools.results import add_output_arguments, refuse_to_replace, shown  # noqa: E402
 
 BATCHES = (1, 8, 32)
 SEQ = 128

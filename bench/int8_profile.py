@@ -34,8 +34,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.harness import add_output_arguments, device_name, device_slug, refuse_to_replace, shown
+from bench.harness import device_name, device_slug
 from bench.int8_inference import SEQ, _load, _timing_batch
+from tools.results import add_output_arguments, refuse_to_replace, shown
 
 BATCHES = (1, 8)
 # Profiled forwards per variant and batch size, after one warm-up forward each.

@@ -67,20 +67,13 @@ from bench.compile_memory import (  # noqa: E402
     measure as measure_compile_memory,
 )
 from bench.cpu_step import measure_times, time_lines  # noqa: E402
-from bench.harness import (  # noqa: E402
-    ROOT,
-    add_output_arguments,
-    device_slug,
-    git_revision,
-    refuse_to_replace,
-    report_machine_info,
-    shown,
-)
+from bench.harness import device_slug, git_revision, report_machine_info  # noqa: E402
 from bench.int8_inference import int8_inference_section  # noqa: E402
 from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
 from bench.mlm_memory import mlm_memory_section  # noqa: E402
 from bench.unpad import report_lines as unpad_lines  # noqa: E402
 from slimformer.recompute import POLICIES  # noqa: E402
+from tools.results import ROOT, add_output_arguments, refuse_to_replace, shown  # noqa: E402
 
 # One plot per family, named after its benchmark file, bench/test_<family>_bench.py.
 FAMILIES = tuple(sorted(p.name[len("test_") : -len("_bench.py")] for p in ROOT.glob("bench/test_*_bench.py")))

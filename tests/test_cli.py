@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import harness, int8_inference, int8_profile, report
+from bench import int8_inference, int8_profile, report
 from bench.harness import device_name
 from examples import train_bert_mlm
 from tools import results
@@ -99,9 +99,9 @@ def test_bench_report_help_is_its_own_and_starts_no_run(monkeypatch, capsys):
 
 
 def test_results_go_to_a_git_ignored_local_folder():
-    assert harness.LOCAL_RESULTS == ROOT / "bench" / "results" / "local"
+    assert results.LOCAL_RESULTS == ROOT / "bench" / "results" / "local"
     assert "bench/results/local/" in (ROOT / ".gitignore").read_text().splitlines()
-    assert report._parser().parse_args([]).out == harness.LOCAL_RESULTS
+    assert report._parser().parse_args([]).out == results.LOCAL_RESULTS
 
 
 def _bench_slug() -> str:
