@@ -108,7 +108,7 @@ class MemoryModes:
         by_device: dict[torch.device, list] = {}
         for norm, flag, held in local:
             by_device.setdefault(flag.device, []).append(([(norm, held)], flag.view(1)))
-        for (mesh, dims), judged in by_mesh.items():
+        for (_, mesh, dims), judged in by_mesh.items():
             device = _mesh_device(mesh)
             flags = _all_ranks_agree(torch.stack([flag.to(device) for _, flag, _ in judged]), mesh, dims)
             by_device.setdefault(flags.device, []).append(([(norm, held) for norm, _, held in judged], flags))
@@ -187,10 +187,13 @@ def _held(norm, records: dict) -> tuple:
     )
 
 
-def _mesh_key(norm, records: dict) -> tuple | None:
-    """(device mesh, the mesh dims to combine local verdicts over) that ``norm``'s
-    FSDP2-managed weight and bias share; None when they cannot be judged together (one
-    of them not managed, different meshes or placements, a partial placement)."""
+def _mesh_key(norm, records: "_FsdpRecords") -> tuple | None:
+    """(FSDP2 tree, device mesh, the mesh dims to combine local verdicts over) that
+    ``norm``'s FSDP2-managed weight and bias share; None when they cannot be judged
+    together (one of them not managed, different meshes or placements, a partial
+    placement). The tree is part of the key because a collective may only count norms
+    that every rank holds: those of the model running now, not those of a dead model
+    whose FSDP2 state one rank's garbage collector has freed and another's not yet."""
     if set(records) != {name for name, t in zip(("weight", "bias"), _weights(norm)) if t is not None}:
         return None
     sharded = [record.sharded_param for record in records.values()]
@@ -199,7 +202,7 @@ def _mesh_key(norm, records: dict) -> tuple | None:
         return None
     if any(p.is_partial() for p in first.placements):
         return None
-    return first.device_mesh, tuple(d for d, p in enumerate(first.placements) if not p.is_replicate())
+    return records.tree, first.device_mesh, tuple(d for d, p in enumerate(first.placements) if not p.is_replicate())
 
 
 def _judge_fsdp_norm(norm, records: dict) -> tuple[torch.Tensor, tuple]:
@@ -237,11 +240,22 @@ def _mesh_device(mesh) -> torch.device:
     return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
-def _fsdp2_params_by_module() -> dict | None:
-    """FSDP2's per-parameter records (``FSDPParam``) by id of the module that uses them,
-    then by the parameter's name there; {} when FSDP2 is not in use, None when it is but
-    its records cannot be read (a torch whose internals moved): norms then keep their
-    input rather than guess."""
+class _FsdpRecords(dict):
+    """One module's FSDP2 parameter records (``FSDPParam``) by parameter name, and the
+    FSDP2 tree that runs them (the id of the state context that the root shares with
+    every state under it)."""
+
+    __slots__ = ("tree",)
+
+    def __init__(self, tree: int) -> None:
+        super().__init__()
+        self.tree = tree
+
+
+def _fsdp2_params_by_module() -> dict[int, _FsdpRecords] | None:
+    """FSDP2's per-parameter records by id of the module that uses them; {} when FSDP2
+    is not in use, None when it is but its records cannot be read (a torch whose
+    internals moved): norms then keep their input rather than guess."""
     fsdp_state = sys.modules.get("torch.distributed.fsdp._fully_shard._fsdp_state")
     if fsdp_state is None:
         return {}
@@ -250,7 +264,7 @@ def _fsdp2_params_by_module() -> dict | None:
         from torch.distributed.tensor import DTensor
 
         states = {id(s): s for s in (ref() for ref in list(_module_state_mapping.values()))}
-        by_module: dict[int, dict] = {}
+        by_module: dict[int, _FsdpRecords] = {}
         for state in states.values():
             if not isinstance(state, fsdp_state.FSDPState):
                 continue
@@ -261,7 +275,7 @@ def _fsdp2_params_by_module() -> dict | None:
                     info = record._module_info
                     names = (info.param_name, *info.shared_param_names)
                     for module, name in zip((info.module, *info.shared_modules), names, strict=True):
-                        by_module.setdefault(id(module), {})[name] = record
+                        by_module.setdefault(id(module), _FsdpRecords(id(state._state_ctx)))[name] = record
         return by_module
     except (AttributeError, ImportError, TypeError, ValueError):
         return None

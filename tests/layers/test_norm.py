@@ -461,11 +461,45 @@ def _shards_judged_in_the_gathered_dtype(fully_shard, torch_class, sf_class):
     assert decisions == expected, f"{sf_class.__name__}: decided {decisions}"
 
 
+def _a_model_alive_on_one_rank_only(fully_shard, torch_class, sf_class):
+    # A sharded model that rank 0 still holds and rank 1 has freed (a reference cycle its
+    # garbage collector has not reached yet, say) is on the same default mesh as the one
+    # running now; its norms must not join the running model's all_reduce, or the ranks
+    # combine different numbers of verdicts (gloo: a size mismatch; NCCL: a hang).
+    import gc
+
+    old = fully_shard(nn.Sequential(sf_class(16)))
+    old(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    kept = old if dist.get_rank() == 0 else None
+    del old
+    gc.collect()
+    new = fully_shard(nn.Sequential(sf_class(16)))
+    counts = {"all_reduce": 0}
+    real = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        counts["all_reduce"] += tensor.numel()
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        new(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    finally:
+        dist.all_reduce = real
+    assert counts["all_reduce"] == 1, f"{sf_class.__name__}: combined {counts['all_reduce']} verdicts, not 1"
+    del kept
+
+
 @pytest.mark.timeout(300)  # two spawned processes; ~20 s on an idle machine
 def test_fsdp2_norms_keep_exact_gradients_with_one_host_sync_per_step(tmp_path, monkeypatch):
     # One spawn of two gloo ranks runs every FSDP2 check (a spawn costs more than the checks).
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the mode decision is the same on both paths
-    checks = (_train_to_zero_weight_under_fsdp2, _multi_layer_syncs_under_fsdp2, _shards_judged_in_the_gathered_dtype)
+    checks = (
+        _train_to_zero_weight_under_fsdp2,
+        _multi_layer_syncs_under_fsdp2,
+        _shards_judged_in_the_gathered_dtype,
+        _a_model_alive_on_one_rank_only,
+    )
     mp.spawn(_fsdp2_worker, args=(2, tmp_path / "store", str(tmp_path / "failure"), checks), nprocs=2, join=True)
     failures = [path.read_text() for path in sorted(tmp_path.glob("failure*.txt"))]
     assert not failures, "\n".join(failures)

@@ -79,6 +79,15 @@ def _check_deterministic(deterministic: bool) -> bool:
     return deterministic
 
 
+def _checked_scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``scale`` as a float, or 1 / sqrt(head_dim) for None."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    return float(scale)
+
+
 def _check_head_dim(head_dim: int) -> None:
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
@@ -254,13 +263,11 @@ def attention(
             f"key and value must have query's {heads} heads (pass enable_gqa=True for fewer), got {kv_heads}"
         )
     _check_dropout_p(dropout_p, seq_q, seq_k)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    scale = _checked_scale(scale, head_dim)
     if isinstance(attn_mask, CausalBias):
         attn_mask, is_causal = _causal_bias_as_mask(attn_mask, is_causal, seq_q, seq_k, query.device)
     _check_masks(attn_mask, key_padding_mask, query.device, batch_shape, heads, seq_q, seq_k)
     _check_causal_without_mask(attn_mask, is_causal)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     if query.dim() != 4:
         attn_mask = _mask_as_batch_heads(attn_mask, batch_shape)
         if key_padding_mask is not None:
@@ -470,9 +477,7 @@ def varlen_attention(
     _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     _check_dropout_p(dropout_p, max_seqlen_q, max_seqlen_k)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = _checked_scale(scale, head_dim)
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "varlen_attention") if dropout_p > 0.0 else None
     out, lse = varlen_attention_op(

@@ -42,43 +42,10 @@ def _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causa
     return fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
 
 
-def _attention_backward(
-    grad_out,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    seed,
-    attn_mask,
-    key_padding_mask,
-    dropout_p,
-    is_causal,
-    scale,
-    deterministic,
-    dq,
-    dk,
-    dv,
-):
+def _attention_backward(grad_out, q, *args):
+    """The kernels' or the reference's backward, with ``attention_backward``'s arguments."""
     bwd = attention_backward if runs_kernels(q) else attention_backward_reference
-    bwd(
-        grad_out,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        seed,
-        attn_mask,
-        key_padding_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        deterministic,
-        dq,
-        dk,
-        dv,
-    )
+    bwd(grad_out, q, *args)
 
 
 def _fake_out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
