@@ -17,9 +17,11 @@ the patch keep working):
     sentence-transformers models built on them) -> ``Fused<Layer>``, a subclass of the
     layer's own class running attention, the two add + LayerNorms and the MLP on fused
     kernels; their embeddings' LayerNorm and dropout -> one fused norm kernel
-    (``slimformer.integrations.hf.bert``);
+    (``slimformer.integrations.hf.bert``); the same for DistilBERT's blocks and ALBERT's
+    (shared) layers and their embeddings (``...hf.distilbert``, ``...hf.albert``);
   - HuggingFace BERT-family ``*ForMaskedLM`` models (BERT, ERNIE, RoBERTa, XLM-RoBERTa,
-    CamemBERT, Data2VecText) and ``BertForPreTraining`` change class in place to
+    CamemBERT, Data2VecText), ``BertForPreTraining``, ``DistilBertForMaskedLM`` and
+    ``AlbertForMaskedLM`` change class in place to
     ``Fused<Model>``, whose training loss skips the vocabulary logits (``logits`` is None
     when that loss is fused; ``slimformer.integrations.hf.masked_lm``);
   - with ``unpad=True``, HuggingFace BERT-family base models (``BertModel``,
@@ -70,7 +72,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from slimformer.integrations.hf import bert, distilbert, llama
+from slimformer.integrations.hf import albert, bert, distilbert, llama
 from slimformer.integrations.hf.bert import FusedBertFamilyLayer
 from slimformer.integrations.hf.classes import new_mixed
 from slimformer.integrations.hf.llama import FusedLlamaStyleRMSNorm
@@ -102,7 +104,7 @@ __all__ = [
 
 # The model families patch recognises, asked in this order about every module that is no
 # torch.nn swap: one integration module each.
-_FAMILIES = (bert.FAMILY, distilbert.FAMILY, llama.FAMILY)
+_FAMILIES = (bert.FAMILY, distilbert.FAMILY, albert.FAMILY, llama.FAMILY)
 _RECORD = "_slimformer_patch"
 _MASKED_LM_CHANGE = "masked-LM loss fused with the decoder"
 _UNPAD_CHANGE = "unpadded: packed real tokens, varlen attention"

@@ -330,3 +330,31 @@ def test_masked_lm_head_gets_its_own_row():
     assert eager_head > BATCH * SEQ * 500 * FP32 > 4 * fused_head  # at least the logits vs a fraction of them
     text = str(result)
     assert "head + loss (all but bert)" in text and "rest (embeddings, layer I/O)" in text
+
+
+def test_a_shared_layer_counts_every_application():
+    # ALBERT applies one layer object num_hidden_layers times; its row sums every
+    # application, each measured alone, so "rest" keeps only embeddings and layer I/O.
+    from transformers import AlbertConfig, AlbertModel
+
+    torch.manual_seed(0)
+    config = AlbertConfig(
+        vocab_size=100,
+        embedding_size=16,
+        hidden_size=D_MODEL,
+        num_hidden_layers=3,
+        num_attention_heads=HEADS,
+        intermediate_size=FFN,
+        max_position_embeddings=SEQ,
+    )
+    ids = torch.randint(5, 100, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    for model in (AlbertModel(config).train(), sf.patch(AlbertModel(config).train())):
+        column = sf.memory.report(model, {"input_ids": ids}, progress=False).models[0]
+        (name, memory), *others = column.layers
+        assert not others and name == "encoder.albert_layer_groups.0 (applied 3×)"
+        hidden_states = model.embeddings(input_ids=ids)
+        once = measure_activation_memory(
+            model.encoder.albert_layer_groups[0], model.encoder.embedding_hidden_mapping_in(hidden_states)
+        )
+        assert memory.saved_bytes == 3 * once.saved_bytes
+        assert 0 <= column.rest_bytes < max(once.saved_bytes, once.alive_bytes)

@@ -15,7 +15,9 @@ inputs), and returns a ``MemoryReport`` that prints as a rich table:
   input, output and parameters are left out, and the row "rest" is the whole forward
   minus its layers: embeddings, the hidden states between layers, heads. Splitting one
   forward by layer instead would need a second pair of saved-tensor hooks inside the
-  measurement's, and only the innermost pair runs. A HF model with a head around its
+  measurement's, and only the innermost pair runs. A layer that the forward applies
+  several times (ALBERT's shared layer) gets one row for all its applications, each
+  measured alone on the arguments it received, summed. A HF model with a head around its
   base model (``BertForMaskedLM`` around ``bert``) gets a **head** row too: the whole
   forward minus the base model's forward measured alone the same way, i.e. the head
   and its loss (the masked-LM logits and softmax of eager HF, slimformer's fused
@@ -309,17 +311,17 @@ def _detached(obj: Any) -> Any:
 
 
 def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], args: tuple, kwargs: dict) -> list:
-    """The (args, kwargs) each layer gets in one forward of ``model`` (its first call).
+    """Per layer, the (args, kwargs) of each of its calls in one forward of ``model`` (one
+    call per layer in most models; a shared layer's every application).
 
     The forward runs with grad enabled, so the inputs say truly whether they require
     grad, but its pack hook keeps nothing, so it costs no activation memory. It also
     warms the model up (lazily built state, kernel compilation) before the measurements.
     """
-    captured: dict[nn.Module, tuple] = {}
+    captured: dict[nn.Module, list[tuple]] = {}
 
     def keep(module: nn.Module, layer_args: tuple, layer_kwargs: dict) -> None:
-        if module not in captured:
-            captured[module] = _detached((layer_args, layer_kwargs))
+        captured.setdefault(module, []).append(_detached((layer_args, layer_kwargs)))
 
     handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for _, layer in layers]
     try:
@@ -332,6 +334,18 @@ def _layer_inputs(model: nn.Module, layers: list[tuple[str, nn.Module]], args: t
     if not_called:
         raise ValueError(f"the forward of {type(model).__name__} did not call the layers {not_called}")
     return [captured[layer] for _, layer in layers]
+
+
+def _summed(memories: list[ActivationMemory]) -> ActivationMemory:
+    """What several forwards kept together (one shared layer's applications)."""
+    if len(memories) == 1:
+        return memories[0]
+    return ActivationMemory(
+        saved_bytes=sum(m.saved_bytes for m in memories),
+        alive_bytes=sum(m.alive_bytes for m in memories),
+        saved=tuple(record for m in memories for record in m.saved),
+        alive=tuple(record for m in memories for record in m.alive),
+    )
 
 
 def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> tuple[int, int | None, float | None]:
@@ -420,12 +434,14 @@ def measure_model(
     layer_inputs = _layer_inputs(model, named + ([base] if base else []), args, kwargs)
     done("layer inputs caught")
     per_layer = []
-    for (layer_name, layer), (layer_args, layer_kwargs) in zip(named, layer_inputs):
-        per_layer.append((layer_name, measure_activation_memory(layer, *layer_args, **layer_kwargs)))
+    for (layer_name, layer), calls in zip(named, layer_inputs):
+        memories = [measure_activation_memory(layer, *layer_args, **layer_kwargs) for layer_args, layer_kwargs in calls]
+        label = layer_name if len(calls) == 1 else f"{layer_name} (applied {len(calls)}×)"
+        per_layer.append((label, _summed(memories)))
         done(f"{layer_name} measured")
     base_memory = None
     if base is not None:
-        base_args, base_kwargs = layer_inputs[-1]
+        base_args, base_kwargs = layer_inputs[-1][0]
         base_memory = (base[0], measure_activation_memory(base[1], *base_args, **base_kwargs))
         done(f"{base[0]} measured alone")
     peak, update_peak, seconds = _step(model, args, kwargs, device)

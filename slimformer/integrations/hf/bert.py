@@ -132,16 +132,17 @@ class LayerLayout:
     """Where a post-LN encoder layer keeps its parts, as submodule paths, for the fused forward:
 
         c = attention(q(x), k(x), v(x))                     ``attention``: its q, k, v Linears,
-                                                            ``dropout``, ``attention_head_size``,
-                                                            ``scaling`` and ``config``
+                                                            ``attention_head_size``, ``scaling``
+                                                            and ``config``; ``attention_dropout``
         y = out_norm(out_dropout(out_proj(c)) + x)          ``out_dropout`` None: no dropout there
-        z = mlp_norm(mlp_dropout(fc2(activation(fc1(y)))) + y)
+        z = mlp_norm(mlp_dropout(fc2(activation(fc1(y)))) + y)   likewise ``mlp_dropout``
 
     ``containers``: the modules whose own forward the fused one replaces. ``activation_config``:
     the config attribute naming the activation.
     """
 
     attention: str
+    attention_dropout: str
     qkv: tuple[str, str, str]
     out_proj: str
     out_dropout: str | None
@@ -149,7 +150,7 @@ class LayerLayout:
     fc1: str
     activation: str
     fc2: str
-    mlp_dropout: str
+    mlp_dropout: str | None
     mlp_norm: str
     containers: tuple[str, ...]
     activation_config: str
@@ -158,7 +159,7 @@ class LayerLayout:
         """Submodules that the fused forward runs without calling, and the types it computes
         for (None: a container, or the activation); the Linears, which it calls (q, k, v,
         out_proj) or may call (the MLP's), are not listed."""
-        dropouts = (f"{self.attention}.dropout", self.out_dropout, self.mlp_dropout)
+        dropouts = (self.attention_dropout, self.out_dropout, self.mlp_dropout)
         return {
             **dict.fromkeys(self.containers),
             **{path: (TorchDropout,) for path in dropouts if path is not None},
@@ -176,6 +177,7 @@ class LayerLayout:
 
 _BERT_LAYOUT = LayerLayout(
     attention="attention.self",
+    attention_dropout="attention.self.dropout",
     qkv=("attention.self.query", "attention.self.key", "attention.self.value"),
     out_proj="attention.output.dense",
     out_dropout="attention.output.dropout",
@@ -327,7 +329,7 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
         """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
         a ``PackedSequences`` (x is then (1, total, hidden): every real token, packed)."""
         attn = self._part(self.layout.attention)
-        dropout_p = attn.dropout.p if attn.training else 0.0
+        dropout_p = self._part(self.layout.attention_dropout).p if attn.training else 0.0
         qkv = self._qkv(x)
         if isinstance(attn_mask, PackedSequences):
             q, k, v = (rearrange(t, "1 t (h d) -> t h d", d=attn.attention_head_size) for t in qkv)

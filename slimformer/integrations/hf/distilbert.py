@@ -52,6 +52,7 @@ _BASE_MODEL = (_MODULE, "DistilBertModel")
 
 _LAYOUT = LayerLayout(
     attention="attention",
+    attention_dropout="attention.dropout",
     qkv=("attention.q_lin", "attention.k_lin", "attention.v_lin"),
     out_proj="attention.out_lin",
     out_dropout=None,

@@ -1,4 +1,4 @@
-"""The fused masked-LM loss of HuggingFace BERT-family and DistilBERT ``*ForMaskedLM`` models.
+"""The fused masked-LM loss of HuggingFace BERT-family, DistilBERT and ALBERT ``*ForMaskedLM`` models.
 
 ``slimformer.patch`` changes the class of such a model, in place and reversibly, to
 ``Fused<Model>(FusedMaskedLM, <Model>)``: the same object, Parameters, ``state_dict``
@@ -29,8 +29,9 @@ from slimformer.layers.mlm_head import masked_token_loss
 # model class -> how its head is laid out: "predictions" (BERT: cls.predictions with
 # transform + decoder), "pretraining" (the same, beside cls.seq_relationship for
 # next-sentence prediction), "lm_head" (RoBERTa: lm_head with dense, gelu,
-# layer_norm, decoder) or "distilbert" (the model's own vocab_transform, activation,
-# vocab_layer_norm, vocab_projector).
+# layer_norm, decoder), "distilbert" (the model's own vocab_transform, activation,
+# vocab_layer_norm, vocab_projector) or "albert" (predictions with dense, activation,
+# LayerNorm, decoder: the transform maps hidden to the embedding size).
 _MASKED_LM_MODELS = {
     ("transformers.models.bert.modeling_bert", "BertForMaskedLM"): "predictions",
     ("transformers.models.bert.modeling_bert", "BertForPreTraining"): "pretraining",
@@ -40,6 +41,7 @@ _MASKED_LM_MODELS = {
     ("transformers.models.camembert.modeling_camembert", "CamembertForMaskedLM"): "lm_head",
     ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextForMaskedLM"): "lm_head",
     ("transformers.models.distilbert.modeling_distilbert", "DistilBertForMaskedLM"): "distilbert",
+    ("transformers.models.albert.modeling_albert", "AlbertForMaskedLM"): "albert",
 }
 # The head layouts of BERT-family models (``slimformer.integrations.hf.bert``'s).
 BERT_HEADS = frozenset({"predictions", "pretraining", "lm_head"})
@@ -57,7 +59,7 @@ def is_masked_lm(model: torch.nn.Module, heads: frozenset[str]) -> bool:
 
 
 def _head(model):
-    """(transform: (rows, H) -> (rows, H), decoder Linear) of the model's MLM head."""
+    """(transform: (rows, H) -> (rows, E), decoder Linear (V, E)) of the model's MLM head."""
     layout = _layout(model)
     if layout == "distilbert":
 
@@ -65,6 +67,13 @@ def _head(model):
             return model.vocab_layer_norm(model.activation(model.vocab_transform(rows)))
 
         return transform, model.vocab_projector
+    if layout == "albert":
+        head = model.predictions
+
+        def transform(rows):
+            return head.LayerNorm(head.activation(head.dense(rows)))
+
+        return transform, head.decoder
     head = model.lm_head if layout == "lm_head" else model.cls.predictions
     if layout != "lm_head":
         return head.transform, head.decoder

@@ -1,0 +1,124 @@
+"""ALBERT encoders of HuggingFace transformers (>= 5): fused layers and embeddings.
+
+ALBERT's ``AlbertLayer`` is BERT's post-LN encoder layer under other names, with no
+dropout after the MLP (p the hidden dropout):
+
+    c = attention(x Wqᵀ + bq, x Wkᵀ + bk, x Wvᵀ + bv; mask)   ``attention.query / key / value``
+    y = attention.LayerNorm(dropout_p(c Woᵀ + bo) + x)         ``attention.dense``, one kernel
+    z = full_layer_layer_norm(ffn_output(act(ffn(y))) + y)     the fused MLP, one norm kernel
+
+so it runs ``FusedBertFamilyLayer``'s forward (``slimformer.integrations.hf.bert``) over the
+layer's own layout: the same kernels, recompute policies, fallbacks to the original
+forward, quantized Linears and memory modes. ``FusedAlbertLayer`` subclasses the layer's
+class and shares its submodules, so Parameters, ``state_dict`` keys and hooks are the
+original's, and ``unpatch`` puts the original object back.
+
+**One layer, applied many times.** ``AlbertTransformer`` runs its ``num_hidden_groups``
+layer groups ``num_hidden_layers`` times in all (ALBERT-base: one layer, twelve times), so
+the one fused layer object runs at every application: each application keeps its own
+tensors for backward (a recompute policy acts on each), and the shared weights' gradients
+sum over the applications as in HF. ``slimformer.memory``'s report counts each
+application of a layer.
+
+The embeddings' ``LayerNorm`` and ``dropout`` (over the embedding size, before
+``embedding_hidden_mapping_in`` projects to the hidden size) become one fused norm
+kernel, as BERT's, after the same check of their forward's source. ``AlbertForMaskedLM``
+gets the fused masked-LM loss (``slimformer.integrations.hf.masked_lm``): its
+``predictions.dense``, activation and ``LayerNorm`` on the labelled positions only, and
+``predictions.decoder`` (tied to the word embeddings) fused with the cross-entropy.
+
+Left, with the reason in the summary:
+
+- ``unpad=True``: ``AlbertModel`` builds its attention mask with transformers'
+  ``create_bidirectional_mask`` inside its forward, where the unpadded model
+  (``slimformer.integrations.hf.unpad``) replaces the base model's
+  ``_create_attention_masks`` to hand the layers the packing; so it runs padded;
+- activations other than gelu / gelu_new / gelu_pytorch_tanh / relu, head dims above 256,
+  submodules of other types, and every class that only looks like an ALBERT layer.
+``chunk_size_feed_forward`` is not needed (the fused MLP keeps less than a chunked one)
+and is ignored, as for BERT.
+"""
+
+from torch import nn
+
+from slimformer.integrations import ModelFamily
+from slimformer.integrations.hf.bert import (
+    FusedBertFamilyLayer,
+    LayerLayout,
+    fuse_embeddings,
+    fuse_layer,
+    fused_loss,
+    layer_problem,
+)
+
+__all__ = ["FAMILY", "FusedAlbertLayerMixin"]
+
+_MODULE = "transformers.models.albert.modeling_albert"
+_LAYER = (_MODULE, "AlbertLayer")
+_EMBEDDINGS = frozenset({(_MODULE, "AlbertEmbeddings")})
+# The head layout ``slimformer.integrations.hf.masked_lm`` gives AlbertForMaskedLM.
+_HEADS = frozenset({"albert"})
+_BASE_MODEL = (_MODULE, "AlbertModel")
+
+_LAYOUT = LayerLayout(
+    attention="attention",
+    attention_dropout="attention.attention_dropout",
+    qkv=("attention.query", "attention.key", "attention.value"),
+    out_proj="attention.dense",
+    out_dropout="attention.output_dropout",
+    out_norm="attention.LayerNorm",
+    fc1="ffn",
+    activation="activation",
+    fc2="ffn_output",
+    mlp_dropout=None,  # AlbertLayer.dropout exists, but its forward never calls it
+    mlp_norm="full_layer_layer_norm",
+    containers=("attention",),
+    activation_config="hidden_act",
+)
+
+
+class FusedAlbertLayerMixin(FusedBertFamilyLayer):
+    """``FusedBertFamilyLayer``'s forward over ALBERT's ``AlbertLayer`` (see the module
+    docstring); ``patch`` makes ``FusedAlbertLayer(FusedAlbertLayerMixin, AlbertLayer)``."""
+
+    prefix = "Fused"
+    layout = _LAYOUT
+
+
+def _class_name(module: nn.Module) -> tuple[str, str]:
+    kind = getattr(type(module), "_original_class", type(module))
+    return kind.__module__, kind.__name__
+
+
+def _looks_like_layer(module: nn.Module) -> bool:
+    attention = getattr(module, "attention", None)
+    return hasattr(attention, "query") and hasattr(module, "ffn_output") and hasattr(module, "full_layer_layer_norm")
+
+
+def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
+    if (type(module).__module__, type(module).__name__) == _LAYER:
+        problem = layer_problem(module, _LAYOUT)
+        return (None, problem) if problem else (fuse_layer(module, FusedAlbertLayerMixin), None)
+    if _looks_like_layer(module):
+        return None, f"{type(module).__name__} is not an ALBERT layer verified to compute AlbertLayer's forward"
+    return None
+
+
+def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
+    return fuse_embeddings(embeddings, _EMBEDDINGS)
+
+
+def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
+    return fused_loss(model, _HEADS)
+
+
+def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
+    if _class_name(model) != _BASE_MODEL:
+        return None
+    return None, (
+        "unpad: not supported for ALBERT (AlbertModel builds its attention mask inside its forward, "
+        "which the unpadded path cannot hand a packing); it runs padded"
+    )
+
+
+FAMILY = ModelFamily("ALBERT", _replacement, replace_children=_fused_embeddings, fuse_loss=_fused_loss, unpad=_unpadded)
