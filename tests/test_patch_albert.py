@@ -320,11 +320,3 @@ def test_hooks_on_submodules_of_a_fused_layer_fire_at_every_application():
         got, want = calls[(id(model), path)], calls[(id(reference), path)]
         assert len(got) == len(want) == model.config.num_hidden_layers
         torch.testing.assert_close(got, want)
-
-
-def test_unpad_is_left_with_its_reason():
-    reference = _model("AlbertModel", dropout=0.0).eval()
-    with pytest.warns(UserWarning, match="nothing is unpadded"):
-        model = patch(copy.deepcopy(reference), unpad=True)
-    left = {item.name: item.reason for item in patch_summary(model).left}
-    assert "unpad: not supported for ALBERT" in left[""]

@@ -220,19 +220,6 @@ def test_masked_lm_loss_is_fused_with_the_vocabulary_projection(policy):
     assert type(model) is DistilBertForMaskedLM
 
 
-def test_unpad_is_left_with_its_reason():
-    reference = _model("DistilBertModel", dropout=0.0).eval()
-    with pytest.warns(UserWarning, match="nothing is unpadded"):
-        model = patch(copy.deepcopy(reference), unpad=True)
-    left = {item.name: item.reason for item in patch_summary(model).left}
-    assert "unpad: not supported for DistilBERT" in left[""]
-    ids, mask = _batch(model.config)
-    with torch.no_grad():
-        torch.testing.assert_close(
-            model(ids, attention_mask=mask).last_hidden_state, reference(ids, attention_mask=mask).last_hidden_state
-        )
-
-
 def test_unsupported_blocks_are_left_with_reasons():
     model = patch(_model("DistilBertModel", activation="silu"))
     reasons = {item.name: item.reason for item in patch_summary(model).left}

@@ -27,15 +27,15 @@ gets the fused masked-LM loss (``slimformer.integrations.hf.masked_lm``): its
 ``predictions.dense``, activation and ``LayerNorm`` on the labelled positions only, and
 ``predictions.decoder`` (tied to the word embeddings) fused with the cross-entropy.
 
-Left, with the reason in the summary:
+With ``unpad=True``, ``AlbertModel`` becomes ``UnpaddedAlbertModel``
+(``slimformer.integrations.hf.unpad``), which runs on the real tokens only (every
+application of the shared layer); it builds its mask inline, so its layers get the
+packing as a keyword argument (``unpad.PACKING_ARGUMENT``), and its pooler (a Linear,
+then tanh) reads the rows at position 0.
 
-- ``unpad=True``: ``AlbertModel`` builds its attention mask with transformers'
-  ``create_bidirectional_mask`` inside its forward, where the unpadded model
-  (``slimformer.integrations.hf.unpad``) replaces the base model's
-  ``_create_attention_masks`` to hand the layers the packing; so it runs padded;
-- activations other than gelu / gelu_new / gelu_pytorch_tanh / relu, head dims above 256,
-  submodules of other types, and every class that only looks like an ALBERT layer.
-``chunk_size_feed_forward`` is not needed (the fused MLP keeps less than a chunked one)
+Left, with the reason in the summary: activations other than gelu / gelu_new /
+gelu_pytorch_tanh / relu, head dims above 256, submodules of other types, and every
+class that only looks like an ALBERT layer. ``chunk_size_feed_forward`` is not needed (the fused MLP keeps less than a chunked one)
 and is ignored, as for BERT.
 """
 
@@ -50,6 +50,7 @@ from slimformer.integrations.hf.bert import (
     fused_loss,
     layer_problem,
 )
+from slimformer.integrations.hf.unpad import UnpaddedEncoderModel
 
 __all__ = ["FAMILY", "FusedAlbertLayerMixin"]
 
@@ -112,13 +113,25 @@ def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
     return fused_loss(model, _HEADS)
 
 
+class AlbertUnpadding(UnpaddedEncoderModel):
+    """``UnpaddedEncoderModel`` over ``AlbertModel``: layers in the layer groups, the mask
+    built inline, a pooler that is a Linear followed by ``pooler_activation``."""
+
+    builds_mask_inline = True
+
+    def encoder_layers(self) -> list[nn.Module]:
+        return [layer for group in self.encoder.albert_layer_groups for layer in group.albert_layers]
+
+    def pooled(self, first):
+        return self.pooler_activation(self.pooler(first))
+
+
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     if _class_name(model) != _BASE_MODEL:
         return None
-    return None, (
-        "unpad: not supported for ALBERT (AlbertModel builds its attention mask inside its forward, "
-        "which the unpadded path cannot hand a packing); it runs padded"
-    )
+    if all(isinstance(layer, FusedAlbertLayerMixin) for layer in AlbertUnpadding.encoder_layers(model)):
+        return AlbertUnpadding.over(type(model)), None
+    return None, "unpad: its layers are not all fused"
 
 
 FAMILY = ModelFamily("ALBERT", _replacement, replace_children=_fused_embeddings, fuse_loss=_fused_loss, unpad=_unpadded)

@@ -77,7 +77,12 @@ from torch.utils.checkpoint import checkpoint
 from slimformer.integrations import ModelFamily
 from slimformer.integrations.hf.classes import RuntimeMixin
 from slimformer.integrations.hf.masked_lm import BERT_HEADS, FusedMaskedLM, is_masked_lm, masked_lm_problem
-from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, is_unpaddable_base_model
+from slimformer.integrations.hf.unpad import (
+    PACKING_ARGUMENT,
+    PackedSequences,
+    UnpaddedEncoderModel,
+    is_unpaddable_base_model,
+)
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import MAX_HEAD_DIM, attention, varlen_attention
 from slimformer.kernels.norm import fused_norm
@@ -236,6 +241,9 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
     layout = _BERT_LAYOUT
 
     def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+        packing = kwargs.pop(PACKING_ARGUMENT, None)  # an unpadded model that builds its mask inline
+        if packing is not None:
+            attention_mask = packing
         packed = isinstance(attention_mask, PackedSequences)
         reason = self._call_reason(attention_mask, args, kwargs) or self._unfused_reason()
         if reason is not None:

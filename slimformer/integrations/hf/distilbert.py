@@ -19,14 +19,14 @@ masked-LM loss (``slimformer.integrations.hf.masked_lm``): its ``vocab_transform
 ``activation`` and ``vocab_layer_norm`` on the labelled positions only, and
 ``vocab_projector`` (tied to the word embeddings) fused with the cross-entropy.
 
-Left, with the reason in the summary:
+With ``unpad=True``, ``DistilBertModel`` becomes ``UnpaddedDistilBertModel``
+(``slimformer.integrations.hf.unpad``), which runs on the real tokens only; it builds its
+mask inline, so its blocks get the packing as a keyword argument
+(``unpad.PACKING_ARGUMENT``).
 
-- ``unpad=True``: ``DistilBertModel`` builds its attention mask with transformers'
-  ``create_bidirectional_mask`` inside its forward, where the unpadded model
-  (``slimformer.integrations.hf.unpad``) replaces the base model's
-  ``_create_attention_masks`` to hand the layers the packing; so it runs padded;
-- activations other than gelu / gelu_new / gelu_pytorch_tanh / relu, head dims above 256,
-  submodules of other types, and every class that only looks like a DistilBERT block.
+Left, with the reason in the summary: activations other than gelu / gelu_new /
+gelu_pytorch_tanh / relu, head dims above 256, submodules of other types, and every
+class that only looks like a DistilBERT block.
 """
 
 from torch import nn
@@ -40,6 +40,7 @@ from slimformer.integrations.hf.bert import (
     fused_loss,
     layer_problem,
 )
+from slimformer.integrations.hf.unpad import UnpaddedEncoderModel
 
 __all__ = ["FAMILY", "FusedDistilBertLayer"]
 
@@ -103,13 +104,22 @@ def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
     return fused_loss(model, _HEADS)
 
 
+class DistilBertUnpadding(UnpaddedEncoderModel):
+    """``UnpaddedEncoderModel`` over ``DistilBertModel``: blocks in ``transformer.layer``,
+    the mask built inline, no pooler."""
+
+    builds_mask_inline = True
+
+    def encoder_layers(self) -> list[nn.Module]:
+        return list(self.transformer.layer)
+
+
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     if _class_name(model) != _BASE_MODEL:
         return None
-    return None, (
-        "unpad: not supported for DistilBERT (DistilBertModel builds its attention mask inside its forward, "
-        "which the unpadded path cannot hand a packing); it runs padded"
-    )
+    if all(isinstance(block, FusedDistilBertLayer) for block in model.transformer.layer):
+        return DistilBertUnpadding.over(type(model)), None
+    return None, "unpad: its blocks are not all fused"
 
 
 FAMILY = ModelFamily(

@@ -1,10 +1,12 @@
 """Unpadded BERT-family encoders: compute and memory proportional to the real tokens.
 
-``slimformer.patch(model, unpad=True)`` changes the class of each BERT-family base model
-in ``model`` (``BertModel``, ``RobertaModel`` ... also inside ``*ForMaskedLM``,
-``*ForSequenceClassification``, token classification and sentence-transformers models),
-in place and reversibly, to ``Unpadded<Model>(UnpaddedEncoderModel, <Model>)``. When a
-call passes a 2-d ``attention_mask`` (1 = token, 0 = padding) its forward
+``slimformer.patch(model, unpad=True)`` changes the class of each BERT-family, DistilBERT
+or ALBERT base model in ``model`` (``BertModel``, ``RobertaModel``, ``DistilBertModel``,
+``AlbertModel`` ... also inside ``*ForMaskedLM``, ``*ForSequenceClassification``, token
+classification and sentence-transformers models), in place and reversibly, to
+``Unpadded<Model>(UnpaddedEncoderModel, <Model>)`` (a family's subclass of it where its
+model differs). When a call passes a 2-d ``attention_mask`` (1 = token, 0 = padding) its
+forward
 
 1. packs: the flat indices of the real tokens (``torch.nonzero``: the one host sync a
    forward needs, for the token count) and ``cu_seqlens`` (int32, no sync), once;
@@ -36,9 +38,17 @@ mask's token count, a value an exported graph cannot take its shapes from; under
 model turns it off. With left padding the pooler reads position 0, which is padding: it pools a
 zero row where HF pools the padding token's state (neither is a [CLS] embedding).
 
+The packing reaches the fused layers as their attention mask. BERT-family models build
+the layers' mask in ``_create_attention_masks``, which the unpadded model replaces to hand
+the packing on. DistilBERT and ALBERT build it inline, by transformers'
+``create_bidirectional_mask``: their unpadded forward calls the original with no mask
+(for which every implementation in ``_INLINE_MASK_IMPLEMENTATIONS`` builds none) and the
+packing as the keyword argument ``PACKING_ARGUMENT``, which their forwards hand down to
+every layer with the rest of their keyword arguments; other attention implementations
+(flex attention's BlockMask) run padded.
+
 The packing itself (``PackedSequences``, ``pack_padding_mask``, ``unpad_tokens``,
-``pad_tokens``) is plain torch, kept here beside its only user; the fused BERT-family
-layer takes a ``PackedSequences`` as its attention mask.
+``pad_tokens``) is plain torch, kept here beside its only user.
 """
 
 import sys
@@ -66,6 +76,10 @@ _BASE_MODELS = frozenset(
     }
 )
 
+
+# Attention implementations whose mask builder returns None for no mask (no padding in
+# the packed row), so that a model building its mask inline hands its layers None.
+_INLINE_MASK_IMPLEMENTATIONS = frozenset({"eager", "sdpa", "slimformer"})
 
 # Arguments of a call that runs padded: encoder-decoder inputs and a cache, which the
 # original attention writes (transformers 5.24 names it ``cache`` and maps a
@@ -122,6 +136,11 @@ def pack_padding_mask(attention_mask: torch.Tensor) -> PackedSequences:
     return PackedSequences(indices, cu_seqlens, seq, batch, seq)
 
 
+# The keyword argument that carries the packing to the layers of a model that builds its
+# mask inline (its forward passes its keyword arguments on to every layer).
+PACKING_ARGUMENT = "slimformer_packing"
+
+
 def unpad_tokens(x: torch.Tensor, packing: PackedSequences) -> torch.Tensor:
     """(batch, seq, ...) -> (total, ...): the real tokens, in order."""
     return x.flatten(0, 1).index_select(0, packing.indices)
@@ -143,7 +162,7 @@ def _first_positions(packed: torch.Tensor, packing: PackedSequences, first_is_to
 
 
 def is_unpaddable_base_model(module: nn.Module) -> bool:
-    """Whether ``module`` is one of the base models ``patch(unpad=True)`` can unpad."""
+    """Whether ``module`` is one of the BERT-family base models ``patch(unpad=True)`` can unpad."""
     kind = getattr(type(module), "_original_class", type(module))
     return (kind.__module__, kind.__name__) in _BASE_MODELS
 
@@ -157,6 +176,16 @@ class UnpaddedEncoderModel(RuntimeMixin):
     unpad = True
     # sf.quantize may swap its inference Linears in (the pooler's is called as a module).
     accepts_quantized_linears = True
+    # Whether the model builds its layers' mask inline (see the module docstring).
+    builds_mask_inline = False
+
+    def encoder_layers(self) -> list[nn.Module]:
+        """The encoder layers every packed call runs through."""
+        return list(self.encoder.layer)
+
+    def pooled(self, first: torch.Tensor) -> torch.Tensor:
+        """The pooler's output for the (batch, hidden) rows at position 0."""
+        return self.pooler(first[:, None])
 
     def forward(self, *args, **kwargs):
         bound = self._forward_signature.bind(self, *args, **kwargs)
@@ -178,14 +207,18 @@ class UnpaddedEncoderModel(RuntimeMixin):
         for name, value in arguments.items():
             if name != "attention_mask" and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == per_token:
                 arguments[name] = unpad_tokens(value, packing)[None]
-        arguments["attention_mask"] = packing
+        if self.builds_mask_inline:
+            arguments["attention_mask"] = None
+            extra[PACKING_ARGUMENT] = packing
+        else:
+            arguments["attention_mask"] = packing
         outputs = super().forward(**arguments, **extra, return_dict=True)
         packed = outputs.last_hidden_state[0]
         outputs["last_hidden_state"] = pad_tokens(packed, packing)
         if getattr(self, "pooler", None) is not None:
             # The pooler reads position 0; handing it those rows alone (not a view of the
             # padded output) keeps backward from holding the padded output's storage.
-            outputs["pooler_output"] = self.pooler(_first_positions(packed, packing, mask[:, 0] != 0)[:, None])
+            outputs["pooler_output"] = self.pooled(_first_positions(packed, packing, mask[:, 0] != 0))
         if outputs.get("hidden_states") is not None:
             outputs["hidden_states"] = tuple(pad_tokens(h[0], packing) for h in outputs.hidden_states)
         return outputs if return_dict else outputs.to_tuple()
@@ -200,13 +233,16 @@ class UnpaddedEncoderModel(RuntimeMixin):
         if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             return "no 2-d attention_mask"
         given = {**extra, **arguments}
-        if self.config.is_decoder or any(given.get(name) is not None for name in _DECODER_ARGUMENTS):
+        if getattr(self.config, "is_decoder", False) or any(given.get(name) is not None for name in _DECODER_ARGUMENTS):
             return "a decoder or encoder-decoder call, or a cache"
         if arguments.get("use_cache"):
             return "use_cache"
         if extra.get("output_attentions", getattr(self.config, "output_attentions", False)):
             return "output_attentions"
-        for index, layer in enumerate(self.encoder.layer):
+        implementation = self.config._attn_implementation
+        if self.builds_mask_inline and implementation not in _INLINE_MASK_IMPLEMENTATIONS:
+            return f"the {implementation} attention implementation builds a mask for the packed row"
+        for index, layer in enumerate(self.encoder_layers()):
             reason = layer._unfused_reason() if hasattr(layer, "_unfused_reason") else "it is not fused"
             if reason is not None:
                 return f"encoder layer {index}: {reason}"
