@@ -133,18 +133,20 @@ def _left_role_reason(module: nn.Module) -> str | None:
     from_transformers = type(module).__module__.startswith("transformers.")
     if _ROLES["attention"].search(name):
         reason = (
-            "attention of a model family slimformer does not fuse layer by layer (it fuses BERT-family encoder "
-            "layers, torch.nn.TransformerEncoderLayer and torch.nn.MultiheadAttention)"
+            "attention of a model family slimformer does not fuse layer by layer (it fuses BERT-family, DistilBERT "
+            "and ALBERT encoder layers, torch.nn.TransformerEncoderLayer and torch.nn.MultiheadAttention)"
         )
         if from_transformers:
             reason += "; run it on slimformer's kernel with model.set_attn_implementation('slimformer')"
         return reason
     if _ROLES["MLP"].search(name):
         return (
-            "no drop-in for this MLP (the fused MLP replaces the feed-forward of BERT-family layers and "
-            "torch.nn.TransformerEncoderLayer)"
+            "no drop-in for this MLP (the fused MLP replaces the feed-forward of BERT-family, DistilBERT and ALBERT "
+            "layers and torch.nn.TransformerEncoderLayer)"
         )
-    if _ROLES["norm"].search(name):
+    # A norm without parameters of its own (sentence-transformers' Normalize: the L2
+    # normalisation of embeddings) is no normalisation layer a kernel could replace.
+    if _ROLES["norm"].search(name) and next(module.parameters(recurse=False), None) is not None:
         return (
             "not torch.nn.LayerNorm / RMSNorm nor an RMSNorm computing LlamaRMSNorm's forward, so its result may "
             "differ (e.g. Gemma's 1 + weight, T5's cast to the weight's dtype, batch or group statistics)"
