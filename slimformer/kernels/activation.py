@@ -31,7 +31,14 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, check_linear, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import (
+    FLOAT_DTYPES,
+    absent_output,
+    check_linear,
+    eager_autograd,
+    reference_row_blocks,
+    use_triton,
+)
 from slimformer.kernels.dropout import tile_origin
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
@@ -439,7 +446,7 @@ def _mlp_backward(ctx, dout, _dh):
     return dx, dw1, db1 if b1 is not None else None, dw2, db2 if has_b2 else None, None, None, None, None
 
 
-_mlp_op.register_autograd(_mlp_backward, setup_context=_mlp_setup_context)
+_mlp = eager_autograd(_mlp_op, _mlp_backward, _mlp_setup_context)
 
 
 def _check_linear(name: str, weight: torch.Tensor, bias, in_features: int, x: torch.Tensor) -> None:
@@ -495,7 +502,7 @@ def fused_mlp(
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     seed = new_dropout_seed(x.device, rows.detach(), "fused_mlp") if dropout_p > 0 else None
     with torch.autocast(x.device.type, enabled=False):
-        out, _ = _mlp_op(
+        out, _ = _mlp(
             rows, fc1_weight, fc1_bias, fc2_weight, fc2_bias, seed, activation, float(dropout_p), bool(recompute_fc1)
         )
     return out.view(*x.shape[:-1], fc2_weight.shape[0])

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, eager_autograd, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -147,7 +147,7 @@ def _dropout_add_backward(ctx, dout):
     return dx, dout.to(ctx.residual_dtype), None, None
 
 
-_dropout_add_op.register_autograd(_dropout_add_backward, setup_context=_dropout_add_setup_context)
+_dropout_add = eager_autograd(_dropout_add_op, _dropout_add_backward, _dropout_add_setup_context)
 
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, training: bool = True) -> torch.Tensor:
@@ -172,4 +172,4 @@ def dropout_add(x: torch.Tensor, residual: torch.Tensor, dropout_p: float, train
     if not training or dropout_p == 0.0:
         return residual + x
     seed = new_dropout_seed(x.device, x.detach(), "dropout_add")
-    return _dropout_add_op(x.contiguous(), residual.contiguous(), seed, float(dropout_p))
+    return _dropout_add(x.contiguous(), residual.contiguous(), seed, float(dropout_p))

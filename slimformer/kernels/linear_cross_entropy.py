@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, eager_autograd, use_triton
 
 # One chunk of logits holds at most this many elements (16 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -336,8 +336,8 @@ def _linear_cross_entropy_grad(ctx, grad_loss, _grad_lse):
     return *(grad if need else None for grad, need in zip(grads, needs)), None, None, None, None
 
 
-_linear_cross_entropy_op.register_autograd(
-    _linear_cross_entropy_grad, setup_context=_linear_cross_entropy_setup_context
+_linear_cross_entropy = eager_autograd(
+    _linear_cross_entropy_op, _linear_cross_entropy_grad, _linear_cross_entropy_setup_context
 )
 
 
@@ -413,7 +413,7 @@ def linear_cross_entropy(
             f"{input.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
     with torch.autocast(input.device.type, enabled=False):
-        loss, lse = _linear_cross_entropy_op(
+        loss, lse = _linear_cross_entropy(
             input.contiguous(),
             weight.contiguous(),
             None if bias is None else bias.contiguous(),

@@ -37,13 +37,19 @@ reference, on every device, with float64 statistics and accumulators.
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import absent_output, multiprocessor_count, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import (
+    absent_output,
+    eager_autograd,
+    multiprocessor_count,
+    reference_row_blocks,
+    use_triton,
+)
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -689,6 +695,19 @@ class _NormSpec:
     out_dtype: torch.dtype
     dropout_after: bool = False
 
+    def fields(self) -> tuple:
+        """The fields in order, as the ops take them (``dataclasses.astuple`` deep-copies each)."""
+        return (
+            self.is_rms,
+            self.normalized_ndim,
+            self.eps,
+            self.dropout_p,
+            self.rebuild_from_output,
+            self.return_residual,
+            self.out_dtype,
+            self.dropout_after,
+        )
+
     @property
     def dropout_scale(self) -> float:
         return dropout_threshold(self.dropout_p)[1]
@@ -1214,7 +1233,7 @@ def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
     )
 
 
-_norm_op.register_autograd(_norm_backward, setup_context=_norm_setup_context)
+_norm = eager_autograd(_norm_op, _norm_backward, _norm_setup_context)
 
 
 def output_rebuilds_input_flag(weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
@@ -1379,7 +1398,7 @@ def fused_norm(
     weight = None if weight is None else weight.contiguous().view(n_cols)
     bias = None if bias is None else bias.contiguous().view(n_cols)
     residual = None if residual is None else residual.contiguous()
-    y, h, _, _ = _norm_op(x.contiguous(), residual, weight, bias, seed, *astuple(spec))
+    y, h, _, _ = _norm(x.contiguous(), residual, weight, bias, seed, *spec.fields())
     return (y, h) if spec.return_residual else y
 
 

@@ -87,6 +87,8 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
+from slimformer.kernels.dispatch import plain_eager
+
 DECISIONS_PER_CALL = 16  # G: bytes of one Philox-4x32 output
 THRESHOLD_LEVELS = 256  # 8-bit thresholds
 
@@ -441,6 +443,10 @@ def _first_of_column_pairs(words):
 # random ops), so each call names the tensor it is drawn for and the kind of op.
 @torch.library.custom_op("slimformer::dropout_seed", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def _dropout_seed(device: torch.device, drawn_for: torch.Tensor | None, site: str) -> torch.Tensor:
+    return _draw_seed(device)
+
+
+def _draw_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
 
 
@@ -453,8 +459,12 @@ def new_dropout_seed(device: torch.device, drawn_for: torch.Tensor | None = None
     """A fresh int64 seed (shape ()) from torch's generator on ``device``, no host sync.
 
     ``drawn_for`` (the tensor dropped out) and ``site`` (the op's name) keep the draws of
-    different dropout sites apart in a compiled graph: pass them from every op.
+    different dropout sites apart in a compiled graph: pass them from every op. In plain
+    eager mode (``dispatch.plain_eager``: nothing traces or intercepts the call) the op's
+    body is called without the op's dispatch: the same draw from the same generator.
     """
+    if plain_eager((drawn_for,)):
+        return _draw_seed(device)
     return _dropout_seed(device, drawn_for, site)
 
 

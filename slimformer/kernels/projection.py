@@ -15,7 +15,7 @@ The GEMMs are PyTorch's (cuBLAS on CUDA): there is no kernel of our own to run.
 
 import torch
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, check_linear
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, check_linear, eager_autograd
 
 # The differentiable op: forward and backward ``torch.library`` ops joined by
 # ``register_autograd``, so that torch.compile keeps x and the weights and cannot re-plan
@@ -90,7 +90,7 @@ def _backward(ctx, dy0, dy1, dy2):
     return dx, dw0, db0 if b0 else None, dw1, db1 if b1 else None, dw2, db2 if b2 else None
 
 
-_projections_op.register_autograd(_backward, setup_context=_setup_context)
+_projections = eager_autograd(_projections_op, _backward, _setup_context)
 
 
 def projections(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
@@ -119,5 +119,5 @@ def projections(x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
         check_linear(w, b, x.shape[-1], x, f"weights[{i}]", f"biases[{i}]")
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     with torch.autocast(x.device.type, enabled=False):
-        out = _projections_op(rows, *(t for pair in zip(weights, biases, strict=True) for t in pair))
+        out = _projections(rows, *(t for pair in zip(weights, biases, strict=True) for t in pair))
     return [y.view(*x.shape[:-1], y.shape[-1]) for y in out]

@@ -5,6 +5,7 @@ and the PyTorch reference path. The gpu tests repeat the comparisons on CUDA at 
 sequences.
 """
 
+import functools
 import itertools
 import math
 import os
@@ -386,10 +387,12 @@ def _fake_cuda_tensor(monkeypatch, capability: tuple[int, int], shared_bytes: in
     """A stand-in for a CUDA tensor on a device of ``capability`` with ``shared_bytes`` per
     block, as far as the launchers' device queries see it (no GPU needed)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    # a cache of its own: dispatch reads a device's properties once
+    monkeypatch.setattr(dispatch, "_cuda_target", functools.cache(dispatch._cuda_target.__wrapped__))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     properties = SimpleNamespace(shared_memory_per_block_optin=shared_bytes, major=capability[0], minor=capability[1])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
-    return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), get_device=lambda: 0)
 
 
 @pytest.mark.parametrize(

@@ -281,7 +281,12 @@ def emulated_device(device: Device) -> Iterator[None]:
         for name, value in list(vars(module).items()):
             if value is original_count:
                 patches.append((module, name, lambda _device: device.multiprocessors))
-    with contextlib.ExitStack() as stack:
+    # the device target is read once per device index and cached: forget it on the way in
+    # and out, so that neither the emulated device's nor the real one's answer outlives its block
+    stack = contextlib.ExitStack()
+    stack.callback(dispatch.forget_device_targets)
+    with stack:
+        dispatch.forget_device_targets()
         for obj, name, value in patches:
             stack.enter_context(_patched(obj, name, value))
         stack.enter_context(emulated_driver(device))

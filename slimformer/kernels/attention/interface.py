@@ -9,11 +9,11 @@ from einops import rearrange
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from slimformer.kernels.attention.ops import (
-    attention_op,
     last_dim_contiguous,
-    self_attention_op,
+    run_attention,
+    run_self_attention,
+    run_varlen_attention,
     split_heads,
-    varlen_attention_op,
 )
 from slimformer.kernels.philox import new_dropout_seed
 
@@ -275,7 +275,7 @@ def attention(
         query, key, value = _as_batch_heads(query), _as_batch_heads(key), _as_batch_heads(value)
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
-    out, _ = attention_op(
+    out, _ = run_attention(
         query,
         key,
         value,
@@ -365,7 +365,7 @@ def self_attention(
     dtype = torch.get_autocast_dtype(x.device.type) if autocast else x.dtype
     seed = new_dropout_seed(x.device, x.detach(), "self_attention") if dropout_p > 0.0 else None
     with torch.autocast(x.device.type, enabled=False):
-        out, _ = self_attention_op(
+        out, _ = run_self_attention(
             x,
             qkv_weight,
             qkv_bias,
@@ -480,7 +480,7 @@ def varlen_attention(
     scale = _checked_scale(scale, head_dim)
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "varlen_attention") if dropout_p > 0.0 else None
-    out, lse = varlen_attention_op(
+    out, lse = run_varlen_attention(
         query,
         key,
         value,

@@ -18,7 +18,7 @@ from slimformer.kernels.attention.reference import (
     varlen_backward_reference,
     varlen_forward_reference,
 )
-from slimformer.kernels.dispatch import absent_output, use_triton
+from slimformer.kernels.dispatch import absent_output, eager_autograd, use_triton
 
 
 def runs_kernels(q: torch.Tensor) -> bool:
@@ -151,7 +151,9 @@ def _attention_grad(ctx, grad_out, _grad_lse):
     return dq, dk, dv, *(None,) * 7
 
 
-attention_op.register_autograd(_attention_grad, setup_context=_attention_setup_context)
+# what the public functions call (``eager_autograd``: the op, or in plain eager mode the same
+# formula without torch's generated autograd wrapper)
+run_attention = eager_autograd(attention_op, _attention_grad, _attention_setup_context)
 
 
 @torch.library.custom_op("slimformer::self_attention_recompute_qkv", mutates_args=())
@@ -302,7 +304,7 @@ def _self_attention_grad(ctx, grad_out, _grad_lse):
     return *grads, *(None,) * 9
 
 
-self_attention_op.register_autograd(_self_attention_grad, setup_context=_self_attention_setup_context)
+run_self_attention = eager_autograd(self_attention_op, _self_attention_grad, _self_attention_setup_context)
 
 
 # Varlen's ops: torch.compile traces a packed batch without reading cu_seqlens on the
@@ -387,7 +389,7 @@ def _varlen_grad(ctx, grad_out, _grad_lse):
     return dq, dk, dv, *(None,) * 9
 
 
-varlen_attention_op.register_autograd(_varlen_grad, setup_context=_varlen_setup_context)
+run_varlen_attention = eager_autograd(varlen_attention_op, _varlen_grad, _varlen_setup_context)
 
 
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, tensor_name: str) -> None:
