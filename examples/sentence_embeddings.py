@@ -98,7 +98,12 @@ def retrieval(model, data: dict) -> tuple[torch.Tensor, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2])
+    parser = argparse.ArgumentParser(
+        prog="python examples/sentence_embeddings.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("path", nargs="?", type=Path, help="sentence-transformers model folder (default: MiniLM)")
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     parser.add_argument("--batch-size", type=int, default=16, help="pairs per step (default 16)")

@@ -182,9 +182,11 @@ def test_summary_and_unpatch(name):
 
 
 @pytest.mark.parametrize("name", sorted(BASE))
-def test_torch_compile_matches(name):
+def test_torch_compile_breaks_the_graph_once_at_the_packing_and_matches(name):
+    counters = torch._dynamo.utils.counters
     _, unpadded = (m.eval() for m in _pair(name))
     ids, mask = _batch(unpadded.config, "left")
+    counters.clear()
     compiled = torch.compile(unpadded, backend="eager")  # dynamo's tracing, no code generation
     results = []
     for run in (compiled, unpadded):
@@ -192,6 +194,8 @@ def test_torch_compile_matches(name):
         out = run(ids, attention_mask=mask).last_hidden_state
         out.square().sum().backward()
         results.append((out.detach(), [p.grad.clone() for p in unpadded.parameters() if p.grad is not None]))
+    # the packing keyword costs no break of its own: one, at the packing's token count
+    assert sum(counters["graph_break"].values()) == 1, dict(counters["graph_break"])
     (out, grads), (expected, expected_grads) = results
     torch.testing.assert_close(out, expected)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
