@@ -41,15 +41,7 @@ and is ignored, as for BERT.
 
 from torch import nn
 
-from slimformer.integrations import ModelFamily
-from slimformer.integrations.hf.bert import (
-    FusedBertFamilyLayer,
-    LayerLayout,
-    fuse_embeddings,
-    fuse_layer,
-    fused_loss,
-    layer_problem,
-)
+from slimformer.integrations.hf.bert import FusedBertFamilyLayer, LayerLayout, layout_family
 from slimformer.integrations.hf.unpad import UnpaddedEncoderModel
 
 __all__ = ["FAMILY", "FusedAlbertLayerMixin"]
@@ -86,31 +78,10 @@ class FusedAlbertLayerMixin(FusedBertFamilyLayer):
     layout = _LAYOUT
 
 
-def _class_name(module: nn.Module) -> tuple[str, str]:
-    kind = getattr(type(module), "_original_class", type(module))
-    return kind.__module__, kind.__name__
-
-
-def _looks_like_layer(module: nn.Module) -> bool:
+def _looks_like_layer(module: nn.Module) -> str | None:
     attention = getattr(module, "attention", None)
-    return hasattr(attention, "query") and hasattr(module, "ffn_output") and hasattr(module, "full_layer_layer_norm")
-
-
-def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
-    if (type(module).__module__, type(module).__name__) == _LAYER:
-        problem = layer_problem(module, _LAYOUT)
-        return (None, problem) if problem else (fuse_layer(module, FusedAlbertLayerMixin), None)
-    if _looks_like_layer(module):
-        return None, f"{type(module).__name__} is not an ALBERT layer verified to compute AlbertLayer's forward"
-    return None
-
-
-def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
-    return fuse_embeddings(embeddings, _EMBEDDINGS)
-
-
-def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
-    return fused_loss(model, _HEADS)
+    looks = hasattr(attention, "query") and hasattr(module, "ffn_output") and hasattr(module, "full_layer_layer_norm")
+    return "an ALBERT layer" if looks else None
 
 
 class AlbertUnpadding(UnpaddedEncoderModel):
@@ -126,12 +97,6 @@ class AlbertUnpadding(UnpaddedEncoderModel):
         return self.pooler_activation(self.pooler(first))
 
 
-def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
-    if _class_name(model) != _BASE_MODEL:
-        return None
-    if all(isinstance(layer, FusedAlbertLayerMixin) for layer in AlbertUnpadding.encoder_layers(model)):
-        return AlbertUnpadding.over(type(model)), None
-    return None, "unpad: its layers are not all fused"
-
-
-FAMILY = ModelFamily("ALBERT", _replacement, replace_children=_fused_embeddings, fuse_loss=_fused_loss, unpad=_unpadded)
+FAMILY = layout_family(
+    "ALBERT", _LAYER, FusedAlbertLayerMixin, _looks_like_layer, _EMBEDDINGS, _HEADS, _BASE_MODEL, AlbertUnpadding
+)

@@ -67,6 +67,7 @@ import copy
 import inspect
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,7 @@ from slimformer.layers.norm import LayerNorm, fuse_with_dropout
 from slimformer.layers.policies import check_policy
 from slimformer.layers.sharing import NotScriptable, TorchDropout, TorchLayerNorm, has_user_hooks
 
-__all__ = ["FAMILY", "FusedBertFamilyLayer"]
+__all__ = ["FAMILY", "FusedBertFamilyLayer", "LayerLayout", "layout_family"]
 
 # Encoder layers whose classes (layer, attention, self-attention, output, intermediate)
 # are BERT's line for line in transformers 5, named by module and class so that
@@ -499,6 +500,50 @@ def fused_loss(model: nn.Module, heads: frozenset[str] = BERT_HEADS) -> tuple[ty
         return None
     problem = masked_lm_problem(model)
     return (None, problem) if problem else (FusedMaskedLM.over(type(model)), None)
+
+
+def layout_family(
+    name: str,
+    layer: tuple[str, str],
+    mixin: type[FusedBertFamilyLayer],
+    looks_like: Callable[[nn.Module], str | None],
+    embeddings: frozenset[tuple[str, str]],
+    heads: frozenset[str],
+    base_model: tuple[str, str],
+    unpadding: type[UnpaddedEncoderModel],
+) -> ModelFamily:
+    """The ``ModelFamily`` of encoders whose layer computes BERT's post-LN layer under
+    another layout (DistilBERT, ALBERT): ``layer`` (module, class) becomes ``mixin.over``
+    it when ``layer_problem`` finds nothing against ``mixin.layout``; another class that
+    ``looks_like`` names (what it is taken for, e.g. "a DistilBERT block") is left with
+    that reason; the ``embeddings`` classes' LayerNorm + dropout fuse, the masked-LM
+    ``heads`` layouts fuse their loss, and ``base_model`` unpads as ``unpadding`` once
+    every layer its ``encoder_layers`` lists is fused."""
+
+    def replace(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
+        if (type(module).__module__, type(module).__name__) == layer:
+            problem = layer_problem(module, mixin.layout)
+            return (None, problem) if problem else (fuse_layer(module, mixin), None)
+        taken_for = looks_like(module)
+        if taken_for is not None:
+            return None, f"{type(module).__name__} is not {taken_for} verified to compute {layer[1]}'s forward"
+        return None
+
+    def unpad(model: nn.Module) -> tuple[type | None, str | None] | None:
+        kind = getattr(type(model), "_original_class", type(model))
+        if (kind.__module__, kind.__name__) != base_model:
+            return None
+        if all(isinstance(fused, mixin) for fused in unpadding.encoder_layers(model)):
+            return unpadding.over(type(model)), None
+        return None, "unpad: its layers are not all fused"
+
+    return ModelFamily(
+        name,
+        replace,
+        replace_children=lambda module: fuse_embeddings(module, embeddings),
+        fuse_loss=lambda model: fused_loss(model, heads),
+        unpad=unpad,
+    )
 
 
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:

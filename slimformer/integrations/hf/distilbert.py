@@ -31,15 +31,7 @@ class that only looks like a DistilBERT block.
 
 from torch import nn
 
-from slimformer.integrations import ModelFamily
-from slimformer.integrations.hf.bert import (
-    FusedBertFamilyLayer,
-    LayerLayout,
-    fuse_embeddings,
-    fuse_layer,
-    fused_loss,
-    layer_problem,
-)
+from slimformer.integrations.hf.bert import FusedBertFamilyLayer, LayerLayout, layout_family
 from slimformer.integrations.hf.unpad import UnpaddedEncoderModel
 
 __all__ = ["FAMILY", "FusedDistilBertLayer"]
@@ -77,31 +69,10 @@ class FusedDistilBertLayer(FusedBertFamilyLayer):
     layout = _LAYOUT
 
 
-def _class_name(module: nn.Module) -> tuple[str, str]:
-    kind = getattr(type(module), "_original_class", type(module))
-    return kind.__module__, kind.__name__
-
-
-def _looks_like_block(module: nn.Module) -> bool:
+def _looks_like_block(module: nn.Module) -> str | None:
     attention = getattr(module, "attention", None)
-    return hasattr(attention, "q_lin") and hasattr(module, "ffn") and hasattr(module, "sa_layer_norm")
-
-
-def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
-    if (type(module).__module__, type(module).__name__) == _BLOCK:
-        problem = layer_problem(module, _LAYOUT)
-        return (None, problem) if problem else (fuse_layer(module, FusedDistilBertLayer), None)
-    if _looks_like_block(module):
-        return None, f"{type(module).__name__} is not a DistilBERT block verified to compute TransformerBlock's forward"
-    return None
-
-
-def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
-    return fuse_embeddings(embeddings, _EMBEDDINGS)
-
-
-def _fused_loss(model: nn.Module) -> tuple[type | None, str | None] | None:
-    return fused_loss(model, _HEADS)
+    looks = hasattr(attention, "q_lin") and hasattr(module, "ffn") and hasattr(module, "sa_layer_norm")
+    return "a DistilBERT block" if looks else None
 
 
 class DistilBertUnpadding(UnpaddedEncoderModel):
@@ -114,14 +85,6 @@ class DistilBertUnpadding(UnpaddedEncoderModel):
         return list(self.transformer.layer)
 
 
-def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
-    if _class_name(model) != _BASE_MODEL:
-        return None
-    if all(isinstance(block, FusedDistilBertLayer) for block in model.transformer.layer):
-        return DistilBertUnpadding.over(type(model)), None
-    return None, "unpad: its blocks are not all fused"
-
-
-FAMILY = ModelFamily(
-    "DistilBERT", _replacement, replace_children=_fused_embeddings, fuse_loss=_fused_loss, unpad=_unpadded
+FAMILY = layout_family(
+    "DistilBERT", _BLOCK, FusedDistilBertLayer, _looks_like_block, _EMBEDDINGS, _HEADS, _BASE_MODEL, DistilBertUnpadding
 )
