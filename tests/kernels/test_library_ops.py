@@ -141,6 +141,20 @@ def test_varlen_attention(dtype, dropout_p, is_causal):
     _opcheck(_varlen_op, (q, k, v, cu, cu, _seed(dropout_p), 9, 9, dropout_p, is_causal, 0.3))
 
 
+@DTYPE_DROPOUT
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "atomic-dq"])
+def test_attention_and_varlen_with_a_relative_bias(dtype, dropout_p, deterministic):
+    q, k, v = (_randn(2, 4, 11, 8, dtype=dtype) for _ in range(3))
+    padding = torch.zeros(2, 11, dtype=torch.bool)
+    padding[1, 8:] = True
+    bias = _randn(4, 21, dtype=torch.float32)
+    _opcheck(_attention_op, (q, k, v, None, padding, _seed(dropout_p), dropout_p, False, 0.3, deterministic, bias))
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    q, k, v = (_randn(12, 4, 8, dtype=dtype) for _ in range(3))
+    args = (q, k, v, cu, cu, _seed(dropout_p), 9, 9, dropout_p, True, 0.3, deterministic, _randn(4, 17, dtype=torch.float32))
+    _opcheck(_varlen_op, args)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_linear_cross_entropy(dtype, reduction):

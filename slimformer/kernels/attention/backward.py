@@ -11,12 +11,13 @@ import triton.language as tl
 from slimformer.kernels import dispatch
 from slimformer.kernels.attention.configs import block_config, config_kind
 from slimformer.kernels.attention.launch import (
-    NO_MASK_ARGS,
     grid,
     head_strides,
     kernel_flags,
     mask_args,
+    relative_bias_mask,
     stride_unit,
+    varlen_mask_args,
 )
 from slimformer.kernels.attention.tiles import (
     LOG2E,
@@ -126,9 +127,14 @@ def _attention_bwd_dkdv_tile(
     UPCAST: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,
     VARLEN: tl.constexpr,
+    DBIAS,
+    stride_dbh,
+    BIAS_GRAD: tl.constexpr,
 ):
     """One query block's share of dK and dV: the updated (dk, dv). With DQ_ATOMIC, also
-    this key block's share of the query block's dQ / scale, added into ``dq_head``.
+    this key block's share of the query block's dQ / scale, added into ``dq_head``. With
+    BIAS_GRAD, the tile's dS summed along its diagonals j − i is added into the relative
+    bias's gradient ``DBIAS`` (fp32, a pointer at its centre, ``stride_dbh`` per head).
 
     Tiles are (key, query), so dK and dV accumulate without transposing register tiles.
     Keys past seq_k need no mask: their rows of dk and dv are never stored (for dQ the
@@ -202,6 +208,15 @@ def _attention_bwd_dkdv_tile(
     else:
         dv = dot(p_t.to(do.dtype), do, dv, PRECISION, UPCAST)
         ds_t = p_t * (dp_t - delta[None, :])
+    if BIAS_GRAD:
+        # dS is the gradient of every score, so of the bias value it added: one atomic per
+        # score into the entry of its diagonal (a tile touches BLOCK_M + BLOCK_N − 1 of them)
+        tl.atomic_add(
+            DBIAS + off_h * stride_dbh + (offs_n[:, None] - offs_m[None, :]),
+            ds_t,
+            mask=(offs_n[:, None] < seq_k) & (offs_m[None, :] < seq_q),
+            sem="relaxed",
+        )
     ds_t = ds_t.to(q.dtype)
     dk = dot(ds_t, q, dk, PRECISION, UPCAST)
     if DQ_ATOMIC:
@@ -282,6 +297,9 @@ def _attention_bwd_dkdv_kernel(
     UPCAST: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,  # also add each tile's dQ into DQ_ACC (one pass, not deterministic)
     VARLEN: tl.constexpr,
+    DBIAS=None,  # the relative bias's fp32 gradient, a pointer at its centre (BIAS_GRAD only)
+    stride_dbh=0,
+    BIAS_GRAD: tl.constexpr = False,
 ):
     stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
     stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
@@ -397,6 +415,9 @@ def _attention_bwd_dkdv_kernel(
                 UPCAST,
                 DQ_ATOMIC,
                 VARLEN,
+                DBIAS,
+                stride_dbh,
+                BIAS_GRAD,
             )
         for start_m in range(tl.maximum(lo, edge_hi), full_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
@@ -444,6 +465,9 @@ def _attention_bwd_dkdv_kernel(
                 UPCAST,
                 DQ_ATOMIC,
                 VARLEN,
+                DBIAS,
+                stride_dbh,
+                BIAS_GRAD,
             )
         for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), seq_q, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
@@ -491,6 +515,9 @@ def _attention_bwd_dkdv_kernel(
                 UPCAST,
                 DQ_ATOMIC,
                 VARLEN,
+                DBIAS,
+                stride_dbh,
+                BIAS_GRAD,
             )
 
     store_rows(
@@ -849,8 +876,12 @@ def attention_backward(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    relative_bias: torch.Tensor | None = None,
+    dbias: torch.Tensor | None = None,
 ) -> None:
-    """Launch the backward kernels (delta, then dK/dV and dQ), writing into dq, dk, dv.
+    """Launch the backward kernels (delta, then dK/dV and dQ), writing into dq, dk, dv, and
+    with a (contiguous) ``relative_bias`` adding its gradient into ``dbias`` (fp32, zeroed,
+    contiguous, shaped like it) with atomics, in no fixed order.
 
     Every (batch, heads, seq, head_dim) tensor may be strided with a contiguous last dim.
     ``deterministic=False`` computes dQ in the dK/dV kernel with fp32 atomics (5 GEMMs per
@@ -873,8 +904,8 @@ def attention_backward(
         dq,
         dk,
         dv,
-        mask_args(attn_mask, key_padding_mask, q, seq_k),
-        config_kind(attn_mask, key_padding_mask, dropout_p),
+        mask_args(attn_mask, key_padding_mask, q, seq_k, relative_bias),
+        config_kind(attn_mask if relative_bias is None else relative_bias, key_padding_mask, dropout_p),
         dropout_p,
         is_causal,
         scale,
@@ -885,13 +916,32 @@ def attention_backward(
         None,
         None,
         None,
+        dbias,
     )
 
 
 def varlen_backward(
-    grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    seed,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    scale,
+    deterministic,
+    relative_bias=None,
+    dbias=None,
 ):
-    """Launch the backward kernels on packed (total, heads, head_dim) tensors: (dq, dk, dv)."""
+    """Launch the backward kernels on packed (total, heads, head_dim) tensors: (dq, dk, dv);
+    with a relative bias (heads, max_q + max_k − 1), its gradient is added into ``dbias`` as
+    in ``attention_backward``."""
     batch = cu_q.numel() - 1
     if q.numel() == 0 or k.numel() == 0 or batch == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -907,8 +957,8 @@ def varlen_backward(
         dq,
         dk,
         dv,
-        NO_MASK_ARGS,
-        config_kind(None, None, dropout_p),
+        varlen_mask_args(relative_bias, max_q),
+        config_kind(relative_bias, None, dropout_p),
         dropout_p,
         is_causal,
         scale,
@@ -919,8 +969,16 @@ def varlen_backward(
         cu_q,
         cu_k,
         q.shape[0],
+        dbias,
     )
     return dq, dk, dv
+
+
+def _bias_grad_args(dbias: torch.Tensor | None, seq_q: int) -> dict:
+    """The dK/dV kernel's arguments for a relative bias's gradient (centre at seq_q − 1)."""
+    if dbias is None:
+        return {}
+    return dict(DBIAS=relative_bias_mask(dbias, seq_q - 1)[0], stride_dbh=dbias.stride(0), BIAS_GRAD=True)
 
 
 def _launch(
@@ -946,9 +1004,10 @@ def _launch(
     cu_q,
     cu_k,
     total_q,
+    dbias=None,
 ):
     """The launches of both layouts: varlen ones have cu_q, cu_k and total_q, and seq_q,
-    seq_k are their longest sequences."""
+    seq_k are their longest sequences. ``dbias``: the relative bias's gradient, or None."""
     varlen = cu_q is not None
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[-1]
     target = dispatch.device_target(q)
@@ -1009,6 +1068,7 @@ def _launch(
         **dkdv_flags,
         **dkdv_config,
         DQ_ATOMIC=not deterministic,
+        **_bias_grad_args(dbias, seq_q),
     )
     if not deterministic:
         # varlen's buffer is (heads, total_q, head_dim), its dq (total_q, heads, head_dim)

@@ -10,7 +10,6 @@ import triton.language as tl
 from slimformer.kernels import dispatch
 from slimformer.kernels.attention.configs import block_config, config_kind
 from slimformer.kernels.attention.launch import (
-    NO_MASK_ARGS,
     empty_forward,
     empty_output,
     grid,
@@ -19,6 +18,7 @@ from slimformer.kernels.attention.launch import (
     mask_args,
     stride_unit,
     tma_descriptors,
+    varlen_mask_args,
 )
 from slimformer.kernels.attention.tiles import (
     LN2,
@@ -417,17 +417,19 @@ def attention_forward(
     is_causal: bool,
     scale: float,
     seed: torch.Tensor | None,
+    relative_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on (batch, heads, seq, head_dim) q, k, v with a contiguous
-    last dim. Returns (out, lse)."""
+    last dim, and a contiguous relative bias (heads, seq_q + seq_k − 1) or None. Returns
+    (out, lse)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
         return empty_forward(q)
     out = empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
-    masks, mask_strides, mask_flags = mask_args(attn_mask, key_padding_mask, q, seq_k)
-    kind = config_kind(attn_mask, key_padding_mask, dropout_p)
+    masks, mask_strides, mask_flags = mask_args(attn_mask, key_padding_mask, q, seq_k, relative_bias)
+    kind = config_kind(attn_mask if relative_bias is None else relative_bias, key_padding_mask, dropout_p)
     config = block_config(head_dim, q.dtype, "fwd", kind, *dispatch.device_target(q))
     unit = stride_unit(q, k, v, out)
     # Masked launches run small tiles, where TMA's barrier wait per tile costs more than
@@ -464,9 +466,10 @@ def attention_forward(
     return out, lse
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed):
-    """Launch the forward kernel on packed (total, heads, head_dim) q, k, v: (out (total_q,
-    heads, head_dim) contiguous, lse (heads, total_q) fp32)."""
+def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias=None):
+    """Launch the forward kernel on packed (total, heads, head_dim) q, k, v, with a contiguous
+    relative bias (heads, max_q + max_k − 1) or None: (out (total_q, heads, head_dim)
+    contiguous, lse (heads, total_q) fp32)."""
     total_q, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     batch = cu_q.numel() - 1
@@ -476,10 +479,10 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scal
     # every row belongs to a sequence (checked), whose programs write all of its rows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
-    kind = config_kind(None, None, dropout_p)
+    kind = config_kind(relative_bias, None, dropout_p)
     config = block_config(head_dim, q.dtype, "fwd", kind, *dispatch.device_target(q), varlen=True)
     unit = stride_unit(q, k, v, out)
-    masks, mask_strides, mask_flags = NO_MASK_ARGS
+    masks, mask_strides, mask_flags = varlen_mask_args(relative_bias, max_q)
     _attention_fwd_kernel[grid(triton.cdiv(max_q, config["BLOCK_M"]), heads, batch)](
         q,
         k,

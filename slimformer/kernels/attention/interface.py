@@ -171,11 +171,13 @@ def attention(
     enable_gqa: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     deterministic: bool = True,
+    relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention that never materialises the score matrix.
 
     Same contract and argument names as ``torch.nn.functional.scaled_dot_product_attention``,
-    plus ``key_padding_mask``, which combines with ``attn_mask`` or ``is_causal``.
+    plus ``key_padding_mask``, which combines with ``attn_mask`` or ``is_causal``, and a
+    learned ``relative_bias``.
 
     Args:
         query: (..., heads, seq_q, head_dim) with any number of leading (batch) dims,
@@ -206,6 +208,13 @@ def attention(
             transient fp32 dQ buffer); the order of the additions varies from run to run,
             so dQ's last bits may too (as flash-attn's ``deterministic=False``). The forward
             and the PyTorch reference path are deterministic either way.
+        relative_bias: (heads, seq_q + seq_k - 1) float, added to the scores by the offset
+            of key j from query i: score (i, j) gets ``relative_bias[h, j - i + seq_q - 1]``
+            (MPNet's and T5's bucketed relative position biases, gathered per offset:
+            ``relative_bias = table[bucket(offsets)].T``). The kernels read it along each
+            tile's diagonals, so no (seq_q, seq_k) tensor exists in forward or backward;
+            it gets a gradient (fp32 atomics on GPUs, so its last bits vary by run). Not
+            with ``attn_mask`` (padding goes in ``key_padding_mask``).
 
     Returns:
         (..., heads, seq_q, head_dim) in query's dtype (under autocast q, k and v are
@@ -268,6 +277,9 @@ def attention(
         attn_mask, is_causal = _causal_bias_as_mask(attn_mask, is_causal, seq_q, seq_k, query.device)
     _check_masks(attn_mask, key_padding_mask, query.device, batch_shape, heads, seq_q, seq_k)
     _check_causal_without_mask(attn_mask, is_causal)
+    relative_bias = _checked_relative_bias(
+        relative_bias, attn_mask, query, heads, max(seq_q + seq_k - 1, 0), "seq_q + seq_k - 1"
+    )
     if query.dim() != 4:
         attn_mask = _mask_as_batch_heads(attn_mask, batch_shape)
         if key_padding_mask is not None:
@@ -286,8 +298,36 @@ def attention(
         bool(is_causal),
         scale,
         _check_deterministic(deterministic),
+        relative_bias,
     )
     return out.view(*batch_shape, heads, seq_q, head_dim)
+
+
+def _checked_relative_bias(
+    relative_bias: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    query: torch.Tensor,
+    heads: int,
+    length: int,
+    length_name: str,
+) -> torch.Tensor | None:
+    """``relative_bias`` checked against its contract (``attention``'s docstring), contiguous."""
+    if relative_bias is None:
+        return None
+    if not isinstance(relative_bias, torch.Tensor):
+        raise TypeError(f"relative_bias must be a torch.Tensor or None, got {type(relative_bias).__name__}")
+    if not relative_bias.is_floating_point():
+        raise TypeError(f"relative_bias must be a float tensor, got {relative_bias.dtype}")
+    if attn_mask is not None:
+        raise ValueError("relative_bias cannot be combined with attn_mask; pass padding as key_padding_mask")
+    if tuple(relative_bias.shape) != (heads, length):
+        raise ValueError(
+            f"relative_bias must have shape (heads, {length_name}) = {(heads, length)}, "
+            f"got {tuple(relative_bias.shape)}"
+        )
+    if relative_bias.device != query.device:
+        raise ValueError(f"relative_bias must be on query's device {query.device}, got {relative_bias.device}")
+    return relative_bias.contiguous()
 
 
 def self_attention(
@@ -402,6 +442,7 @@ def varlen_attention(
     scale: float | None = None,
     return_lse: bool = False,
     deterministic: bool = True,
+    relative_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed variable-length sequences, like flash-attn's ``flash_attn_varlen_func``.
 
@@ -430,6 +471,9 @@ def varlen_attention(
         return_lse: also return the fp32 log-sum-exp, (heads, total_q), +inf for rows
             with no key.
         deterministic: the backward's dQ pass, as in ``attention``.
+        relative_bias: (heads, max_seqlen_q + max_seqlen_k - 1) float, as in ``attention``:
+            row i and key j of a sequence (counted from its start) get
+            ``relative_bias[h, j - i + max_seqlen_q - 1]``.
 
     Returns:
         (total_q, heads, head_dim) in query's dtype, contiguous; with ``return_lse``,
@@ -478,6 +522,14 @@ def varlen_attention(
     _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     _check_dropout_p(dropout_p, max_seqlen_q, max_seqlen_k)
     scale = _checked_scale(scale, head_dim)
+    relative_bias = _checked_relative_bias(
+        relative_bias,
+        None,
+        query,
+        query.shape[1],
+        max(max_seqlen_q + max_seqlen_k - 1, 0),
+        "max_seqlen_q + max_seqlen_k - 1",
+    )
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "varlen_attention") if dropout_p > 0.0 else None
     out, lse = run_varlen_attention(
@@ -493,5 +545,6 @@ def varlen_attention(
         bool(is_causal),
         scale,
         _check_deterministic(deterministic),
+        relative_bias,
     )
     return (out, lse) if return_lse else out

@@ -24,16 +24,31 @@ def grid(num_blocks: int, heads: int, batch: int) -> tuple[int]:
     return (programs,)
 
 
+def relative_bias_mask(relative_bias: torch.Tensor, centre: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A relative bias (heads, n) as the kernels' additive mask: a pointer at its centre and
+    (batch, head, query, key) strides (0, head, −1, +1), so that the mask element of score
+    (i, j) is ``relative_bias[h, centre + j − i]``: no (seq_q, seq_k) tensor is made."""
+    return relative_bias[:, centre:], (0, relative_bias.stride(0), -1, 1)
+
+
 def mask_args(
-    attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, q: torch.Tensor, seq_k: int
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    q: torch.Tensor,
+    seq_k: int,
+    relative_bias: torch.Tensor | None = None,
 ) -> tuple[list, list, dict]:
     """The masks' pointer arguments, their stride arguments and their constexpr flags.
 
     ``attn_mask`` is expanded (a view, stride 0 on broadcast dims) so the kernels read
-    it block by block; bool masks are viewed as uint8, which Triton loads natively.
+    it block by block; bool masks are viewed as uint8, which Triton loads natively. A
+    ``relative_bias`` (heads, seq_q + seq_k − 1; never with an attn_mask) takes the attn_mask's
+    place as an additive mask read along its diagonals (``relative_bias_mask``).
     """
     batch, heads, seq_q, _ = q.shape
-    if attn_mask is None:
+    if relative_bias is not None:
+        (mask, mask_strides), mask_kind = relative_bias_mask(relative_bias, seq_q - 1), ADDITIVE_MASK
+    elif attn_mask is None:
         mask, mask_strides, mask_kind = None, (0, 0, 0, 0), NO_MASK
     else:
         mask = attn_mask.expand(batch, heads, seq_q, seq_k)
@@ -60,6 +75,15 @@ def mask_args(
 
 # What a launch without masks passes: varlen's, whose sequences are packed instead.
 NO_MASK_ARGS = ([None, None], [0] * 6, dict(MASK_KIND=NO_MASK, HAS_KPM=False))
+
+
+def varlen_mask_args(relative_bias: torch.Tensor | None, max_q: int) -> tuple[list, list, dict]:
+    """Varlen's mask arguments: none, or a relative bias (heads, max_q + max_k − 1) read at
+    ``max_q − 1 + j − i`` for row i and key j of every sequence."""
+    if relative_bias is None:
+        return NO_MASK_ARGS
+    mask, strides = relative_bias_mask(relative_bias, max_q - 1)
+    return [mask, None], [*strides, 0, 0], dict(MASK_KIND=ADDITIVE_MASK, HAS_KPM=False)
 
 
 def kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:

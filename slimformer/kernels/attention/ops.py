@@ -37,15 +37,27 @@ def split_heads(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.
     return rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=num_heads).unbind(0)
 
 
-def _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed):
+def _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias=None):
     fwd = attention_forward if runs_kernels(q) else attention_forward_reference
-    return fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
+    return fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias)
 
 
-def _attention_backward(grad_out, q, *args):
+def _attention_backward(grad_out, q, *args, **kwargs):
     """The kernels' or the reference's backward, with ``attention_backward``'s arguments."""
     bwd = attention_backward if runs_kernels(q) else attention_backward_reference
-    bwd(grad_out, q, *args)
+    bwd(grad_out, q, *args, **kwargs)
+
+
+def _bias_gradient(relative_bias: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """The zeroed buffer the backward adds a relative bias's gradient into (fp32, fp64 for
+    fp64 inputs); an empty tensor without a bias (an op returns tensors only)."""
+    if relative_bias is None:
+        return q.new_empty(0, dtype=reference_dtype(q))
+    return torch.zeros(relative_bias.shape, dtype=reference_dtype(q), device=q.device)
+
+
+def _bias_grad_or_none(dbias: torch.Tensor, relative_bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if relative_bias is None else dbias.to(relative_bias.dtype)
 
 
 def _fake_out_and_lse(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,14 +76,17 @@ def attention_op(
     is_causal: bool,
     scale: float,
     deterministic: bool,
+    relative_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of (batch, heads, seq, head_dim) q, k, v with a contiguous last dim;
-    ``deterministic`` is the backward's (see ``backward.attention_backward``)."""
-    return _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed)
+    ``deterministic`` is the backward's (see ``backward.attention_backward``);
+    ``relative_bias`` (heads, seq_q + seq_k − 1), contiguous, adds
+    ``relative_bias[h, j − i + seq_q − 1]`` to score (i, j)."""
+    return _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias)
 
 
 @attention_op.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic):
+def _(q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic, relative_bias=None):
     return _fake_out_and_lse(q)
 
 
@@ -90,9 +105,12 @@ def attention_backward_op(
     is_causal: bool,
     scale: float,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), each shaped and strided like q, k, v (``empty_like``)."""
+    relative_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias): dq, dk, dv shaped and strided like q, k, v (``empty_like``);
+    dbias the relative bias's gradient in fp32 (fp64 for fp64 inputs), empty without one."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dbias = _bias_gradient(relative_bias, q)
     _attention_backward(
         last_dim_contiguous(grad_out),
         q,
@@ -110,20 +128,25 @@ def attention_backward_op(
         dq,
         dk,
         dv,
+        relative_bias=relative_bias,
+        dbias=None if relative_bias is None else dbias,
     )
-    return dq, dk, dv
+    return dq, dk, dv, dbias
 
 
 @attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(
+    grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, deterministic,
+    relative_bias=None,
+):  # fmt: skip
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _bias_gradient(relative_bias, q)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    """Saves q, k, v, out, lse and the dropout seed (plus the caller's masks)."""
-    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic = inputs
+    """Saves q, k, v, out, lse and the dropout seed (plus the caller's masks and relative bias)."""
+    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic, *bias = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask)
+    ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask, *bias)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.deterministic = dropout_p, is_causal, scale, deterministic
@@ -131,9 +154,10 @@ def _attention_setup_context(ctx, inputs, output):
 
 def _attention_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
-        return (None,) * 10
-    q, k, v, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(
+        return (None,) * 11
+    q, k, v, out, lse, seed, attn_mask, key_padding_mask, *bias = ctx.saved_tensors
+    relative_bias = bias[0] if bias else None
+    dq, dk, dv, dbias = attention_backward_op(
         grad_out,
         q,
         k,
@@ -147,8 +171,9 @@ def _attention_grad(ctx, grad_out, _grad_lse):
         ctx.is_causal,
         ctx.scale,
         ctx.deterministic,
+        relative_bias,
     )
-    return dq, dk, dv, *(None,) * 7
+    return dq, dk, dv, *(None,) * 7, _bias_grad_or_none(dbias, relative_bias)
 
 
 # what the public functions call (``eager_autograd``: the op, or in plain eager mode the same
@@ -326,17 +351,20 @@ def varlen_attention_op(
     is_causal: bool,
     scale: float,
     deterministic: bool = True,
+    relative_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (total_q, heads, head_dim) contiguous, lse (heads, total_q)) of q, k, v with a
-    contiguous last dim; ``deterministic`` is the backward's, as in ``attention_op``."""
+    contiguous last dim; ``deterministic`` is the backward's, as in ``attention_op``;
+    ``relative_bias`` (heads, max_q + max_k − 1), contiguous, adds
+    ``relative_bias[h, j − i + max_q − 1]`` to the score of a sequence's row i and key j."""
     check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q, "query")
     check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k, "key")
     fwd = varlen_forward if runs_kernels(q) else varlen_forward_reference
-    return fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed)
+    return fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias)
 
 
 @varlen_attention_op.register_fake
-def _(q, k, v, cu_q, cu_k, seed, max_q, max_k, dropout_p, is_causal, scale, deterministic=True):
+def _(q, k, v, cu_q, cu_k, seed, max_q, max_k, dropout_p, is_causal, scale, deterministic=True, relative_bias=None):
     total_q, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty(heads, total_q, dtype=reference_dtype(q), device=q.device)
@@ -359,23 +387,40 @@ def varlen_attention_backward_op(
     is_causal: bool,
     scale: float,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), each shaped and strided like q, k, v (``empty_like``)."""
+    relative_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias) as ``attention_backward_op`` gives them."""
     bwd = varlen_backward if runs_kernels(q) else varlen_backward_reference
     args = (seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic)
-    return bwd(last_dim_contiguous(grad_out), q, k, v, out, lse, *args)
+    dbias = _bias_gradient(relative_bias, q)
+    grads = bwd(
+        last_dim_contiguous(grad_out),
+        q,
+        k,
+        v,
+        out,
+        lse,
+        *args,
+        relative_bias=relative_bias,
+        dbias=None if relative_bias is None else dbias,
+    )
+    return *grads, dbias
 
 
 @varlen_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(
+    grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic,
+    relative_bias=None,
+):  # fmt: skip
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _bias_gradient(relative_bias, q)
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    """Saves q, k, v, out, lse, the dropout seed and both cu_seqlens."""
+    """Saves q, k, v, out, lse, the dropout seed, both cu_seqlens and the relative bias."""
     q, k, v, cu_q, cu_k, seed, *args = inputs
+    relative_bias = args.pop() if len(args) == 7 else None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, relative_bias)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     ctx.args = args
@@ -383,10 +428,12 @@ def _varlen_setup_context(ctx, inputs, output):
 
 def _varlen_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
-        return (None,) * 12
-    q, k, v, out, lse, seed, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = varlen_attention_backward_op(grad_out, q, k, v, out, lse, seed, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, *(None,) * 9
+        return (None,) * 13
+    q, k, v, out, lse, seed, cu_q, cu_k, relative_bias = ctx.saved_tensors
+    dq, dk, dv, dbias = varlen_attention_backward_op(
+        grad_out, q, k, v, out, lse, seed, cu_q, cu_k, *ctx.args, relative_bias
+    )
+    return dq, dk, dv, *(None,) * 9, _bias_grad_or_none(dbias, relative_bias)
 
 
 run_varlen_attention = eager_autograd(varlen_attention_op, _varlen_grad, _varlen_setup_context)

@@ -52,16 +52,21 @@ def _masked_block_scores(
     key_padding_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
+    relative_bias: torch.Tensor | None = None,
+    seq_q: int = 0,
 ) -> torch.Tensor:
     """Scores (fp32, fp64 for fp64 inputs) of query rows start:stop against the keys ``k``, −inf where a key is
     not allowed: (batch · kv_heads, heads per kv head · rows, keys).
 
     ``q_rows`` and ``k`` are as ``_reference_grouped_rows`` gives them; ``k`` may hold only the
-    first keys (a causal block leaves out the keys after its last row).
+    first keys (a causal block leaves out the keys after its last row). ``relative_bias``
+    (heads, seq_q + seq_k − 1) adds ``relative_bias[h, j − i + seq_q − 1]`` to score (i, j).
     """
     s = torch.bmm(q_rows, k.mT).mul_(scale)
     n_keys = k.shape[1]
     scores = s.view(-1, heads, stop - start, n_keys)  # (batch, heads, rows, keys)
+    if relative_bias is not None:
+        scores.add_(relative_bias.to(scores.dtype)[:, relative_positions(start, stop, n_keys, seq_q, s.device)])
     if attn_mask is not None:
         per_row = attn_mask.dim() >= 2 and attn_mask.shape[-2] != 1
         mask = attn_mask[..., start:stop, :n_keys] if per_row else attn_mask[..., :n_keys]
@@ -75,6 +80,13 @@ def _masked_block_scores(
         rows = torch.arange(start, stop, device=s.device)[:, None]
         scores.masked_fill_(torch.arange(n_keys, device=s.device) > rows, -math.inf)
     return s
+
+
+def relative_positions(start: int, stop: int, n_keys: int, seq_q: int, device) -> torch.Tensor:
+    """(rows, n_keys) int64 indices j − i + seq_q − 1 of query rows start:stop and keys
+    0:n_keys into a relative bias of length seq_q + seq_k − 1."""
+    rows = torch.arange(start, stop, device=device)[:, None]
+    return torch.arange(n_keys, device=device) - rows + (seq_q - 1)
 
 
 def _dropout_keep_block(
@@ -96,6 +108,7 @@ def attention_forward_reference(
     is_causal: bool,
     scale: float,
     seed: torch.Tensor | None,
+    relative_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``forward.attention_forward`` computes, in fp32 PyTorch (fp64 for fp64 inputs), over
     blocks of query rows: (out in q's dtype and the kernel's layout, lse)."""
@@ -104,12 +117,26 @@ def attention_forward_reference(
     out = empty_output(q)
     lse = torch.empty(q.shape[:3], dtype=reference_dtype(q), device=q.device)
     with torch.autocast(q.device.type, enabled=False):  # fp32 bmm even when called under autocast
-        _attention_fwd_blocks(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse)
+        _attention_fwd_blocks(
+            q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse, 0, relative_bias
+        )
     return out, lse
 
 
 def _attention_fwd_blocks(
-    q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse, first_stream=0
+    q,
+    k,
+    v,
+    attn_mask,
+    key_padding_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    seed,
+    out,
+    lse,
+    first_stream=0,
+    relative_bias=None,
 ):
     """The body of ``attention_forward_reference``: writes out and lse block by block; the
     dropout streams of batch b start at first_stream + b · heads."""
@@ -120,7 +147,17 @@ def _attention_fwd_blocks(
         n_keys = min(seq_k, stop) if is_causal else seq_k
         q_rows = _reference_grouped_rows(q, kv_heads, start, stop)
         p = _masked_block_scores(
-            q_rows, k_all[:, :n_keys], start, stop, heads, attn_mask, key_padding_mask, is_causal, scale
+            q_rows,
+            k_all[:, :n_keys],
+            start,
+            stop,
+            heads,
+            attn_mask,
+            key_padding_mask,
+            is_causal,
+            scale,
+            relative_bias,
+            seq_q,
         )
         best = p.amax(-1, keepdim=True)
         no_key = _no_allowed_key(best)
@@ -154,9 +191,12 @@ def attention_backward_reference(
     dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
+    relative_bias: torch.Tensor | None = None,
+    dbias: torch.Tensor | None = None,
 ) -> None:
     """What ``backward.attention_backward`` computes, in fp32 PyTorch over blocks of query rows (dK and
-    dV accumulate over the blocks), written into dq, dk, dv. ``out`` is not read: each
+    dV accumulate over the blocks), written into dq, dk, dv, and with ``relative_bias`` its
+    gradient into ``dbias`` (zeroed, fp32 or fp64, shaped like it). ``out`` is not read: each
     block holds whole rows of P and dP, from which it takes delta. Always deterministic:
     ``deterministic`` only chooses the kernels' dQ pass."""
     if q.numel() == 0 or k.numel() == 0:
@@ -165,14 +205,47 @@ def attention_backward_reference(
         return
     with torch.autocast(q.device.type, enabled=False):  # fp32 bmm even when called under autocast
         _attention_bwd_blocks(
-            grad_out, q, k, v, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv
+            grad_out,
+            q,
+            k,
+            v,
+            lse,
+            seed,
+            attn_mask,
+            key_padding_mask,
+            dropout_p,
+            is_causal,
+            scale,
+            dq,
+            dk,
+            dv,
+            0,
+            relative_bias,
+            dbias,
         )
 
 
 def _attention_bwd_blocks(
-    grad_out, q, k, v, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, dq, dk, dv, first_stream=0
+    grad_out,
+    q,
+    k,
+    v,
+    lse,
+    seed,
+    attn_mask,
+    key_padding_mask,
+    dropout_p,
+    is_causal,
+    scale,
+    dq,
+    dk,
+    dv,
+    first_stream=0,
+    relative_bias=None,
+    dbias=None,
 ):
-    """The body of ``attention_backward_reference``: dq block by block, dk and dv accumulated."""
+    """The body of ``attention_backward_reference``: dq block by block, dk and dv (and the
+    relative bias's gradient, dS summed over the batch along each diagonal) accumulated."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     k_all, v_all = _reference_grouped_rows(k, kv_heads, 0, seq_k), _reference_grouped_rows(v, kv_heads, 0, seq_k)
@@ -183,7 +256,17 @@ def _attention_bwd_blocks(
         q_rows = _reference_grouped_rows(q, kv_heads, start, stop)
         do_rows = _reference_grouped_rows(grad_out, kv_heads, start, stop)
         p = _masked_block_scores(
-            q_rows, k_all[:, :n_keys], start, stop, heads, attn_mask, key_padding_mask, is_causal, scale
+            q_rows,
+            k_all[:, :n_keys],
+            start,
+            stop,
+            heads,
+            attn_mask,
+            key_padding_mask,
+            is_causal,
+            scale,
+            relative_bias,
+            seq_q,
         )
         p.sub_(lse[:, :, start:stop].reshape(*q_rows.shape[:2], 1)).exp_()
         if seed is None:
@@ -199,6 +282,10 @@ def _attention_bwd_blocks(
         # torch's softmax backward does (no cancellation error from two different sums).
         delta = torch.linalg.vecdot(p, dp).unsqueeze(-1)
         ds = dp.sub_(delta).mul_(p)
+        if dbias is not None:
+            per_head = ds.view(batch, heads, (stop - start) * n_keys).sum(0)
+            positions = relative_positions(start, stop, n_keys, seq_q, ds.device).flatten()
+            dbias.index_add_(1, positions, per_head.to(dbias.dtype))
         dk_all[:, :n_keys].baddbmm_(ds.mT, q_rows)
         dq_rows = torch.bmm(ds, k_all[:, :n_keys]).mul_(scale)
         dq[:, :, start:stop].copy_(dq_rows.view(batch, heads, stop - start, head_dim))
@@ -219,10 +306,20 @@ def _as_batch_of_one(x: torch.Tensor) -> torch.Tensor:
     return rearrange(x, "l h d -> 1 h l d")
 
 
-def varlen_forward_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed):
+def _sequence_bias(relative_bias: torch.Tensor | None, max_q: int, rows: slice, keys: slice) -> torch.Tensor | None:
+    """The part of a varlen relative bias (heads, max_q + max_k − 1, centre max_q − 1) that
+    a sequence of these rows and keys reads, as a dense one (centre at its rows − 1): a view."""
+    if relative_bias is None:
+        return None
+    centre, seq_q, seq_k = max_q - 1, rows.stop - rows.start, keys.stop - keys.start
+    return relative_bias[:, centre - (seq_q - 1) : centre + seq_k]
+
+
+def varlen_forward_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias=None):
     """What ``forward.varlen_forward`` computes: the dense reference on each sequence, written
     into packed (total_q, heads, head_dim) out and (heads, total_q) lse; a row with no key
-    gets o = 0 and lse = +inf."""
+    gets o = 0 and lse = +inf. ``relative_bias`` (heads, max_q + max_k − 1) adds
+    ``relative_bias[h, j − i + max_q − 1]`` to the score of a sequence's row i and key j."""
     heads = q.shape[1]
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((heads, q.shape[0]), math.inf, dtype=reference_dtype(q), device=q.device)
@@ -241,14 +338,32 @@ def varlen_forward_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_ca
                 _as_batch_of_one(out[rows]),
                 lse[None, :, rows],
                 b * heads,
+                _sequence_bias(relative_bias, max_q, rows, keys),
             )
     return out, lse
 
 
 def varlen_backward_reference(
-    grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    seed,
+    cu_q,
+    cu_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    scale,
+    deterministic,
+    relative_bias=None,
+    dbias=None,
 ):
-    """What ``backward.varlen_backward`` computes, sequence by sequence: (dq, dk, dv)."""
+    """What ``backward.varlen_backward`` computes, sequence by sequence: (dq, dk, dv), and
+    with ``relative_bias`` its gradient added into ``dbias`` (zeroed, shaped like it)."""
     heads = q.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     with torch.autocast(q.device.type, enabled=False):
@@ -269,5 +384,7 @@ def varlen_backward_reference(
                 _as_batch_of_one(dk[keys]),
                 _as_batch_of_one(dv[keys]),
                 b * heads,
+                _sequence_bias(relative_bias, max_q, rows, keys),
+                _sequence_bias(dbias, max_q, rows, keys),
             )
     return dq, dk, dv
