@@ -80,8 +80,10 @@ def attention_case(
 
     def run():
         q, k, v = _attention_inputs(batch, heads, kv_heads, seq, seq, head_dim, DTYPES[dtype], layout)
-        attn_mask = None
-        if mask == "bool":
+        attn_mask = relative_bias = None
+        if mask == "relative":  # MPNet's: a learned bias per head and offset j - i
+            relative_bias = torch.zeros(heads, 2 * seq - 1, requires_grad=True)
+        elif mask == "bool":
             attn_mask = torch.ones(seq, seq, dtype=torch.bool).tril(64)
         elif mask == "additive":  # Hugging Face's extended padding mask
             attn_mask = torch.zeros(batch, 1, 1, seq, dtype=DTYPES[dtype])
@@ -96,6 +98,7 @@ def attention_case(
             enable_gqa=kv_heads != heads,
             key_padding_mask=padding,
             deterministic=deterministic,
+            relative_bias=relative_bias,
         )
         return lambda: out.backward(torch.zeros_like(out))
 
@@ -143,6 +146,10 @@ def attention_cases() -> list[Case]:
     for head_dim in (64, 72, 128, 256):
         cases.append(attention_case(head_dim, dropout=0.1, mask="bool", key_padding=True, ci=head_dim == 256))
     cases.append(attention_case(72, layout="bhsd"))
+    # a relative bias (MPNet: d64, dropout, padding), read along the diagonals, its
+    # gradient added with atomics in the dK/dV kernel
+    cases.append(attention_case(64, dropout=0.1, mask="relative", key_padding=True, ci=True))
+    cases.append(attention_case(64, mask="relative", deterministic=False))
     # the backward's one-pass dQ (deterministic=False)
     for head_dim in (64, 128, 256):
         cases.append(attention_case(head_dim, deterministic=False, ci=head_dim == 128))
