@@ -151,7 +151,21 @@ def test_attention_and_varlen_with_a_relative_bias(dtype, dropout_p, determinist
     _opcheck(_attention_op, (q, k, v, None, padding, _seed(dropout_p), dropout_p, False, 0.3, deterministic, bias))
     cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
     q, k, v = (_randn(12, 4, 8, dtype=dtype) for _ in range(3))
-    args = (q, k, v, cu, cu, _seed(dropout_p), 9, 9, dropout_p, True, 0.3, deterministic, _randn(4, 17, dtype=torch.float32))
+    args = (
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        _seed(dropout_p),
+        9,
+        9,
+        dropout_p,
+        True,
+        0.3,
+        deterministic,
+        _randn(4, 17, dtype=torch.float32),
+    )
     _opcheck(_varlen_op, args)
 
 
