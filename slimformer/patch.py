@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from slimformer.integrations.hf import albert, bert, distilbert, llama
+from slimformer.integrations.hf import albert, bert, distilbert, llama, mpnet
 from slimformer.integrations.hf.bert import FusedBertFamilyLayer
 from slimformer.integrations.hf.classes import new_mixed
 from slimformer.integrations.hf.llama import FusedLlamaStyleRMSNorm
@@ -104,7 +104,7 @@ __all__ = [
 
 # The model families patch recognises, asked in this order about every module that is no
 # torch.nn swap: one integration module each.
-_FAMILIES = (bert.FAMILY, distilbert.FAMILY, albert.FAMILY, llama.FAMILY)
+_FAMILIES = (bert.FAMILY, distilbert.FAMILY, albert.FAMILY, mpnet.FAMILY, llama.FAMILY)
 _RECORD = "_slimformer_patch"
 _MASKED_LM_CHANGE = "masked-LM loss fused with the decoder"
 _UNPAD_CHANGE = "unpadded: packed real tokens, varlen attention"
@@ -326,9 +326,12 @@ def _plan(model: nn.Module) -> tuple[list[Swap], list[Left]]:
     return swaps, left
 
 
-def _plan_class_swaps(root: nn.Module, question: str, change: str) -> tuple[list[tuple[ClassSwap, type]], list[Left]]:
-    """The modules in ``root`` whose class a family changes in place (``question``: "fuse_loss"
-    or "unpad", see ``ModelFamily``), each with its new class, and those it cannot change."""
+def _plan_class_swaps(
+    root: nn.Module, question: str, change: str | None
+) -> tuple[list[tuple[ClassSwap, type]], list[Left]]:
+    """The modules in ``root`` whose class a family changes in place (``question``: "fuse_loss",
+    "unpad" or "change_class", see ``ModelFamily``), each with its new class, and those it
+    cannot change; ``change`` None: the family's ``class_change`` says what changes."""
     swaps, left = [], []
     for name, module in root.named_modules():
         if _is_slimformer(module):
@@ -339,7 +342,7 @@ def _plan_class_swaps(root: nn.Module, question: str, change: str) -> tuple[list
                 continue
             new_class, problem = answer
             if problem is None:
-                swaps.append((ClassSwap(name, module, type(module), change), new_class))
+                swaps.append((ClassSwap(name, module, type(module), change or family.class_change), new_class))
             else:
                 left.append(Left(name, type(module).__name__, problem))
             break
@@ -404,6 +407,11 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
     for class_swap, new_class in loss_swaps:
         class_swap.module.__class__ = new_class
     root = swaps[0].replacement if swaps and swaps[0].parent is None else model
+    changed, changes_left = _plan_class_swaps(root, "change_class", None)
+    for class_swap, new_class in changed:
+        class_swap.module.__class__ = new_class
+        class_swaps.append(class_swap)
+    left += changes_left
     nested_off = tuple(
         encoder
         for encoder in root.modules()

@@ -32,6 +32,9 @@ class ModelFamily:
     unpad(model): with ``patch(unpad=True)``, the class that ``model`` (a base model
         whose layers are already swapped) changes to, in place, to run on its real
         tokens only.
+    change_class(module): the class that ``module`` changes to, in place, once the
+        swaps are made (MPNet's encoder: its position bias for the fused layers);
+        ``class_change`` says what it changes, for the summary.
     """
 
     name: str
@@ -39,3 +42,5 @@ class ModelFamily:
     replace_children: Callable[[nn.Module], tuple[dict[str, nn.Module], str | None] | None] | None = None
     fuse_loss: Callable[[nn.Module], tuple[type | None, str | None] | None] | None = None
     unpad: Callable[[nn.Module], tuple[type | None, str | None] | None] | None = None
+    change_class: Callable[[nn.Module], tuple[type | None, str | None] | None] | None = None
+    class_change: str = ""

@@ -86,6 +86,7 @@ from slimformer.integrations.hf.unpad import (
 )
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import MAX_HEAD_DIM, attention, varlen_attention
+from slimformer.kernels.attention.tiles import MASKED_BIAS
 from slimformer.kernels.norm import fused_norm
 from slimformer.kernels.projection import projections
 from slimformer.layers.linear import Linear8bit, Linear16bit
@@ -128,6 +129,14 @@ _BERT_EMBEDDINGS = frozenset(
 _NORM_THEN_DROPOUT = re.compile(r"(\w+) = self\.LayerNorm\(\1\) *(?:#.*)?\n\s*\1 = self\.dropout\(\1\) *(?:#.*)?\n")
 # config.hidden_act -> fused_mlp's activation.
 _HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+# transformers' activation classes (``ACT2CLS``) -> their names in _HF_ACTIVATIONS, for
+# layers that keep no config; gelu_python is GELUActivation too (the same erf GELU).
+_ACTIVATION_CLASSES = {
+    "GELUActivation": "gelu",
+    "NewGELUActivation": "gelu_new",
+    "GELUTanh": "gelu_pytorch_tanh",
+    "ReLU": "relu",
+}
 # The Linears of a fused BERT layer may be ``sf.quantize``'s inference layers (for either
 # order of patch and quantize).
 _LINEARS = (nn.Linear, Linear8bit, Linear16bit)
@@ -144,7 +153,8 @@ class LayerLayout:
         z = mlp_norm(mlp_dropout(fc2(activation(fc1(y)))) + y)   likewise ``mlp_dropout``
 
     ``containers``: the modules whose own forward the fused one replaces. ``activation_config``:
-    the config attribute naming the activation.
+    the config attribute naming the activation, or None where the layer holds no config
+    (MPNet): the activation module's class names it then.
     """
 
     attention: str
@@ -159,7 +169,7 @@ class LayerLayout:
     mlp_dropout: str | None
     mlp_norm: str
     containers: tuple[str, ...]
-    activation_config: str
+    activation_config: str | None
 
     def bypassed(self) -> dict[str, tuple[type, ...] | None]:
         """Submodules that the fused forward runs without calling, and the types it computes
@@ -245,17 +255,18 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
         packing = kwargs.pop(PACKING_ARGUMENT, None)  # an unpadded model that builds its mask inline
         if packing is not None:
             attention_mask = packing
-        packed = isinstance(attention_mask, PackedSequences)
         reason = self._call_reason(attention_mask, args, kwargs) or self._unfused_reason()
         if reason is not None:
-            if packed:
-                raise RuntimeError(
-                    f"an unpadded (packed) batch reached a layer that must run its original forward ({reason}); "
-                    "call the base model, which runs such calls padded"
-                )
+            refuse_packed(attention_mask, reason)
             # The caller's arguments as they came: the original names the cache ``cache``
             # in transformers 5.24 and maps a ``past_key_values`` onto it.
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        return self._fused(hidden_states, attention_mask)
+
+    def _fused(self, hidden_states, attention_mask, relative_bias=None):
+        """The fused layer: (batch, seq, hidden) out; ``relative_bias`` (heads, offsets) as
+        ``slimformer.attention`` takes it (MPNet's position bias), or None."""
+        packed = isinstance(attention_mask, PackedSequences)
         policy = check_policy(self.recompute)
         if packed:
             attn_mask, padding = attention_mask, None
@@ -266,9 +277,11 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
             # layer's input, which a checkpoint would keep anyway) and rstd, and under
             # torch.compile a region ending in a multi-output op would lose its saved
             # boundary (the partitioner then recomputes every layer from the first).
-            h, y = checkpoint(self._attention_mlp, hidden_states, attn_mask, padding, "none", use_reentrant=False)
+            h, y = checkpoint(
+                self._attention_mlp, hidden_states, attn_mask, padding, "none", relative_bias, use_reentrant=False
+            )
             return self._add_norm(h, y, self.layout.mlp_norm, self.layout.mlp_dropout)
-        h, y = self._attention_mlp(hidden_states, attn_mask, padding, policy)
+        h, y = self._attention_mlp(hidden_states, attn_mask, padding, policy, relative_bias)
         return self._add_norm(h, y, self.layout.mlp_norm, self.layout.mlp_dropout)
 
     def _call_reason(self, attention_mask, args, kwargs) -> str | None:
@@ -307,12 +320,12 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
                 return f"{path} is a {type(module).__name__}"
         return None
 
-    def _attention_mlp(self, x, attn_mask, padding, policy):
+    def _attention_mlp(self, x, attn_mask, padding, policy, relative_bias=None):
         """(the MLP's output before its dropout, its input y): the layer but its last norm."""
         if "qkv" in policy and torch.is_grad_enabled():
-            context = checkpoint(self._self_attention, x, attn_mask, padding, use_reentrant=False)
+            context = checkpoint(self._self_attention, x, attn_mask, padding, relative_bias, use_reentrant=False)
         else:
-            context = self._self_attention(x, attn_mask, padding)
+            context = self._self_attention(x, attn_mask, padding, relative_bias)
         layout = self.layout
         y = self._add_norm(self._part(layout.out_proj)(context), x, layout.out_norm, layout.out_dropout)
         return self._mlp(y, policy), y
@@ -334,19 +347,26 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
             )
         return fc2(self._part(self.layout.activation)(fc1(y)))
 
-    def _self_attention(self, x, attn_mask, padding):
+    def _self_attention(self, x, attn_mask, padding, relative_bias=None):
         """(batch, seq, hidden) context, before the output projection; ``attn_mask`` may be
         a ``PackedSequences`` (x is then (1, total, hidden): every real token, packed)."""
         attn = self._part(self.layout.attention)
         dropout_p = self._part(self.layout.attention_dropout).p if attn.training else 0.0
+        scale = getattr(attn, "scaling", None)  # MPNet's attention has none: 1 / sqrt(head_dim)
         qkv = self._qkv(x)
         if isinstance(attn_mask, PackedSequences):
             q, k, v = (rearrange(t, "1 t (h d) -> t h d", d=attn.attention_head_size) for t in qkv)
             cu, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
-            out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=attn.scaling)
+            out = varlen_attention(
+                q, k, v, cu, cu, longest, longest, dropout_p, scale=scale, relative_bias=relative_bias
+            )
             return rearrange(out, "t h d -> 1 t (h d)")
         q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=attn.attention_head_size) for t in qkv)
-        out = attention(q, k, v, attn_mask, dropout_p, scale=attn.scaling, key_padding_mask=padding)
+        if relative_bias is not None and attn_mask is not None:
+            attn_mask, padding = None, _padding_of(attn_mask, padding)
+        out = attention(
+            q, k, v, attn_mask, dropout_p, scale=scale, key_padding_mask=padding, relative_bias=relative_bias
+        )
         return rearrange(out, "b h s d -> b s (h d)")
 
     def _qkv(self, x):
@@ -394,6 +414,25 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
         return f"activation={self.fused_activation!r}, recompute={self.recompute!r}, saves_output={self.saves_output}"
 
 
+def refuse_packed(attention_mask, reason: str) -> None:
+    """Raise when an unpadded (packed) batch reaches a layer that must run its original forward."""
+    if isinstance(attention_mask, PackedSequences):
+        raise RuntimeError(
+            f"an unpadded (packed) batch reached a layer that must run its original forward ({reason}); "
+            "call the base model, which runs such calls padded"
+        )
+
+
+def _padding_of(attn_mask: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """The (batch, seq_k) key padding mask (True = padding) of a (batch, 1, seq_q, seq_k)
+    mask transformers built from a padding mask alone (``create_bidirectional_mask``: the
+    same keys for every query): its first query row, for a kernel call that takes a
+    relative bias in the attn_mask's place."""
+    row = attn_mask[:, 0, 0, :]
+    keys = ~row if row.dtype == torch.bool else row <= MASKED_BIAS
+    return keys if padding is None else keys | padding
+
+
 def _is_bert_layer(module: nn.Module) -> bool:
     return (type(module).__module__, type(module).__name__) in _BERT_LAYERS
 
@@ -403,12 +442,21 @@ def _looks_like_bert_layer(module: nn.Module) -> bool:
     return all(hasattr(obj, name) for obj, name in ((attention, "self"), (module, "intermediate"), (module, "output")))
 
 
+def _hf_activation(layer: nn.Module, layout: LayerLayout) -> tuple[str, str]:
+    """(what the activation is called, its transformers name or its class's) of ``layer``."""
+    if layout.activation_config is not None:
+        config = layer.get_submodule(layout.attention).config
+        return layout.activation_config, getattr(config, layout.activation_config)
+    module = operator.attrgetter(layout.activation)(layer)
+    return "activation", _ACTIVATION_CLASSES.get(type(module).__name__, type(module).__name__)
+
+
 def layer_problem(layer: nn.Module, layout: LayerLayout) -> str | None:
     """Why ``layer`` (an allow-listed encoder layer laid out as ``layout``) cannot be fused, or None."""
     attention = layer.get_submodule(layout.attention)
-    act = getattr(attention.config, layout.activation_config)
+    what, act = _hf_activation(layer, layout)
     if act not in _HF_ACTIVATIONS:
-        return f"{layout.activation_config} {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
+        return f"{what} {act!r} has no fused kernel (supported: {', '.join(_HF_ACTIVATIONS)})"
     for path, types in layout.expected().items():
         module = layer.get_submodule(path)
         if type(module) not in types:
@@ -435,9 +483,7 @@ def fuse_layer(layer: nn.Module, mixin: type[FusedBertFamilyLayer] = FusedBertFa
     # the two objects later does not change the other; their contents are shared.
     fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
     layout = mixin.layout
-    fused.fused_activation = _HF_ACTIVATIONS[
-        getattr(fused.get_submodule(layout.attention).config, layout.activation_config)
-    ]
+    fused.fused_activation = _HF_ACTIVATIONS[_hf_activation(fused, layout)[1]]
     fused.recompute = "none"
     for path in (layout.out_norm, layout.mlp_norm):
         MEMORY_MODES.track(fused.get_submodule(path))

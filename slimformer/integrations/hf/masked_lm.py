@@ -42,6 +42,7 @@ _MASKED_LM_MODELS = {
     ("transformers.models.data2vec.modeling_data2vec_text", "Data2VecTextForMaskedLM"): "lm_head",
     ("transformers.models.distilbert.modeling_distilbert", "DistilBertForMaskedLM"): "distilbert",
     ("transformers.models.albert.modeling_albert", "AlbertForMaskedLM"): "albert",
+    ("transformers.models.mpnet.modeling_mpnet", "MPNetForMaskedLM"): "lm_head",
 }
 # The head layouts of BERT-family models (``slimformer.integrations.hf.bert``'s).
 BERT_HEADS = frozenset({"predictions", "pretraining", "lm_head"})
