@@ -185,7 +185,7 @@ def test_attentions_run_the_original_layers_on_hfs_bias():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_summary_unpatch_pickle_and_unpad_left():
+def test_summary_unpatch_and_pickle():
     model = _model("MPNetForSequenceClassification")
     keys = list(model.state_dict())
     patch(model)
@@ -200,10 +200,6 @@ def test_summary_unpatch_pickle_and_unpad_left():
     unpatch(model)
     assert type(model.mpnet.encoder).__name__ == "MPNetEncoder"
     assert type(model.mpnet.encoder.layer[0]).__name__ == "MPNetLayer"
-    with pytest.warns(UserWarning, match="nothing is unpadded"):
-        unpadded = patch(_model("MPNetModel"), unpad=True)
-    left = {item.name: item.reason for item in patch_summary(unpadded).left}
-    assert "unpad: not supported for MPNet yet" in left[""]
 
 
 def test_gradients_match_on_the_kernels_too(backend):

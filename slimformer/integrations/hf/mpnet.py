@@ -23,11 +23,17 @@ kernels, recompute policies, quantized Linears and memory modes; the embeddings'
 and dropout one fused kernel; ``MPNetForMaskedLM``'s loss fused with its decoder (RoBERTa's
 ``lm_head`` layout).
 
-Left, with the reason in the summary: ``unpad=True`` (``MPNetModel`` hands its encoder no
-keyword arguments, so the packing cannot reach the layers; it runs padded), activations
-other than gelu / gelu_new / gelu_pytorch_tanh / relu, head dims above 256, submodules of
-other types, and every class that only looks like an MPNet layer or encoder.
+With ``unpad=True``, ``MPNetModel`` becomes ``UnpaddedMPNetModel``
+(``slimformer.integrations.hf.unpad``, ``MPNetUnpadding``): the real tokens only, every
+sequence reading the bias at its own offsets through ``sf.varlen_attention``. A batch with
+padding between two tokens of a row runs padded: the padded model's offsets count it.
+
+Left, with the reason in the summary: activations other than gelu / gelu_new /
+gelu_pytorch_tanh / relu, head dims above 256, submodules of other types, and every class
+that only looks like an MPNet layer or encoder.
 """
+
+import sys
 
 import torch
 from torch import nn
@@ -43,7 +49,7 @@ from slimformer.integrations.hf.bert import (
     refuse_packed,
 )
 from slimformer.integrations.hf.classes import RuntimeMixin
-from slimformer.integrations.hf.unpad import PACKING_ARGUMENT, PackedSequences
+from slimformer.integrations.hf.unpad import PACKING_ARGUMENT, PackedSequences, UnpaddedEncoderModel
 
 __all__ = ["FAMILY", "FusedMPNetLayerMixin", "RelativePositionBias"]
 
@@ -159,13 +165,57 @@ def _encoder_class(module: nn.Module) -> tuple[type | None, str | None] | None:
     return None, "its layers are not all fused: the position bias stays HF's (batch, heads, seq, seq) tensor"
 
 
+class MPNetUnpadding(UnpaddedEncoderModel):
+    """``UnpaddedEncoderModel`` over ``MPNetModel``, whose forward hands its encoder no
+    keyword arguments and builds the layers' mask inline: the packed call runs its steps
+    itself, the embeddings (position ids from the padding index, as RoBERTa's) and the
+    encoder given the packing as its mask (the layers read the relative bias at the
+    longest sequence's offsets); the pooler then reads position 0 as BERT's does."""
+
+    def padded_reason(self, arguments: dict, extra: dict) -> str | None:
+        reason = super().padded_reason(arguments, extra)
+        if reason is None and _has_holes(arguments["attention_mask"]):
+            # the packed sequence's offsets j - i would leave out the padding the padded
+            # model counts between two tokens (one more host sync, MPNet's only)
+            reason = "padding between tokens (MPNet's relative positions count it)"
+        return reason
+
+    def packed_forward(self, arguments: dict, extra: dict, packing: PackedSequences):
+        embedding_output = self.embeddings(
+            input_ids=arguments.get("input_ids"),
+            position_ids=arguments["position_ids"],
+            inputs_embeds=arguments.get("inputs_embeds"),
+        )
+        hidden_states = extra.get("output_hidden_states", arguments.get("output_hidden_states"))
+        if hidden_states is None:
+            hidden_states = self.config.output_hidden_states
+        return self.encoder(
+            embedding_output, attention_mask=packing, output_hidden_states=bool(hidden_states), return_dict=True
+        )
+
+    def _padded_position_ids(self, arguments: dict, packing: PackedSequences) -> torch.Tensor:
+        embeddings = self.embeddings
+        if arguments.get("input_ids") is not None:
+            positions = sys.modules[type(embeddings).__module__].create_position_ids_from_input_ids
+            return positions(arguments["input_ids"], embeddings.padding_idx)
+        return embeddings.create_position_ids_from_inputs_embeds(arguments["inputs_embeds"])
+
+
+# Run eagerly under torch.compile (a host sync, as the packing's token count is).
+@torch.compiler.disable
+def _has_holes(mask: torch.Tensor) -> bool:
+    """Whether a row of a (batch, seq) padding mask has padding between two tokens."""
+    tokens = mask != 0
+    starts = (tokens[:, 1:] & ~tokens[:, :-1]).sum(1) + tokens[:, 0]
+    return bool((starts > 1).any())
+
+
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     if _class_name(model) != _BASE_MODEL:
         return None
-    return None, (
-        "unpad: not supported for MPNet yet (MPNetModel hands its encoder no keyword arguments, so the packing "
-        "cannot reach the layers); it runs padded"
-    )
+    if all(isinstance(layer, FusedMPNetLayerMixin) for layer in model.encoder.layer):
+        return MPNetUnpadding.over(type(model)), None
+    return None, "unpad: its layers are not all fused"
 
 
 FAMILY = ModelFamily(

@@ -187,6 +187,16 @@ class UnpaddedEncoderModel(RuntimeMixin):
         """The pooler's output for the (batch, hidden) rows at position 0."""
         return self.pooler(first[:, None])
 
+    def packed_forward(self, arguments: dict, extra: dict, packing: PackedSequences):
+        """The model's own forward on the packed (1, total) inputs ``arguments``, its layers
+        given the packing (see the module docstring): a ``ModelOutput``."""
+        if self.builds_mask_inline:
+            arguments["attention_mask"] = None
+            extra[PACKING_ARGUMENT] = packing
+        else:
+            arguments["attention_mask"] = packing
+        return super().forward(**arguments, **extra, return_dict=True)
+
     def forward(self, *args, **kwargs):
         bound = self._forward_signature.bind(self, *args, **kwargs)
         arguments = dict(bound.arguments)
@@ -207,12 +217,7 @@ class UnpaddedEncoderModel(RuntimeMixin):
         for name, value in arguments.items():
             if name != "attention_mask" and isinstance(value, torch.Tensor) and tuple(value.shape[:2]) == per_token:
                 arguments[name] = unpad_tokens(value, packing)[None]
-        if self.builds_mask_inline:
-            arguments["attention_mask"] = None
-            extra[PACKING_ARGUMENT] = packing
-        else:
-            arguments["attention_mask"] = packing
-        outputs = super().forward(**arguments, **extra, return_dict=True)
+        outputs = self.packed_forward(arguments, extra, packing)
         packed = outputs.last_hidden_state[0]
         outputs["last_hidden_state"] = pad_tokens(packed, packing)
         if getattr(self, "pooler", None) is not None:
@@ -237,7 +242,8 @@ class UnpaddedEncoderModel(RuntimeMixin):
             return "a decoder or encoder-decoder call, or a cache"
         if arguments.get("use_cache"):
             return "use_cache"
-        if extra.get("output_attentions", getattr(self.config, "output_attentions", False)):
+        # a keyword argument in transformers 5's BERT, a parameter of its own in older forwards (MPNet)
+        if given.get("output_attentions", getattr(self.config, "output_attentions", False)):
             return "output_attentions"
         implementation = self.config._attn_implementation
         if self.builds_mask_inline and implementation not in _INLINE_MASK_IMPLEMENTATIONS:
