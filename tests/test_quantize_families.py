@@ -1,4 +1,4 @@
-"""sf.quantize of the families after BERT (DistilBERT, ALBERT): a model fine-tuned here on
+"""sf.quantize of the families after BERT (DistilBERT, MPNet, ALBERT): a model fine-tuned here on
 a small synthetic task keeps its accuracy within one point in int8, and saves and
 reloads through ``save_pretrained`` / ``from_pretrained`` bit for bit."""
 
@@ -12,6 +12,8 @@ from transformers import (
     AutoModelForSequenceClassification,
     DistilBertConfig,
     DistilBertForSequenceClassification,
+    MPNetConfig,
+    MPNetForSequenceClassification,
 )
 
 import slimformer as sf
@@ -21,6 +23,16 @@ VOCAB, SEQ, STEPS, BATCH = 64, 16, 250, 32
 CONFIGS = {
     "DistilBERT": lambda: DistilBertForSequenceClassification(
         DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=128, max_position_embeddings=SEQ)
+    ),
+    "MPNet": lambda: MPNetForSequenceClassification(
+        MPNetConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=SEQ + 2,
+        )
     ),
     "ALBERT": lambda: AlbertForSequenceClassification(
         AlbertConfig(
