@@ -1,13 +1,13 @@
 """The encoder families after BERT under ``sf.patch``: kept memory and unpadded speed on the CPU.
 
-For each family (BERT as the baseline, DistilBERT, ALBERT), at base-size dimensions
+For each family (BERT as the baseline, DistilBERT, MPNet, ALBERT), at base-size dimensions
 (hidden 768, 12 heads, FFN 3072; ALBERT's embeddings 128), random weights, fp32,
 dropout 0.1, training mode:
 
 1. **One layer**, seq 512: bytes the layer keeps for backward per token per hidden unit
    (``slimformer.memory.measure_activation_memory``, the larger of its two measurements;
-   the layer's input and parameters excluded), HF eager and SDPA against the patched
-   layer at ``none`` and ``qkv+mlp``. Targets (issue 26): ``none`` <= 0.25x and
+   the layer's inputs, MPNet's position bias among them, and parameters excluded), HF eager
+   and SDPA (MPNet has eager only) against the patched layer at ``none`` and ``qkv+mlp``. Targets (issue 26): ``none`` <= 0.25x and
    ``qkv+mlp`` <= 0.08x HF eager.
 2. **Whole masked-LM model**, 2 layers, batch 4 x 512, 15% of the tokens labelled: bytes
    one training forward keeps (the loss included), HF eager against ``sf.patch(model,
@@ -57,6 +57,8 @@ class Family:
     classifier: str
     layer: Callable[[torch.nn.Module], torch.nn.Module]  # base model -> its (first) layer
     hidden: int = 768
+    # (base model, hidden states) -> the layer's other positional arguments (MPNet: the position bias)
+    layer_arguments: Callable[[torch.nn.Module, torch.Tensor], tuple] = lambda model, x: ()
 
 
 def _bert_config(layers, attn):
@@ -86,6 +88,12 @@ def _albert_config(layers, attn):
     )
 
 
+def _mpnet_config(layers, attn):
+    from transformers import MPNetConfig
+
+    return MPNetConfig(num_hidden_layers=layers, attn_implementation="eager")  # MPNet's only one
+
+
 FAMILIES = {
     "BERT": Family(
         _bert_config, "BertModel", "BertForMaskedLM", "BertForSequenceClassification", lambda m: m.encoder.layer[0]
@@ -96,6 +104,14 @@ FAMILIES = {
         "DistilBertForMaskedLM",
         "DistilBertForSequenceClassification",
         lambda m: m.transformer.layer[0],
+    ),
+    "MPNet": Family(
+        _mpnet_config,
+        "MPNetModel",
+        "MPNetForMaskedLM",
+        "MPNetForSequenceClassification",
+        lambda m: m.encoder.layer[0],
+        layer_arguments=lambda model, x: (None, model.encoder.compute_position_bias(x)),
     ),
     "ALBERT": Family(
         _albert_config,
@@ -124,17 +140,19 @@ def layer_bytes_per_token(family: Family) -> dict[str, float]:
     columns = {}
     for attn in ("eager", "sdpa"):
         model = _build(family, family.base, 1, attn)
-        columns[f"HF {attn}"] = family.layer(model)
+        columns[f"HF {attn}"] = (model, None)
     patched = sf.patch(_build(family, family.base, 1, "sdpa"))
     for policy in TARGETS:
-        columns[f"slimformer {policy}"] = (family.layer(patched), policy)
+        columns[f"slimformer {policy}"] = (patched, policy)
     result = {}
-    for name, entry in columns.items():
-        layer, policy = entry if isinstance(entry, tuple) else (entry, None)
+    for name, (model, policy) in columns.items():
+        layer = family.layer(model)
         if policy is not None:
             layer.recompute = policy
+        with torch.no_grad():
+            arguments = family.layer_arguments(model, x)
         torch.manual_seed(0)
-        result[name] = _kept(measure_activation_memory(layer, x)) / (SEQ * family.hidden)
+        result[name] = _kept(measure_activation_memory(layer, x, *arguments)) / (SEQ * family.hidden)
     return result
 
 
