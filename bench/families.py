@@ -91,7 +91,8 @@ def _albert_config(layers, attn):
 def _mpnet_config(layers, attn):
     from transformers import MPNetConfig
 
-    return MPNetConfig(num_hidden_layers=layers, attn_implementation="eager")  # MPNet's only one
+    # mpnet-base: positions count from the padding index + 1, so 512 tokens need 514
+    return MPNetConfig(num_hidden_layers=layers, max_position_embeddings=514, attn_implementation="eager")
 
 
 FAMILIES = {
