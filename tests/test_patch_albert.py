@@ -19,10 +19,9 @@ from transformers import (
 )
 
 from slimformer.integrations.hf.albert import FusedAlbertLayerMixin
-from slimformer.kernels.philox import dropout_threshold
-from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
 from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES
+from tests.family_checks import assert_dropout_seeded_by_torch, assert_embeddings_norm_and_dropout_run_as_one_kernel
 
 # the BERT tests' batch and comparison helpers, for the same checks
 from tests.helpers import assert_within_reference_error
@@ -151,19 +150,8 @@ def test_every_policy_gives_the_reference_gradients_for_shared_layers(policy, co
 @pytest.mark.parametrize("policy", POLICIES)
 def test_dropout_in_train_mode_is_seeded_by_torch_under_every_policy(policy):
     reference = _model("AlbertForSequenceClassification", dropout=0.1)
-    model = patch(copy.deepcopy(reference), recompute=policy).train()
-    ids, mask = _batch(model.config)
-    runs = []
-    for seed in (3, 3, 4):
-        torch.manual_seed(seed)
-        runs.append(_loss_and_grads(model, ids, mask))
-    (first, first_grads), (again, again_grads), (other, _) = runs
-    assert torch.equal(first, again)  # the masks come from torch's seed, forward and backward
-    assert all(torch.equal(first_grads[name], again_grads[name]) for name in first_grads)
-    assert not torch.equal(first, other)  # dropout is on
-    reference.eval()
-    model.eval()
-    torch.testing.assert_close(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+    model = patch(copy.deepcopy(reference), recompute=policy)
+    assert_dropout_seeded_by_torch(reference, model, *_batch(model.config))
 
 
 def test_each_application_of_the_shared_layer_draws_its_own_dropout_mask():
@@ -181,33 +169,10 @@ def test_each_application_of_the_shared_layer_draws_its_own_dropout_mask():
     torch.testing.assert_close(layer(x), again, rtol=0, atol=0)
 
 
-def _embeddings_grads(embeddings, ids, dy):
-    embeddings.zero_grad()
-    out = embeddings(input_ids=ids)
-    (out * dy).sum().backward()
-    return out, {name: p.grad.clone() for name, p in embeddings.named_parameters()}
-
-
 def test_embeddings_norm_and_dropout_run_as_one_kernel():
-    # Without dropout exactly HF's embeddings; with it, HF's computation with the mask the
-    # kernel drew (read from its output), which backward must regenerate.
     ids, _ = _batch(_model().config, batch=2, seq=7)
     dy = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(5))
-    for p in (0.0, 0.3):
-        reference = _model(dropout=p).train()
-        model = patch(copy.deepcopy(reference))
-        assert type(model.embeddings.LayerNorm) is LayerNormDropout and model.embeddings.LayerNorm.fuses_dropout()
-        assert type(model.embeddings.dropout) is DropoutInNorm
-        out, grads = _embeddings_grads(model.embeddings, ids, dy)
-        keep = out != 0
-        if p:
-            assert 0.5 < keep.float().mean() < 0.9  # ~0.7 kept
-            reference.embeddings.dropout = nn.Identity()
-            scale = dropout_threshold(p)[1]
-            reference.embeddings.register_forward_hook(lambda m, a, y: torch.where(keep, y * scale, 0.0))
-        expected_out, expected = _embeddings_grads(reference.embeddings, ids, dy)
-        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
-        _assert_grads_close(grads, expected)
+    assert_embeddings_norm_and_dropout_run_as_one_kernel(lambda p: _model(dropout=p), ids, dy)
 
 
 def test_state_dict_parameters_summary_and_unpatch():

@@ -23,6 +23,7 @@ from slimformer.kernels.attention.reference import relative_positions
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES
+from tests.family_checks import assert_dropout_seeded_by_torch, assert_embeddings_norm_and_dropout_run_as_one_kernel
 from tests.test_patch import _assert_grads_close, _batch, _loss_and_grads, _outputs
 
 MODELS = {
@@ -144,15 +145,15 @@ def test_keeps_nothing_quadratic():
 
 @pytest.mark.parametrize("policy", ["none", "qkv+mlp"])
 def test_dropout_is_seeded_by_torch(policy):
-    model = patch(_model("MPNetForSequenceClassification", dropout=0.1), recompute=policy).train()
-    ids, mask = _batch(model.config)
-    runs = []
-    for seed in (3, 3, 4):
-        torch.manual_seed(seed)
-        runs.append(_loss_and_grads(model, ids, mask))
-    (first, first_grads), (again, again_grads), (other, _) = runs
-    assert torch.equal(first, again) and not torch.equal(first, other)
-    assert all(torch.equal(first_grads[name], again_grads[name]) for name in first_grads)
+    reference = _model("MPNetForSequenceClassification", dropout=0.1)
+    model = patch(copy.deepcopy(reference), recompute=policy)
+    assert_dropout_seeded_by_torch(reference, model, *_batch(model.config))
+
+
+def test_embeddings_norm_and_dropout_run_as_one_kernel():
+    ids, _ = _batch(_model().config, batch=2, seq=7)
+    dy = torch.randn(2, 7, TINY["hidden_size"], generator=torch.Generator().manual_seed(5))
+    assert_embeddings_norm_and_dropout_run_as_one_kernel(lambda p: _model(dropout=p), ids, dy)
 
 
 def test_masked_lm_loss_is_fused():

@@ -1,0 +1,58 @@
+"""Checks every patched HF encoder family passes (DistilBERT, ALBERT, MPNet ...), shared by
+their test files: fused embeddings, and dropout seeded by torch's generator."""
+
+import copy
+
+import torch
+from torch import nn
+
+from slimformer.kernels.philox import dropout_threshold
+from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
+from slimformer.patch import patch
+from tests.test_patch import _assert_grads_close, _loss_and_grads
+
+
+def _embeddings_grads(embeddings, ids, dy):
+    embeddings.zero_grad()
+    out = embeddings(input_ids=ids)
+    (out * dy).sum().backward()
+    return out, {name: p.grad.clone() for name, p in embeddings.named_parameters()}
+
+
+def assert_embeddings_norm_and_dropout_run_as_one_kernel(make_model, ids, dy):
+    """``make_model(p)``: a base model with dropout p. Without dropout, exactly HF's
+    embeddings; with it, HF's computation with the mask the kernel drew (read from its
+    output), which backward must regenerate."""
+    for p in (0.0, 0.3):
+        reference = make_model(p).train()
+        model = patch(copy.deepcopy(reference))
+        assert type(model.embeddings.LayerNorm) is LayerNormDropout and model.embeddings.LayerNorm.fuses_dropout()
+        assert type(model.embeddings.dropout) is DropoutInNorm
+        out, grads = _embeddings_grads(model.embeddings, ids, dy)
+        keep = out != 0
+        if p:
+            assert 0.5 < keep.float().mean() < 0.9  # ~0.7 kept
+            reference.embeddings.dropout = nn.Identity()
+            scale = dropout_threshold(p)[1]
+            reference.embeddings.register_forward_hook(lambda m, a, y: torch.where(keep, y * scale, 0.0))
+        expected_out, expected = _embeddings_grads(reference.embeddings, ids, dy)
+        torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+        _assert_grads_close(grads, expected)
+
+
+def assert_dropout_seeded_by_torch(reference, model, ids, mask):
+    """``model`` (a patched copy of ``reference``, a classifier with dropout) in training:
+    the same torch seed gives the same loss and gradients, another seed another loss; in
+    eval both give the same logits."""
+    model.train()
+    runs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        runs.append(_loss_and_grads(model, ids, mask))
+    (first, first_grads), (again, again_grads), (other, _) = runs
+    assert torch.equal(first, again)  # the masks come from torch's seed, forward and backward
+    assert all(torch.equal(first_grads[name], again_grads[name]) for name in first_grads)
+    assert not torch.equal(first, other)  # dropout is on
+    reference.eval()
+    model.eval()
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
