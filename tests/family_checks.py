@@ -9,7 +9,7 @@ from torch import nn
 from slimformer.kernels.philox import dropout_threshold
 from slimformer.layers.norm import DropoutInNorm, LayerNormDropout
 from slimformer.patch import patch
-from tests.test_patch import _assert_grads_close, _loss_and_grads
+from tests.test_patch import _assert_grads_close, _loss_and_grads, _outputs
 
 
 def _embeddings_grads(embeddings, ids, dy):
@@ -56,3 +56,51 @@ def assert_dropout_seeded_by_torch(reference, model, ids, mask):
     reference.eval()
     model.eval()
     torch.testing.assert_close(model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
+
+
+def spread_layer_norms(model: nn.Module) -> nn.Module:
+    """LayerNorm weights and biases away from their initial 1 and 0, so that a mistake in
+    either shows (in place; returns the model)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def refuser(monkeypatch, *targets):
+    """A function that makes each (class, method name) in ``targets`` raise once called:
+    the fused forward must not need the originals."""
+
+    def refuse():
+        for owner, name in targets:
+
+            def raising(*args, _name=f"{owner.__name__}.{name}", **kwargs):
+                raise AssertionError(f"the original {_name} ran")
+
+            monkeypatch.setattr(owner, name, raising)
+
+    return refuse
+
+
+def assert_eval_outputs_match(reference, model, ids, mask, refuse):
+    """Every output of ``model`` (patched ``reference``, eval) equals the reference's, with
+    padding and without (sdpa then hands the layers no mask), the originals refused."""
+    with torch.no_grad():
+        masks = (mask, torch.ones_like(mask))
+        expected = [_outputs(reference, ids, m) for m in masks]
+        refuse()
+        for m, want in zip(masks, expected, strict=True):
+            for out, value in zip(_outputs(model, ids, m), want, strict=True):
+                torch.testing.assert_close(out, value, rtol=1e-5, atol=1e-5)
+
+
+def assert_gradients_match(reference, model, ids, mask, refuse):
+    """The loss and every parameter's gradient of ``model`` (patched ``reference``,
+    training, no dropout) equal the reference's, the originals refused."""
+    expected_loss, expected = _loss_and_grads(reference, ids, mask)
+    refuse()
+    loss, grads = _loss_and_grads(model, ids, mask)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
+    _assert_grads_close(grads, expected)

@@ -8,7 +8,6 @@ import io
 
 import pytest
 import torch
-from torch import nn
 from transformers import (
     DistilBertConfig,
     DistilBertForMaskedLM,
@@ -23,8 +22,15 @@ from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES
 
 # the BERT tests' batch and comparison helpers, for the same checks
-from tests.family_checks import assert_dropout_seeded_by_torch, assert_embeddings_norm_and_dropout_run_as_one_kernel
-from tests.test_patch import _assert_grads_close, _batch, _loss_and_grads, _outputs
+from tests.family_checks import (
+    assert_dropout_seeded_by_torch,
+    assert_embeddings_norm_and_dropout_run_as_one_kernel,
+    assert_eval_outputs_match,
+    assert_gradients_match,
+    refuser,
+    spread_layer_norms,
+)
+from tests.test_patch import _assert_grads_close, _batch, _loss_and_grads
 
 MODELS = {
     "DistilBertModel": DistilBertModel,
@@ -51,13 +57,7 @@ def _model(name="DistilBertModel", dropout=0.1, attn="eager", **config):
         qa_dropout=dropout,
         attn_implementation=attn,
     )
-    model = MODELS[name](config)
-    with torch.no_grad():  # LayerNorm weights away from their initial 1 / 0
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.5, 0.5)
-    return model
+    return spread_layer_norms(MODELS[name](config))
 
 
 def _blocks(model):
@@ -66,16 +66,9 @@ def _blocks(model):
 
 @pytest.fixture
 def original_forward_refused(monkeypatch):
-    """Call it to make the original TransformerBlock.forward raise: the fused forward must not need it."""
     from transformers.models.distilbert.modeling_distilbert import TransformerBlock
 
-    def refuse():
-        def forward(*args, **kwargs):
-            raise AssertionError("the original TransformerBlock.forward ran")
-
-        monkeypatch.setattr(TransformerBlock, "forward", forward)
-
-    return refuse
+    return refuser(monkeypatch, (TransformerBlock, "forward"))
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "slimformer"])
@@ -84,15 +77,7 @@ def test_eval_outputs_match_with_padding(name, attn, original_forward_refused):
     reference = _model(name, attn=attn).eval()
     model = patch(copy.deepcopy(reference))
     assert all(isinstance(block, FusedDistilBertLayer) for block in _blocks(model))
-    ids, mask = _batch(model.config)
-    with torch.no_grad():
-        # sdpa hands the blocks no mask without padding
-        masks = (mask, torch.ones_like(mask))
-        expected = [_outputs(reference, ids, m) for m in masks]
-        original_forward_refused()
-        for m, want in zip(masks, expected, strict=True):
-            for out, value in zip(_outputs(model, ids, m), want, strict=True):
-                torch.testing.assert_close(out, value, rtol=1e-5, atol=1e-5)
+    assert_eval_outputs_match(reference, model, *_batch(model.config), original_forward_refused)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -100,12 +85,7 @@ def test_eval_outputs_match_with_padding(name, attn, original_forward_refused):
 def test_gradients_match_without_dropout(name, attn, original_forward_refused):
     reference = _model(name, dropout=0.0, attn=attn).train()
     model = patch(copy.deepcopy(reference))
-    ids, mask = _batch(model.config)
-    expected_loss, expected = _loss_and_grads(reference, ids, mask)
-    original_forward_refused()
-    loss, grads = _loss_and_grads(model, ids, mask)
-    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
-    _assert_grads_close(grads, expected)
+    assert_gradients_match(reference, model, *_batch(model.config), original_forward_refused)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -8,7 +8,6 @@ import io
 
 import pytest
 import torch
-from torch import nn
 from transformers import (
     MPNetConfig,
     MPNetForMaskedLM,
@@ -23,8 +22,14 @@ from slimformer.kernels.attention.reference import relative_positions
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES
-from tests.family_checks import assert_dropout_seeded_by_torch, assert_embeddings_norm_and_dropout_run_as_one_kernel
-from tests.test_patch import _assert_grads_close, _batch, _loss_and_grads, _outputs
+from tests.family_checks import (
+    assert_dropout_seeded_by_torch,
+    assert_embeddings_norm_and_dropout_run_as_one_kernel,
+    assert_eval_outputs_match,
+    refuser,
+    spread_layer_norms,
+)
+from tests.test_patch import _assert_grads_close, _batch, _loss_and_grads
 
 MODELS = {
     "MPNetModel": MPNetModel,
@@ -50,29 +55,18 @@ def _model(name="MPNetModel", dropout=0.1, attn="eager", **config):
         attention_probs_dropout_prob=dropout,
         attn_implementation=attn,
     )
-    model = MODELS[name](config)
-    with torch.no_grad():  # LayerNorm weights away from 1 / 0, the bias table away from its init
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.5, 0.5)
+    model = spread_layer_norms(MODELS[name](config))
+    with torch.no_grad():  # the bias table away from its initial values
         model.base_model.encoder.relative_attention_bias.weight.normal_()
     return model
 
 
 @pytest.fixture
 def original_refused(monkeypatch):
-    """Call it to make MPNetLayer.forward and HF's (batch, heads, seq, seq) bias raise."""
+    """MPNetLayer.forward and HF's (batch, heads, seq, seq) bias raise once called."""
     from transformers.models.mpnet.modeling_mpnet import MPNetEncoder, MPNetLayer
 
-    def refuse():
-        def raising(*args, **kwargs):
-            raise AssertionError("the original ran")
-
-        monkeypatch.setattr(MPNetLayer, "forward", raising)
-        monkeypatch.setattr(MPNetEncoder, "compute_position_bias", raising)
-
-    return refuse
+    return refuser(monkeypatch, (MPNetLayer, "forward"), (MPNetEncoder, "compute_position_bias"))
 
 
 @pytest.mark.parametrize("attn", ["eager"])  # MPNet has no sdpa path in transformers
@@ -81,14 +75,7 @@ def test_eval_outputs_match_with_padding(name, attn, original_refused):
     reference = _model(name, attn=attn).eval()
     model = patch(copy.deepcopy(reference))
     assert all(isinstance(layer, FusedMPNetLayerMixin) for layer in model.base_model.encoder.layer)
-    ids, mask = _batch(model.config)
-    with torch.no_grad():
-        masks = (mask, torch.ones_like(mask))
-        expected = [_outputs(reference, ids, m) for m in masks]
-        original_refused()
-        for m, want in zip(masks, expected, strict=True):
-            for out, value in zip(_outputs(model, ids, m), want, strict=True):
-                torch.testing.assert_close(out, value, rtol=1e-5, atol=1e-5)
+    assert_eval_outputs_match(reference, model, *_batch(model.config), original_refused)
 
 
 @pytest.mark.parametrize("attn", ["eager"])  # MPNet has no sdpa path in transformers
