@@ -17,8 +17,9 @@ The bias is added inside fc1's GEMM, before h is rounded to its dtype, as eager
 PyTorch does: adding it to an already rounded x W1ᵀ could flip the sign ReLU sees.
 
 Activations: ``relu``, ``gelu`` (exact: z Φ(z), Φ to about 6e-7 on the Triton path),
-``gelu_tanh`` (tanh approximation) and ``swiglu``, for which fc1 produces [gate | up] side
-by side (2·F columns) and a = silu(gate) · up. Elementwise math runs in fp32; outputs keep
+``gelu_tanh`` (tanh approximation), and the gated ``swiglu`` and ``geglu`` (ModernBERT's),
+for which fc1 produces [gate | up] side by side (2·F columns) and a = silu(gate) · up or
+gelu(gate) · up. Elementwise math runs in fp32; outputs keep
 the input dtype. The dropout mask is a (rows, F) dropout matrix (see ``philox.py``).
 float64 inputs (``torch.autograd.gradcheck``, float64 models) always take the PyTorch
 reference, on every device, computing and accumulating in float64.
@@ -49,9 +50,11 @@ from slimformer.kernels.philox import (
     new_dropout_seed,
 )
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "swiglu", "geglu")
+# fc1 produces [gate | up] for these: act(gate) * up
+GATED = ("swiglu", "geglu")
 _ACTIVATION_IDS = {name: i for i, name in enumerate(ACTIVATIONS)}
-_RELU, _GELU, _GELU_TANH, _SWIGLU = range(4)
+_RELU, _GELU, _GELU_TANH, _SWIGLU, _GEGLU = range(5)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _GELU_TANH_CUBIC = 0.044715
 _INV_SQRT_2 = 1.0 / math.sqrt(2.0)
@@ -111,7 +114,7 @@ def _activation_and_derivative(z, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def _activation_fwd_kernel(
-    H,  # (M, K) fc1 output; K = N, or 2N for swiglu ([gate | up])
+    H,  # (M, K) fc1 output; K = N, or 2N for swiglu and geglu ([gate | up])
     OUT,  # (M, N) dropout(act(h))
     SEED,  # () int64 dropout seed, or None
     M,
@@ -124,12 +127,16 @@ def _activation_fwd_kernel(
     rows, col_start = tile_origin(M, N, BLOCK_M, BLOCK_N)
     cols = col_start + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    width = 2 * N if ACTIVATION == 3 else N
+    width = 2 * N if ACTIVATION >= 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
     z = tl.load(H + h_offsets, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == 3:  # swiglu: silu(gate) * up
         up = tl.load(H + h_offsets + N, mask=mask, other=0.0).to(tl.float32)
         a = z * _sigmoid(z) * up
+    elif ACTIVATION == 4:  # geglu: gelu(gate) * up
+        up = tl.load(H + h_offsets + N, mask=mask, other=0.0).to(tl.float32)
+        a, _ = _activation_and_derivative(z, 1)
+        a = a * up
     else:
         a, _ = _activation_and_derivative(z, ACTIVATION)
     offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
@@ -162,7 +169,7 @@ def _activation_bwd_kernel(
         threshold, scale = dropout_threshold_and_scale(dropout_p)
         keep = dropout_keep_tile(tl.load(SEED), rows, col_start, N, threshold, BLOCK_N)
         da *= tl.where(keep, scale, 0.0)
-    width = 2 * N if ACTIVATION == 3 else N
+    width = 2 * N if ACTIVATION >= 3 else N
     h_offsets = rows[:, None].to(tl.int64) * width + cols[None, :]
     z = tl.load(H + h_offsets, mask=mask, other=0.0).to(tl.float32)
     if ACTIVATION == 3:
@@ -172,6 +179,11 @@ def _activation_bwd_kernel(
         dgate = da * up * sig * (1.0 + z * (1.0 - sig))
         tl.store(DH + h_offsets, dgate.to(DH.dtype.element_ty), mask=mask)
         tl.store(DH + h_offsets + N, (da * silu).to(DH.dtype.element_ty), mask=mask)
+    elif ACTIVATION == 4:
+        up = tl.load(H + h_offsets + N, mask=mask, other=0.0).to(tl.float32)
+        gelu, derivative = _activation_and_derivative(z, 1)
+        tl.store(DH + h_offsets, (da * up * derivative).to(DH.dtype.element_ty), mask=mask)
+        tl.store(DH + h_offsets + N, (da * gelu).to(DH.dtype.element_ty), mask=mask)
     else:
         _, derivative = _activation_and_derivative(z, ACTIVATION)
         tl.store(DH + h_offsets, (da * derivative).to(DH.dtype.element_ty), mask=mask)
@@ -186,7 +198,7 @@ def _grid(M: int, N: int) -> tuple[tuple[int], int, int]:
 
 
 def _out_features(h: torch.Tensor, activation: str) -> int:
-    return h.shape[1] // 2 if activation == "swiglu" else h.shape[1]
+    return h.shape[1] // 2 if activation in GATED else h.shape[1]
 
 
 def _activation_fwd(h, seed, activation, dropout_p):
@@ -254,8 +266,8 @@ def _activation_input_grad(da: torch.Tensor, z: torch.Tensor, activation: str) -
 
 
 def _halves(h: torch.Tensor, activation: str):
-    """(gate, up) for swiglu, else (h, None), in the reference dtype."""
-    if activation == "swiglu":
+    """(gate, up) for swiglu and geglu, else (h, None), in the reference dtype."""
+    if activation in GATED:
         gate, up = rearrange(h.to(_reference_dtype(h)), "m (two n) -> two m n", two=2)
         return gate, up
     return h.to(_reference_dtype(h)), None
@@ -270,7 +282,10 @@ def _dropout_scale_rows(seed, start, stop, n_cols, dropout_p, dtype, device) -> 
 def _activated_rows(h_rows, start, seed, activation, dropout_p) -> torch.Tensor:
     """dropout(act(h)) in the reference dtype for the rows of h from row ``start`` on (the mask's rows)."""
     z, up = _halves(h_rows, activation)
-    a = torch.nn.functional.silu(z).mul_(up) if activation == "swiglu" else _activation_value(z, activation)
+    if activation in GATED:
+        a = (torch.nn.functional.silu(z) if activation == "swiglu" else _activation_value(z, "gelu")).mul_(up)
+    else:
+        a = _activation_value(z, activation)
     if seed is not None:
         a.mul_(_dropout_scale_rows(seed, start, start + len(h_rows), a.shape[1], dropout_p, a.dtype, h_rows.device))
     return a
@@ -287,6 +302,10 @@ def _input_grad_rows(da_rows, h_rows, start, seed, activation, dropout_p) -> tor
     z, up = _halves(h_rows, activation)
     if activation == "swiglu":
         return torch.cat([torch.ops.aten.silu_backward(da_rows * up, z), da_rows.mul_(torch.nn.functional.silu(z))], 1)
+    if activation == "geglu":
+        return torch.cat(
+            [_activation_input_grad(da_rows * up, z, "gelu"), da_rows.mul_(_activation_value(z, "gelu"))], 1
+        )
     return _activation_input_grad(da_rows, z, activation)
 
 
@@ -477,8 +496,8 @@ def fused_mlp(
 
     x: (..., D) float32/float16/bfloat16, or float64 (the PyTorch reference in float64, on
     any device: ``torch.autograd.gradcheck``). fc1_weight: (F, D), or (2F, D) for "swiglu"
-    ([gate | up] rows); fc1_bias: its rows or None. fc2_weight: (D_out, F); fc2_bias:
-    (D_out,) or None. activation: "relu", "gelu", "gelu_tanh" or "swiglu". dropout_p in
+    and "geglu" ([gate | up] rows); fc1_bias: its rows or None. fc2_weight: (D_out, F); fc2_bias:
+    (D_out,) or None. activation: "relu", "gelu", "gelu_tanh", "swiglu" or "geglu". dropout_p in
     [0, 1) (pass 0 in eval), masks regenerated from a Philox seed drawn from torch's
     generator. recompute_fc1: keep nothing but x; backward recomputes fc1.
     Returns (..., D_out) in x's dtype (the autocast dtype under autocast, like nn.Linear).
@@ -495,9 +514,11 @@ def fused_mlp(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     x, (fc1_weight, fc1_bias, fc2_weight, fc2_bias) = _autocast_inputs(x, (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
     _check_linear("fc1", fc1_weight, fc1_bias, x.shape[-1], x)
-    hidden = fc1_weight.shape[0] // 2 if activation == "swiglu" else fc1_weight.shape[0]
-    if activation == "swiglu" and fc1_weight.shape[0] % 2:
-        raise ValueError(f"fc1_weight for swiglu needs an even number of rows [gate | up], got {fc1_weight.shape[0]}")
+    hidden = fc1_weight.shape[0] // 2 if activation in GATED else fc1_weight.shape[0]
+    if activation in GATED and fc1_weight.shape[0] % 2:
+        raise ValueError(
+            f"fc1_weight for {activation} needs an even number of rows [gate | up], got {fc1_weight.shape[0]}"
+        )
     _check_linear("fc2", fc2_weight, fc2_bias, hidden, x)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     seed = new_dropout_seed(x.device, rows.detach(), "fused_mlp") if dropout_p > 0 else None

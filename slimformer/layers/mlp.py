@@ -7,13 +7,13 @@ the block keeps nothing but its input.
 
 from torch import nn
 
-from slimformer.kernels.activation import ACTIVATIONS, fused_mlp
+from slimformer.kernels.activation import ACTIVATIONS, GATED, fused_mlp
 
 
 class FusedMLP(nn.Module):
     """fc1 -> bias + activation -> dropout -> fc2, with ``fc1``/``fc2`` as ``nn.Linear``.
 
-    For "swiglu", fc1 has 2 * dim_feedforward outputs: the gate rows, then the up rows.
+    For "swiglu" and "geglu", fc1 has 2 * dim_feedforward outputs: the gate rows, then the up rows.
     ``dropout`` is the probability after the activation (applied in training only).
     """
 
@@ -31,7 +31,7 @@ class FusedMLP(nn.Module):
         super().__init__()
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        fc1_out = 2 * dim_feedforward if activation == "swiglu" else dim_feedforward
+        fc1_out = 2 * dim_feedforward if activation in GATED else dim_feedforward
         self.fc1 = nn.Linear(d_model, fc1_out, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(dim_feedforward, d_model, bias=bias, device=device, dtype=dtype)
         self.activation = activation

@@ -17,9 +17,9 @@ SEED = 99
 
 def _eager_mlp(x, w1, b1, w2, b2, activation, keep, p):
     h = F.linear(x, w1, b1)
-    if activation == "swiglu":
+    if activation in ("swiglu", "geglu"):  # ModernBERT's GeGLU: input, gate = chunk(2); gelu(input) * gate
         gate, up = h.chunk(2, dim=-1)
-        a = F.silu(gate) * up
+        a = (F.silu(gate) if activation == "swiglu" else F.gelu(gate)) * up
     elif activation == "relu":
         a = F.relu(h)
     else:
@@ -31,7 +31,7 @@ def _eager_mlp(x, w1, b1, w2, b2, activation, keep, p):
 
 def _mlp_inputs(rows, d_model, d_ff, activation, dtype, device="cpu"):
     gen = torch.Generator().manual_seed(0)
-    fc1_rows = 2 * d_ff if activation == "swiglu" else d_ff
+    fc1_rows = 2 * d_ff if activation in ("swiglu", "geglu") else d_ff
     shapes = [(rows, d_model), (fc1_rows, d_model), (fc1_rows,), (d_model, d_ff), (d_model,)]
     scales = [1.0, d_model**-0.5, 0.5, d_ff**-0.5, 0.5]
     return [(torch.randn(s, generator=gen) * c).to(device, dtype) for s, c in zip(shapes, scales)]
@@ -77,7 +77,7 @@ def test_fused_mlp_matches_eager(backend, activation, dtype, rows, d_model, d_ff
 
 
 @pytest.mark.parametrize("recompute_fc1", [False, True], ids=["keep-fc1", "recompute-fc1"])
-@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "geglu"])
 def test_reference_in_small_row_blocks(monkeypatch, activation, recompute_fc1):
     # The PyTorch path runs the MLP in blocks of rows (5 rows of fc1's 200 or 400 columns
     # here, 97 rows in all): dropout rows, recomputed fc1 and the summed weight gradients
@@ -88,7 +88,8 @@ def test_reference_in_small_row_blocks(monkeypatch, activation, recompute_fc1):
 
 
 @pytest.mark.parametrize(
-    "activation, recompute_fc1", [("relu", False), ("gelu", True), ("gelu_tanh", False), ("swiglu", True)]
+    "activation, recompute_fc1",
+    [("relu", False), ("gelu", True), ("gelu_tanh", False), ("swiglu", True), ("geglu", False)],
 )
 def test_float64_matches_eager_float64_and_passes_gradcheck(backend, activation, recompute_fc1):
     # float64 takes the PyTorch reference in float64 on every device (with "triton", the
