@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from slimformer.integrations.hf import albert, bert, distilbert, llama, mpnet
+from slimformer.integrations.hf import albert, bert, distilbert, llama, modernbert, mpnet
 from slimformer.integrations.hf.bert import FusedBertFamilyLayer
 from slimformer.integrations.hf.classes import new_mixed
 from slimformer.integrations.hf.llama import FusedLlamaStyleRMSNorm
@@ -104,7 +104,7 @@ __all__ = [
 
 # The model families patch recognises, asked in this order about every module that is no
 # torch.nn swap: one integration module each.
-_FAMILIES = (bert.FAMILY, distilbert.FAMILY, albert.FAMILY, mpnet.FAMILY, llama.FAMILY)
+_FAMILIES = (bert.FAMILY, distilbert.FAMILY, albert.FAMILY, mpnet.FAMILY, modernbert.FAMILY, llama.FAMILY)
 _RECORD = "_slimformer_patch"
 _MASKED_LM_CHANGE = "masked-LM loss fused with the decoder"
 _UNPAD_CHANGE = "unpadded: packed real tokens, varlen attention"
@@ -133,8 +133,8 @@ def _left_role_reason(module: nn.Module) -> str | None:
     from_transformers = type(module).__module__.startswith("transformers.")
     if _ROLES["attention"].search(name):
         reason = (
-            "attention of a model family slimformer does not fuse layer by layer (it fuses BERT-family, DistilBERT "
-            "and ALBERT encoder layers, torch.nn.TransformerEncoderLayer and torch.nn.MultiheadAttention)"
+            "attention of a model family slimformer does not fuse layer by layer (it fuses BERT-family, DistilBERT, "
+            "ALBERT and MPNet encoder layers, torch.nn.TransformerEncoderLayer and torch.nn.MultiheadAttention)"
         )
         if from_transformers:
             reason += "; run it on slimformer's kernel with model.set_attn_implementation('slimformer')"

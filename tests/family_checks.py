@@ -65,7 +65,8 @@ def spread_layer_norms(model: nn.Module) -> nn.Module:
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
                 module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.5, 0.5)
+                if module.bias is not None:  # ModernBERT's have none
+                    module.bias.uniform_(-0.5, 0.5)
     return model
 
 

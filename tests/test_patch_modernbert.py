@@ -1,0 +1,122 @@
+"""slimformer.patch of HuggingFace ModernBERT: its GeGLU MLP on the fused MLP kernel and its
+LayerNorms swapped; the attention left with its reason.
+
+Tiny models from configs (no downloads), on the PyTorch path (TRITON_INTERPRET=0)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import ModernBertConfig, ModernBertForMaskedLM, ModernBertForSequenceClassification, ModernBertModel
+
+from slimformer.integrations.hf.modernbert import FusedModernBertMLPMixin
+from slimformer.memory import measure_activation_memory
+from slimformer.patch import patch, patch_summary, unpatch
+from slimformer.recompute import POLICIES, recompute
+from tests.family_checks import assert_eval_outputs_match, assert_gradients_match, refuser, spread_layer_norms
+from tests.test_patch import _batch
+
+MODELS = {
+    "ModernBertModel": ModernBertModel,
+    "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
+    "ModernBertForMaskedLM": ModernBertForMaskedLM,
+}
+TINY = dict(
+    vocab_size=100,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    cls_token_id=1,
+    sep_token_id=2,
+    hidden_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    intermediate_size=48,
+    local_attention=4,  # windows shorter than the test batch's rows
+)
+
+
+@pytest.fixture(autouse=True)
+def torch_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def _model(name="ModernBertModel", dropout=0.0, attn="sdpa", **config):
+    torch.manual_seed(0)
+    config = ModernBertConfig(**{**TINY, **config}, mlp_dropout=dropout, attn_implementation=attn)
+    return spread_layer_norms(MODELS[name](config))
+
+
+@pytest.fixture
+def original_refused(monkeypatch):
+    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+    return refuser(monkeypatch, (ModernBertMLP, "forward"))
+
+
+def _mlps(model):
+    return [layer.mlp for layer in model.base_model.layers]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_eval_outputs_match_with_padding(name, attn, original_refused):
+    reference = _model(name, attn=attn).eval()
+    model = patch(copy.deepcopy(reference))
+    assert all(isinstance(mlp, FusedModernBertMLPMixin) for mlp in _mlps(model))
+    assert_eval_outputs_match(reference, model, *_batch(model.config), original_refused)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gradients_match_under_every_policy(policy, original_refused):
+    reference = _model("ModernBertForSequenceClassification").train()
+    model = patch(copy.deepcopy(reference), recompute=policy)
+    assert {mlp.recompute for mlp in _mlps(model)} == {policy}
+    assert_gradients_match(reference, model, *_batch(model.config), original_refused)
+
+
+def test_mlp_dropout_is_seeded_by_torch_and_recompute_keeps_less():
+    model = patch(_model("ModernBertModel", dropout=0.3)).train()
+    ids, mask = _batch(model.config)
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(model(ids, attention_mask=mask).last_hidden_state)
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    kept = {}
+    for policy in ("none", "mlp"):
+        recompute(model, policy)
+        mlp = _mlps(model)[1]
+        x = torch.randn(2, 64, 32, requires_grad=True)
+        kept[policy] = measure_activation_memory(mlp, x).saved_bytes
+    # none keeps Wi's output (2 x intermediate per token); mlp keeps nothing but x
+    assert kept["none"] >= 2 * 64 * 2 * 48 * 4 and kept["mlp"] < kept["none"] / 4
+
+
+def test_summary_reasons_hooks_and_unpatch():
+    model = _model("ModernBertForSequenceClassification")
+    keys = list(model.state_dict())
+    patch(model)
+    assert list(model.state_dict()) == keys
+    left = {item.name: item.reason for item in patch_summary(model).left}
+    assert "set_attn_implementation('slimformer')" in left["model.layers.0.attn"]
+    calls = []
+    model.model.layers[0].mlp.Wi.register_forward_hook(lambda *a: calls.append(1))
+    ids, mask = _batch(model.config)
+    model.eval()(ids, attention_mask=mask)
+    assert calls == [1]  # a hooked Linear: the original forward ran, so the hook fired
+    unpatch(model)
+    assert type(model.model.layers[0].mlp).__name__ == "ModernBertMLP"
+
+
+def test_tanh_gelu_mlp_is_left_with_its_reason():
+    model = patch(_model("ModernBertModel", hidden_activation="gelu_pytorch_tanh"))
+    left = {item.name: item.reason for item in patch_summary(model).left}
+    assert "the fused kernel's geglu is the exact gelu" in left["layers.0.mlp"]
+
+
+def test_unpad_is_left_with_its_reason():
+    with pytest.warns(UserWarning, match="nothing is unpadded"):
+        model = patch(_model("ModernBertModel"), unpad=True)
+    left = {item.name: item.reason for item in patch_summary(model).left}
+    assert "unpad: not supported for ModernBERT yet" in left[""]
