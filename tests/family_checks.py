@@ -19,20 +19,22 @@ def _embeddings_grads(embeddings, ids, dy):
     return out, {name: p.grad.clone() for name, p in embeddings.named_parameters()}
 
 
-def assert_embeddings_norm_and_dropout_run_as_one_kernel(make_model, ids, dy):
-    """``make_model(p)``: a base model with dropout p. Without dropout, exactly HF's
-    embeddings; with it, HF's computation with the mask the kernel drew (read from its
-    output), which backward must regenerate."""
+def assert_embeddings_norm_and_dropout_run_as_one_kernel(make_model, ids, dy, norm="LayerNorm", dropout="dropout"):
+    """``make_model(p)``: a base model with dropout p, whose embeddings call ``norm`` then
+    ``dropout`` (attribute names). Without dropout, exactly HF's embeddings; with it, HF's
+    computation with the mask the kernel drew (read from its output), which backward must
+    regenerate."""
     for p in (0.0, 0.3):
         reference = make_model(p).train()
         model = patch(copy.deepcopy(reference))
-        assert type(model.embeddings.LayerNorm) is LayerNormDropout and model.embeddings.LayerNorm.fuses_dropout()
-        assert type(model.embeddings.dropout) is DropoutInNorm
+        fused_norm = getattr(model.embeddings, norm)
+        assert type(fused_norm) is LayerNormDropout and fused_norm.fuses_dropout()
+        assert type(getattr(model.embeddings, dropout)) is DropoutInNorm
         out, grads = _embeddings_grads(model.embeddings, ids, dy)
         keep = out != 0
         if p:
             assert 0.5 < keep.float().mean() < 0.9  # ~0.7 kept
-            reference.embeddings.dropout = nn.Identity()
+            setattr(reference.embeddings, dropout, nn.Identity())
             scale = dropout_threshold(p)[1]
             reference.embeddings.register_forward_hook(lambda m, a, y: torch.where(keep, y * scale, 0.0))
         expected_out, expected = _embeddings_grads(reference.embeddings, ids, dy)

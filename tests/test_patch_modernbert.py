@@ -13,7 +13,13 @@ from slimformer.integrations.hf.modernbert import FusedModernBertMLPMixin
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES, recompute
-from tests.family_checks import assert_eval_outputs_match, assert_gradients_match, refuser, spread_layer_norms
+from tests.family_checks import (
+    assert_embeddings_norm_and_dropout_run_as_one_kernel,
+    assert_eval_outputs_match,
+    assert_gradients_match,
+    refuser,
+    spread_layer_norms,
+)
 from tests.test_patch import _batch
 
 MODELS = {
@@ -120,3 +126,11 @@ def test_unpad_is_left_with_its_reason():
         model = patch(_model("ModernBertModel"), unpad=True)
     left = {item.name: item.reason for item in patch_summary(model).left}
     assert "unpad: not supported for ModernBERT yet" in left[""]
+
+
+def test_embeddings_norm_and_drop_run_as_one_kernel():
+    ids, _ = _batch(_model().config, batch=2, seq=7)
+    dy = torch.randn(2, 7, TINY["hidden_size"], generator=torch.Generator().manual_seed(5))
+    assert_embeddings_norm_and_dropout_run_as_one_kernel(
+        lambda p: _model(embedding_dropout=p), ids, dy, norm="norm", dropout="drop"
+    )

@@ -12,25 +12,33 @@ become ``slimformer.LayerNorm`` as everywhere.
 The MLP calls its original forward, for that call, when Wi, Wo, the activation or the
 dropout has hooks or was replaced by another type (``sf.quantize``'s Linears included).
 
+The embeddings' ``norm`` and ``drop``, which their forward calls as ``self.drop(self.norm(x))``
+and nowhere else (source checked), become one fused norm kernel as BERT's do.
+
 Not fused yet, so left with the reason in the summary: the attention (RoPE applied inside
 the attention and the local layers' sliding window are not in the kernels yet; with
 ``model.set_attn_implementation("slimformer")`` its core runs on the fused kernel, reading
-the local layers' window as a mask), the embeddings (``norm`` and ``drop`` under other
-names than BERT's) and unpadding; an activation other than exact gelu.
+the local layers' window as a mask) and unpadding; an activation other than exact gelu.
 """
+
+import inspect
+import re
 
 from torch import nn
 
 from slimformer.integrations import ModelFamily
 from slimformer.integrations.hf.classes import RuntimeMixin
 from slimformer.kernels.activation import fused_mlp
+from slimformer.layers.norm import fuse_with_dropout
 from slimformer.layers.policies import check_policy
-from slimformer.layers.sharing import NotScriptable, TorchDropout, has_user_hooks
+from slimformer.layers.sharing import NotScriptable, TorchDropout, TorchLayerNorm, has_user_hooks
 
 __all__ = ["FAMILY", "FusedModernBertMLPMixin"]
 
 _MODULE = "transformers.models.modernbert.modeling_modernbert"
 _MLP = (_MODULE, "ModernBertMLP")
+_EMBEDDINGS = (_MODULE, "ModernBertEmbeddings")
+_DROP_OF_NORM = re.compile(r"self\.drop\(self\.norm\(")
 _BASE_MODEL = (_MODULE, "ModernBertModel")
 # transformers' exact GELU (``ACT2CLS["gelu"]``): the fused kernel's geglu
 _GELU = "GELUActivation"
@@ -96,6 +104,31 @@ def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | Non
     return (None, problem) if problem else (_fused_mlp(module), None)
 
 
+def _embeddings_problem(embeddings: nn.Module) -> str | None:
+    try:
+        source = inspect.getsource(type(embeddings).forward)
+    except (OSError, TypeError):
+        source = ""
+    calls = len(_DROP_OF_NORM.findall(source))
+    if not calls or not source.count("self.norm") == source.count("self.drop") == calls:
+        return "its forward does not apply drop right after each norm (source checked)"
+    for name, expected in (("norm", TorchLayerNorm), ("drop", TorchDropout)):
+        if type(getattr(embeddings, name)) is not expected:
+            return f"{name} is a {type(getattr(embeddings, name)).__name__}, not torch.nn.{expected.__name__}"
+    return None
+
+
+def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
+    """{"norm": LayerNormDropout, "drop": DropoutInNorm} of ModernBERT's embeddings, or ({}, why not)."""
+    if (type(embeddings).__module__, type(embeddings).__name__) != _EMBEDDINGS:
+        return None
+    problem = _embeddings_problem(embeddings)
+    if problem is not None:
+        return {}, problem
+    norm, drop = fuse_with_dropout(embeddings.norm, embeddings.drop)
+    return {"norm": norm, "drop": drop}, None
+
+
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     kind = getattr(type(model), "_original_class", type(model))
     if (kind.__module__, kind.__name__) != _BASE_MODEL:
@@ -103,4 +136,4 @@ def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     return None, "unpad: not supported for ModernBERT yet (its attention is not fused); it runs padded"
 
 
-FAMILY = ModelFamily("ModernBERT", _replacement, unpad=_unpadded)
+FAMILY = ModelFamily("ModernBERT", _replacement, replace_children=_fused_embeddings, unpad=_unpadded)
