@@ -134,3 +134,18 @@ def test_embeddings_norm_and_drop_run_as_one_kernel():
     assert_embeddings_norm_and_dropout_run_as_one_kernel(
         lambda p: _model(embedding_dropout=p), ids, dy, norm="norm", dropout="drop"
     )
+
+
+def test_attention_core_on_the_fused_kernel_through_the_registered_implementation(original_refused, monkeypatch):
+    # what the summary's reason for the attention says: its core (after RoPE) runs on
+    # slimformer's kernel, the local layers' window read as HF's mask
+    from slimformer.integrations.hf import attention as registered
+
+    calls = []
+    kernel = registered.attention
+    monkeypatch.setattr(registered, "attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    reference = _model("ModernBertForSequenceClassification").train()
+    model = patch(copy.deepcopy(reference), recompute="mlp")
+    model.set_attn_implementation("slimformer")
+    assert_gradients_match(reference, model, *_batch(model.config), original_refused)
+    assert len(calls) == TINY["num_hidden_layers"]
