@@ -63,6 +63,7 @@ def attention_case(
     key_padding=False,
     layout="fused-qkv",
     deterministic=True,
+    window=None,
     ci=False,
 ) -> Case:
     from slimformer.kernels.attention import attention
@@ -75,6 +76,7 @@ def attention_case(
         "causal" if causal else "", f"dropout{dropout:g}" if dropout else "",
         f"{mask}-mask" if mask else "", "key-padding" if key_padding else "",
         f"gqa{heads}/{kv_heads}" if kv_heads != heads else "", "" if deterministic else "atomic-dq",
+        f"window{window}" if window is not None else "",
     ]  # fmt: skip
     name = "attn " + " ".join(f for f in flags if f)
 
@@ -99,6 +101,7 @@ def attention_case(
             key_padding_mask=padding,
             deterministic=deterministic,
             relative_bias=relative_bias,
+            window=window,
         )
         return lambda: out.backward(torch.zeros_like(out))
 
@@ -116,6 +119,7 @@ def attention_case(
         key_padding=key_padding,
         layout=layout,
         deterministic=deterministic,
+        window=window,
     )
     return Case(name, "attention", run, params, ci)
 
@@ -150,6 +154,9 @@ def attention_cases() -> list[Case]:
     # gradient added with atomics in the dK/dV kernel
     cases.append(attention_case(64, dropout=0.1, mask="relative", key_padding=True, ci=True))
     cases.append(attention_case(64, mask="relative", deterministic=False))
+    # a sliding window (ModernBERT's local layers: 64 either side), every visited tile an edge tile
+    cases.append(attention_case(64, dropout=0.1, key_padding=True, window=64, ci=True))
+    cases.append(attention_case(64, window=64, deterministic=False))
     # the backward's one-pass dQ (deterministic=False)
     for head_dim in (64, 128, 256):
         cases.append(attention_case(head_dim, deterministic=False, ci=head_dim == 128))

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels import dispatch
-from slimformer.kernels.attention.configs import block_config, config_kind
+from slimformer.kernels.attention.configs import block_config, launch_kind
 from slimformer.kernels.attention.launch import (
     grid,
     head_strides,
@@ -18,6 +18,7 @@ from slimformer.kernels.attention.launch import (
     relative_bias_mask,
     stride_unit,
     varlen_mask_args,
+    window_args,
 )
 from slimformer.kernels.attention.tiles import (
     LOG2E,
@@ -130,6 +131,8 @@ def _attention_bwd_dkdv_tile(
     DBIAS,
     stride_dbh,
     BIAS_GRAD: tl.constexpr,
+    window,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One query block's share of dK and dV: the updated (dk, dv). With DQ_ATOMIC, also
     this key block's share of the query block's dQ / scale, added into ``dq_head``. With
@@ -192,6 +195,8 @@ def _attention_bwd_dkdv_tile(
             HAS_KPM,
             IS_CAUSAL,
             EDGE,
+            window,
+            HAS_WINDOW,
         )
         p_t = tl.exp2(s_t - lse_log2[None, :])
     else:
@@ -300,6 +305,8 @@ def _attention_bwd_dkdv_kernel(
     DBIAS=None,  # the relative bias's fp32 gradient, a pointer at its centre (BIAS_GRAD only)
     stride_dbh=0,
     BIAS_GRAD: tl.constexpr = False,
+    window=0,  # |j − i| allowed at most (HAS_WINDOW only),
+    HAS_WINDOW: tl.constexpr = False,
 ):
     stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
     stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
@@ -350,6 +357,13 @@ def _attention_bwd_dkdv_kernel(
         # dQ would add: a partial key block takes every query block as an edge block.
         edge_hi = tl.where(start_n + BLOCK_N > seq_k, seq_q, edge_hi)
     full_hi = seq_q // BLOCK_M * BLOCK_M
+    q_hi = seq_q
+    if HAS_WINDOW:
+        # only the query blocks within the window of some key of the block, as edge tiles
+        lo = tl.maximum(lo, tl.maximum(start_n - window, 0) // BLOCK_M * BLOCK_M)
+        edge_hi = tl.minimum(start_n + BLOCK_N + window, seq_q)
+        full_hi = edge_hi
+        q_hi = edge_hi
     for g in range(group_size):
         off_h = off_hk * group_size + g
         off_bh = off_b * num_heads + off_h
@@ -418,6 +432,8 @@ def _attention_bwd_dkdv_kernel(
                 DBIAS,
                 stride_dbh,
                 BIAS_GRAD,
+                window,
+                HAS_WINDOW,
             )
         for start_m in range(tl.maximum(lo, edge_hi), full_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
@@ -468,8 +484,10 @@ def _attention_bwd_dkdv_kernel(
                 DBIAS,
                 stride_dbh,
                 BIAS_GRAD,
+                window,
+                HAS_WINDOW,
             )
-        for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), seq_q, BLOCK_M):
+        for start_m in range(tl.maximum(tl.maximum(lo, edge_hi), full_hi), q_hi, BLOCK_M):
             dk, dv = _attention_bwd_dkdv_tile(
                 dk,
                 dv,
@@ -518,6 +536,8 @@ def _attention_bwd_dkdv_kernel(
                 DBIAS,
                 stride_dbh,
                 BIAS_GRAD,
+                window,
+                HAS_WINDOW,
             )
 
     store_rows(
@@ -585,6 +605,8 @@ def _attention_bwd_dq_tile(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     VARLEN: tl.constexpr,
+    window,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One key block's share of dQ: the updated dq."""
     offs_n = start_n + tile_n
@@ -636,6 +658,8 @@ def _attention_bwd_dq_tile(
             HAS_KPM,
             IS_CAUSAL,
             EDGE,
+            window,
+            HAS_WINDOW,
         )
         p = tl.exp2(s - lse_log2[:, None])
     else:
@@ -707,6 +731,8 @@ def _attention_bwd_dq_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     VARLEN: tl.constexpr,
+    window=0,  # |j − i| allowed at most (HAS_WINDOW only),
+    HAS_WINDOW: tl.constexpr = False,
 ):
     stride_qb, stride_qh, stride_qs = stride_qb * STRIDE_UNIT, stride_qh * STRIDE_UNIT, stride_qs * STRIDE_UNIT
     stride_kb, stride_kh, stride_ks = stride_kb * STRIDE_UNIT, stride_kh * STRIDE_UNIT, stride_ks * STRIDE_UNIT
@@ -754,12 +780,17 @@ def _attention_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # As in the forward: key blocks below full_hi need no compares.
+    lo = 0
     hi = seq_k
     full_hi = seq_k // BLOCK_N * BLOCK_N
     if IS_CAUSAL:
         hi = tl.minimum(seq_k, start_m + BLOCK_M)
         full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
-    for start_n in range(0, full_hi, BLOCK_N):
+    if HAS_WINDOW:
+        lo = tl.maximum(start_m - window, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(hi, start_m + BLOCK_M + window)
+        full_hi = lo
+    for start_n in range(lo, full_hi, BLOCK_N):
         dq = _attention_bwd_dq_tile(
             dq,
             q,
@@ -802,6 +833,8 @@ def _attention_bwd_dq_kernel(
             PRECISION,
             UPCAST,
             VARLEN,
+            window,
+            HAS_WINDOW,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _attention_bwd_dq_tile(
@@ -846,6 +879,8 @@ def _attention_bwd_dq_kernel(
             PRECISION,
             UPCAST,
             VARLEN,
+            window,
+            HAS_WINDOW,
         )
 
     store_rows(
@@ -878,8 +913,10 @@ def attention_backward(
     dv: torch.Tensor,
     relative_bias: torch.Tensor | None = None,
     dbias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
-    """Launch the backward kernels (delta, then dK/dV and dQ), writing into dq, dk, dv, and
+    """Launch the backward kernels (delta, then dK/dV and dQ), writing into dq, dk, dv (a
+    sliding ``window`` as in ``forward.attention_forward``), and
     with a (contiguous) ``relative_bias`` adding its gradient into ``dbias`` (fp32, zeroed,
     contiguous, shaped like it) with atomics, in no fixed order.
 
@@ -905,7 +942,7 @@ def attention_backward(
         dk,
         dv,
         mask_args(attn_mask, key_padding_mask, q, seq_k, relative_bias),
-        config_kind(attn_mask if relative_bias is None else relative_bias, key_padding_mask, dropout_p),
+        launch_kind(attn_mask, relative_bias, window, key_padding_mask, dropout_p),
         dropout_p,
         is_causal,
         scale,
@@ -917,6 +954,7 @@ def attention_backward(
         None,
         None,
         dbias,
+        window,
     )
 
 
@@ -938,6 +976,7 @@ def varlen_backward(
     deterministic,
     relative_bias=None,
     dbias=None,
+    window=None,
 ):
     """Launch the backward kernels on packed (total, heads, head_dim) tensors: (dq, dk, dv);
     with a relative bias (heads, max_q + max_k − 1), its gradient is added into ``dbias`` as
@@ -958,7 +997,7 @@ def varlen_backward(
         dk,
         dv,
         varlen_mask_args(relative_bias, max_q),
-        config_kind(relative_bias, None, dropout_p),
+        launch_kind(None, relative_bias, window, None, dropout_p),
         dropout_p,
         is_causal,
         scale,
@@ -970,6 +1009,7 @@ def varlen_backward(
         cu_k,
         q.shape[0],
         dbias,
+        window,
     )
     return dq, dk, dv
 
@@ -1013,6 +1053,7 @@ def _launch(
     cu_k,
     total_q,
     dbias=None,
+    window=None,
 ):
     """The launches of both layouts: varlen ones have cu_q, cu_k and total_q, and seq_q,
     seq_k are their longest sequences. ``dbias``: the relative bias's gradient, or None."""
@@ -1045,7 +1086,9 @@ def _launch(
     )
     masks, mask_strides, mask_flags = masks_args
     scalars = (*mask_strides, heads, heads // kv_heads, seq_q, seq_k, total_q, scale, dropout_p)
-    flags = dict(**mask_flags, **kernel_flags(q, is_causal, dropout_p), STRIDE_UNIT=unit, VARLEN=varlen)
+    flags = dict(
+        **mask_flags, **kernel_flags(q, is_causal, dropout_p), **window_args(window), STRIDE_UNIT=unit, VARLEN=varlen
+    )
     # The atomic path adds dQ / scale into a zeroed fp32 buffer, in whatever order the
     # key blocks' programs reach it, then scales and casts it in one pass.
     dq_acc = None if deterministic else torch.zeros((*lse.shape, head_dim), dtype=torch.float32, device=q.device)

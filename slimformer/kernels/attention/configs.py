@@ -143,6 +143,14 @@ def config_kind(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor |
     return "dropout" if dropout_p > 0.0 else "plain"
 
 
+def launch_kind(attn_mask, relative_bias, window, key_padding_mask, dropout_p: float) -> str:
+    """``config_kind`` of a launch: a relative bias reads as an attn_mask does, and a sliding
+    window makes every tile an edge tile (compares, as a mask's)."""
+    if window is not None:
+        return "masked"
+    return config_kind(attn_mask if relative_bias is None else relative_bias, key_padding_mask, dropout_p)
+
+
 def block_config(
     head_dim: int,
     dtype: torch.dtype,

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels import dispatch
-from slimformer.kernels.attention.configs import block_config, config_kind
+from slimformer.kernels.attention.configs import block_config, launch_kind
 from slimformer.kernels.attention.launch import (
     empty_forward,
     empty_output,
@@ -19,6 +19,7 @@ from slimformer.kernels.attention.launch import (
     stride_unit,
     tma_descriptors,
     varlen_mask_args,
+    window_args,
 )
 from slimformer.kernels.attention.tiles import (
     LN2,
@@ -80,6 +81,8 @@ def _attention_fwd_tile(
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,
+    window,
+    HAS_WINDOW: tl.constexpr,
 ):
     """One key block of the online softmax: the updated (acc, l_i, m_i)."""
     offs_n = start_n + tile_n
@@ -128,6 +131,8 @@ def _attention_fwd_tile(
             HAS_KPM,
             IS_CAUSAL,
             EDGE,
+            window,
+            HAS_WINDOW,
         )
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
@@ -227,6 +232,8 @@ def _attention_fwd_kernel(
     UPCAST: tl.constexpr,
     TMA: tl.constexpr,
     VARLEN: tl.constexpr,  # packed sequences found by CU_Q / CU_K instead of a batch dim
+    window=0,  # |j − i| allowed at most (HAS_WINDOW only),
+    HAS_WINDOW: tl.constexpr = False,
 ):
     # Multiplying by the constexpr unit tells Triton each row starts 16 bytes aligned
     # (head_dim % 8 == 0), so rows load as 16-byte vectors even when head_dim % 16 != 0.
@@ -287,12 +294,18 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Key blocks below full_hi are inside seq_k and (causal) before every query of the
     # block: no bounds or causal compares. The rest, up to hi, are edge blocks.
+    lo = 0
     hi = seq_k
     full_hi = seq_k // BLOCK_N * BLOCK_N
     if IS_CAUSAL:
         hi = tl.minimum(seq_k, start_m + BLOCK_M)
         full_hi = tl.minimum(full_hi, (start_m + 1) // BLOCK_N * BLOCK_N)
-    for start_n in range(0, full_hi, BLOCK_N):
+    if HAS_WINDOW:
+        # only the key blocks within the window of some query of the block, as edge tiles
+        lo = tl.maximum(start_m - window, 0) // BLOCK_N * BLOCK_N
+        hi = tl.minimum(hi, start_m + BLOCK_M + window)
+        full_hi = lo
+    for start_n in range(lo, full_hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
             acc,
             l_i,
@@ -337,6 +350,8 @@ def _attention_fwd_kernel(
             UPCAST,
             TMA,
             VARLEN,
+            window,
+            HAS_WINDOW,
         )
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attention_fwd_tile(
@@ -383,6 +398,8 @@ def _attention_fwd_kernel(
             UPCAST,
             TMA,
             VARLEN,
+            window,
+            HAS_WINDOW,
         )
 
     # l_i >= 1 (the best key adds exp2(0)) or NaN once a row has an allowed key; only a
@@ -418,10 +435,11 @@ def attention_forward(
     scale: float,
     seed: torch.Tensor | None,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on (batch, heads, seq, head_dim) q, k, v with a contiguous
-    last dim, and a contiguous relative bias (heads, seq_q + seq_k − 1) or None. Returns
-    (out, lse)."""
+    last dim, a contiguous relative bias (heads, seq_q + seq_k − 1) or None, and a sliding
+    window (keys with |j − i| <= window) or None. Returns (out, lse)."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
@@ -429,7 +447,7 @@ def attention_forward(
     out = empty_output(q)
     lse = torch.empty(batch, heads, seq_q, dtype=torch.float32, device=q.device)
     masks, mask_strides, mask_flags = mask_args(attn_mask, key_padding_mask, q, seq_k, relative_bias)
-    kind = config_kind(attn_mask if relative_bias is None else relative_bias, key_padding_mask, dropout_p)
+    kind = launch_kind(attn_mask, relative_bias, window, key_padding_mask, dropout_p)
     config = block_config(head_dim, q.dtype, "fwd", kind, *dispatch.device_target(q))
     unit = stride_unit(q, k, v, out)
     # Masked launches run small tiles, where TMA's barrier wait per tile costs more than
@@ -461,12 +479,15 @@ def attention_forward(
         STRIDE_UNIT=unit,
         TMA=inputs is not None,
         VARLEN=False,
+        **window_args(window),
         **config,
     )
     return out, lse
 
 
-def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias=None):
+def varlen_forward(
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias=None, window=None
+):
     """Launch the forward kernel on packed (total, heads, head_dim) q, k, v, with a contiguous
     relative bias (heads, max_q + max_k − 1) or None: (out (total_q, heads, head_dim)
     contiguous, lse (heads, total_q) fp32)."""
@@ -479,7 +500,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scal
     # every row belongs to a sequence (checked), whose programs write all of its rows
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(heads, total_q, dtype=torch.float32, device=q.device)
-    kind = config_kind(relative_bias, None, dropout_p)
+    kind = launch_kind(None, relative_bias, window, None, dropout_p)
     config = block_config(head_dim, q.dtype, "fwd", kind, *dispatch.device_target(q), varlen=True)
     unit = stride_unit(q, k, v, out)
     masks, mask_strides, mask_flags = varlen_mask_args(relative_bias, max_q)
@@ -508,6 +529,7 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scal
         STRIDE_UNIT=unit,
         TMA=False,
         VARLEN=True,
+        **window_args(window),
         **config,
     )
     return out, lse

@@ -172,6 +172,7 @@ def attention(
     key_padding_mask: torch.Tensor | None = None,
     deterministic: bool = True,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention that never materialises the score matrix.
 
@@ -215,6 +216,10 @@ def attention(
             tile's diagonals, so no (seq_q, seq_k) tensor exists in forward or backward;
             it gets a gradient (fp32 atomics on GPUs, so its last bits vary by run). Not
             with ``attn_mask`` (padding goes in ``key_padding_mask``).
+        window: a sliding window: query i attends keys j with |j - i| <= window only
+            (ModernBERT's local layers: ``config.local_attention // 2``), combined with the
+            other masks. The kernels visit only the key blocks within the window of some
+            query of a block, so the work grows with the window, not with seq_k.
 
     Returns:
         (..., heads, seq_q, head_dim) in query's dtype (under autocast q, k and v are
@@ -280,6 +285,7 @@ def attention(
     relative_bias = _checked_relative_bias(
         relative_bias, attn_mask, query, heads, max(seq_q + seq_k - 1, 0), "seq_q + seq_k - 1"
     )
+    window = _checked_window(window)
     if query.dim() != 4:
         attn_mask = _mask_as_batch_heads(attn_mask, batch_shape)
         if key_padding_mask is not None:
@@ -299,8 +305,20 @@ def attention(
         scale,
         _check_deterministic(deterministic),
         relative_bias,
+        window,
     )
     return out.view(*batch_shape, heads, seq_q, head_dim)
+
+
+def _checked_window(window) -> int | None:
+    """``window`` checked: None, or an int >= 0."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (keys with |j - i| <= window), got {window}")
+    return window
 
 
 def _checked_relative_bias(
@@ -443,6 +461,7 @@ def varlen_attention(
     return_lse: bool = False,
     deterministic: bool = True,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of packed variable-length sequences, like flash-attn's ``flash_attn_varlen_func``.
 
@@ -474,6 +493,7 @@ def varlen_attention(
         relative_bias: (heads, max_seqlen_q + max_seqlen_k - 1) float, as in ``attention``:
             row i and key j of a sequence (counted from its start) get
             ``relative_bias[h, j - i + max_seqlen_q - 1]``.
+        window: a sliding window within each sequence, as in ``attention``.
 
     Returns:
         (total_q, heads, head_dim) in query's dtype, contiguous; with ``return_lse``,
@@ -530,6 +550,7 @@ def varlen_attention(
         max(max_seqlen_q + max_seqlen_k - 1, 0),
         "max_seqlen_q + max_seqlen_k - 1",
     )
+    window = _checked_window(window)
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "varlen_attention") if dropout_p > 0.0 else None
     out, lse = run_varlen_attention(
@@ -546,5 +567,6 @@ def varlen_attention(
         scale,
         _check_deterministic(deterministic),
         relative_bias,
+        window,
     )
     return (out, lse) if return_lse else out

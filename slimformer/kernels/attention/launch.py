@@ -86,6 +86,11 @@ def varlen_mask_args(relative_bias: torch.Tensor | None, max_q: int) -> tuple[li
     return [mask, None], [*strides, 0, 0], dict(MASK_KIND=ADDITIVE_MASK, HAS_KPM=False)
 
 
+def window_args(window: int | None) -> dict:
+    """The kernels' sliding-window arguments: none, or keys with |j − i| <= ``window``."""
+    return {} if window is None else dict(window=window, HAS_WINDOW=True)
+
+
 def kernel_flags(q: torch.Tensor, is_causal: bool, dropout_p: float) -> dict:
     """HAS_DROPOUT: 0 without dropout, 1 with, 2 with where the kernels' lane pairs share
     out Philox calls (``philox.dropout_mma_words``): in wgmma accumulators (sm_90's 16-bit

@@ -37,9 +37,11 @@ def split_heads(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.
     return rearrange(qkv, "b s (three h d) -> three b h s d", three=3, h=num_heads).unbind(0)
 
 
-def _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias=None):
+def _attention_forward(
+    q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias=None, window=None
+):
     fwd = attention_forward if runs_kernels(q) else attention_forward_reference
-    return fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias)
+    return fwd(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias, window)
 
 
 def _attention_backward(grad_out, q, *args, **kwargs):
@@ -77,16 +79,23 @@ def attention_op(
     scale: float,
     deterministic: bool,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of (batch, heads, seq, head_dim) q, k, v with a contiguous last dim;
     ``deterministic`` is the backward's (see ``backward.attention_backward``);
     ``relative_bias`` (heads, seq_q + seq_k − 1), contiguous, adds
-    ``relative_bias[h, j − i + seq_q − 1]`` to score (i, j)."""
-    return _attention_forward(q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias)
+    ``relative_bias[h, j − i + seq_q − 1]`` to score (i, j); ``window``: keys with
+    |j − i| <= window only (a sliding window), or None."""
+    return _attention_forward(
+        q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, relative_bias, window
+    )
 
 
 @attention_op.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic, relative_bias=None):
+def _(
+    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic, relative_bias=None,
+    window=None,
+):  # fmt: skip
     return _fake_out_and_lse(q)
 
 
@@ -106,6 +115,7 @@ def attention_backward_op(
     scale: float,
     deterministic: bool,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias): dq, dk, dv shaped and strided like q, k, v (``empty_like``);
     dbias the relative bias's gradient in fp32 (fp64 for fp64 inputs), empty without one."""
@@ -130,6 +140,7 @@ def attention_backward_op(
         dv,
         relative_bias=relative_bias,
         dbias=None if relative_bias is None else dbias,
+        window=window,
     )
     return dq, dk, dv, dbias
 
@@ -137,26 +148,27 @@ def attention_backward_op(
 @attention_backward_op.register_fake
 def _(
     grad_out, q, k, v, out, lse, seed, attn_mask, key_padding_mask, dropout_p, is_causal, scale, deterministic,
-    relative_bias=None,
+    relative_bias=None, window=None,
 ):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _bias_gradient(relative_bias, q)
 
 
 def _attention_setup_context(ctx, inputs, output):
     """Saves q, k, v, out, lse and the dropout seed (plus the caller's masks and relative bias)."""
-    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic, *bias = inputs
+    q, k, v, attn_mask, key_padding_mask, seed, dropout_p, is_causal, scale, deterministic, *extra = inputs
+    relative_bias, window = (*extra, None, None)[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask, *bias)
+    ctx.save_for_backward(q, k, v, out, lse, seed, attn_mask, key_padding_mask, relative_bias)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.deterministic = dropout_p, is_causal, scale, deterministic
+    ctx.window = window
 
 
 def _attention_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
-        return (None,) * 11
-    q, k, v, out, lse, seed, attn_mask, key_padding_mask, *bias = ctx.saved_tensors
-    relative_bias = bias[0] if bias else None
+        return (None,) * 12
+    q, k, v, out, lse, seed, attn_mask, key_padding_mask, relative_bias = ctx.saved_tensors
     dq, dk, dv, dbias = attention_backward_op(
         grad_out,
         q,
@@ -172,8 +184,9 @@ def _attention_grad(ctx, grad_out, _grad_lse):
         ctx.scale,
         ctx.deterministic,
         relative_bias,
+        ctx.window,
     )
-    return dq, dk, dv, *(None,) * 7, _bias_grad_or_none(dbias, relative_bias)
+    return dq, dk, dv, *(None,) * 7, _bias_grad_or_none(dbias, relative_bias), None
 
 
 # what the public functions call (``eager_autograd``: the op, or in plain eager mode the same
@@ -352,6 +365,7 @@ def varlen_attention_op(
     scale: float,
     deterministic: bool = True,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (total_q, heads, head_dim) contiguous, lse (heads, total_q)) of q, k, v with a
     contiguous last dim; ``deterministic`` is the backward's, as in ``attention_op``;
@@ -360,11 +374,14 @@ def varlen_attention_op(
     check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], max_q, "query")
     check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], max_k, "key")
     fwd = varlen_forward if runs_kernels(q) else varlen_forward_reference
-    return fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias)
+    return fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias, window)
 
 
 @varlen_attention_op.register_fake
-def _(q, k, v, cu_q, cu_k, seed, max_q, max_k, dropout_p, is_causal, scale, deterministic=True, relative_bias=None):
+def _(
+    q, k, v, cu_q, cu_k, seed, max_q, max_k, dropout_p, is_causal, scale, deterministic=True, relative_bias=None,
+    window=None,
+):  # fmt: skip
     total_q, heads, _ = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     return out, torch.empty(heads, total_q, dtype=reference_dtype(q), device=q.device)
@@ -388,6 +405,7 @@ def varlen_attention_backward_op(
     scale: float,
     deterministic: bool,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias) as ``attention_backward_op`` gives them."""
     bwd = varlen_backward if runs_kernels(q) else varlen_backward_reference
@@ -403,6 +421,7 @@ def varlen_attention_backward_op(
         *args,
         relative_bias=relative_bias,
         dbias=None if relative_bias is None else dbias,
+        window=window,
     )
     return *grads, dbias
 
@@ -410,7 +429,7 @@ def varlen_attention_backward_op(
 @varlen_attention_backward_op.register_fake
 def _(
     grad_out, q, k, v, out, lse, seed, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, deterministic,
-    relative_bias=None,
+    relative_bias=None, window=None,
 ):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _bias_gradient(relative_bias, q)
 
@@ -418,22 +437,22 @@ def _(
 def _varlen_setup_context(ctx, inputs, output):
     """Saves q, k, v, out, lse, the dropout seed, both cu_seqlens and the relative bias."""
     q, k, v, cu_q, cu_k, seed, *args = inputs
-    relative_bias = args.pop() if len(args) == 7 else None
+    relative_bias, window = (*args[6:], None, None)[:2]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, seed, cu_q, cu_k, relative_bias)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
-    ctx.args = args
+    ctx.args, ctx.window = args[:6], window
 
 
 def _varlen_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
-        return (None,) * 13
+        return (None,) * 14
     q, k, v, out, lse, seed, cu_q, cu_k, relative_bias = ctx.saved_tensors
     dq, dk, dv, dbias = varlen_attention_backward_op(
-        grad_out, q, k, v, out, lse, seed, cu_q, cu_k, *ctx.args, relative_bias
+        grad_out, q, k, v, out, lse, seed, cu_q, cu_k, *ctx.args, relative_bias, ctx.window
     )
-    return dq, dk, dv, *(None,) * 9, _bias_grad_or_none(dbias, relative_bias)
+    return dq, dk, dv, *(None,) * 9, _bias_grad_or_none(dbias, relative_bias), None
 
 
 run_varlen_attention = eager_autograd(varlen_attention_op, _varlen_grad, _varlen_setup_context)

@@ -54,6 +54,7 @@ def _masked_block_scores(
     scale: float,
     relative_bias: torch.Tensor | None = None,
     seq_q: int = 0,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Scores (fp32, fp64 for fp64 inputs) of query rows start:stop against the keys ``k``, −inf where a key is
     not allowed: (batch · kv_heads, heads per kv head · rows, keys).
@@ -79,6 +80,9 @@ def _masked_block_scores(
     if is_causal:
         rows = torch.arange(start, stop, device=s.device)[:, None]
         scores.masked_fill_(torch.arange(n_keys, device=s.device) > rows, -math.inf)
+    if window is not None:  # a sliding window: keys with |j − i| <= window
+        offsets = relative_positions(start, stop, n_keys, 1, s.device)
+        scores.masked_fill_(offsets.abs() > window, -math.inf)
     return s
 
 
@@ -109,6 +113,7 @@ def attention_forward_reference(
     scale: float,
     seed: torch.Tensor | None,
     relative_bias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``forward.attention_forward`` computes, in fp32 PyTorch (fp64 for fp64 inputs), over
     blocks of query rows: (out in q's dtype and the kernel's layout, lse)."""
@@ -118,7 +123,7 @@ def attention_forward_reference(
     lse = torch.empty(q.shape[:3], dtype=reference_dtype(q), device=q.device)
     with torch.autocast(q.device.type, enabled=False):  # fp32 bmm even when called under autocast
         _attention_fwd_blocks(
-            q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse, 0, relative_bias
+            q, k, v, attn_mask, key_padding_mask, dropout_p, is_causal, scale, seed, out, lse, 0, relative_bias, window
         )
     return out, lse
 
@@ -137,6 +142,7 @@ def _attention_fwd_blocks(
     lse,
     first_stream=0,
     relative_bias=None,
+    window=None,
 ):
     """The body of ``attention_forward_reference``: writes out and lse block by block; the
     dropout streams of batch b start at first_stream + b · heads."""
@@ -158,6 +164,7 @@ def _attention_fwd_blocks(
             scale,
             relative_bias,
             seq_q,
+            window,
         )
         best = p.amax(-1, keepdim=True)
         no_key = _no_allowed_key(best)
@@ -193,6 +200,7 @@ def attention_backward_reference(
     dv: torch.Tensor,
     relative_bias: torch.Tensor | None = None,
     dbias: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> None:
     """What ``backward.attention_backward`` computes, in fp32 PyTorch over blocks of query rows (dK and
     dV accumulate over the blocks), written into dq, dk, dv, and with ``relative_bias`` its
@@ -222,6 +230,7 @@ def attention_backward_reference(
             0,
             relative_bias,
             dbias,
+            window,
         )
 
 
@@ -243,6 +252,7 @@ def _attention_bwd_blocks(
     first_stream=0,
     relative_bias=None,
     dbias=None,
+    window=None,
 ):
     """The body of ``attention_backward_reference``: dq block by block, dk and dv (and the
     relative bias's gradient, dS summed over the batch along each diagonal) accumulated."""
@@ -267,6 +277,7 @@ def _attention_bwd_blocks(
             scale,
             relative_bias,
             seq_q,
+            window,
         )
         p.sub_(lse[:, :, start:stop].reshape(*q_rows.shape[:2], 1)).exp_()
         if seed is None:
@@ -315,7 +326,9 @@ def _sequence_bias(relative_bias: torch.Tensor | None, max_q: int, rows: slice, 
     return relative_bias[:, centre - (seq_q - 1) : centre + seq_k]
 
 
-def varlen_forward_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias=None):
+def varlen_forward_reference(
+    q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, scale, seed, relative_bias=None, window=None
+):
     """What ``forward.varlen_forward`` computes: the dense reference on each sequence, written
     into packed (total_q, heads, head_dim) out and (heads, total_q) lse; a row with no key
     gets o = 0 and lse = +inf. ``relative_bias`` (heads, max_q + max_k − 1) adds
@@ -339,6 +352,7 @@ def varlen_forward_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_ca
                 lse[None, :, rows],
                 b * heads,
                 _sequence_bias(relative_bias, max_q, rows, keys),
+                window,
             )
     return out, lse
 
@@ -361,6 +375,7 @@ def varlen_backward_reference(
     deterministic,
     relative_bias=None,
     dbias=None,
+    window=None,
 ):
     """What ``backward.varlen_backward`` computes, sequence by sequence: (dq, dk, dv), and
     with ``relative_bias`` its gradient added into ``dbias`` (zeroed, shaped like it)."""
@@ -386,5 +401,6 @@ def varlen_backward_reference(
                 b * heads,
                 _sequence_bias(relative_bias, max_q, rows, keys),
                 _sequence_bias(dbias, max_q, rows, keys),
+                window,
             )
     return dq, dk, dv

@@ -139,6 +139,8 @@ def masked_scores(
     HAS_KPM: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     EDGE: tl.constexpr,
+    window,
+    HAS_WINDOW: tl.constexpr,
 ):
     """Scores of one tile in log2 units, −inf where a key is not allowed.
 
@@ -146,8 +148,8 @@ def masked_scores(
     so the same code serves (query, key) tiles and the transposed (key, query) tiles;
     they start at ``start_m`` and ``start_n``. The masks' tiles are addressed by a scalar
     int64 offset plus int32 offsets inside the tile (the launcher checks they fit).
-    Only an EDGE tile may hold keys past seq_k or (causal) keys after a query, so only
-    it pays for those compares.
+    Only an EDGE tile may hold keys past seq_k, (causal) keys after a query or (HAS_WINDOW)
+    keys more than ``window`` from a query, so only it pays for those compares.
     """
     s = qk * qk_scale
     if HAS_KPM:
@@ -176,6 +178,8 @@ def masked_scores(
         allowed = cols < seq_k
         if IS_CAUSAL:
             allowed &= cols <= rows
+        if HAS_WINDOW:  # a sliding window: |j − i| <= window (every windowed tile is an edge tile)
+            allowed &= (cols - rows <= window) & (rows - cols <= window)
         s = tl.where(allowed, s, float("-inf"))
     return s
 
