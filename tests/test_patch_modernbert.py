@@ -1,5 +1,5 @@
-"""slimformer.patch of HuggingFace ModernBERT: its GeGLU MLP on the fused MLP kernel and its
-LayerNorms swapped; the attention left with its reason.
+"""slimformer.patch of HuggingFace ModernBERT: fused layers (RoPE, the fused attention with the
+local layers' sliding window, the GeGLU MLP on the fused MLP kernel), fused embeddings.
 
 Tiny models from configs (no downloads), on the PyTorch path (TRITON_INTERPRET=0)."""
 
@@ -15,12 +15,11 @@ from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.recompute import POLICIES, recompute
 from tests.family_checks import (
     assert_embeddings_norm_and_dropout_run_as_one_kernel,
-    assert_eval_outputs_match,
     assert_gradients_match,
     refuser,
     spread_layer_norms,
 )
-from tests.test_patch import _batch
+from tests.test_patch import _batch, _outputs
 
 MODELS = {
     "ModernBertModel": ModernBertModel,
@@ -55,9 +54,18 @@ def _model(name="ModernBertModel", dropout=0.0, attn="sdpa", **config):
 
 @pytest.fixture
 def original_refused(monkeypatch):
-    from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+    from transformers.models.modernbert.modeling_modernbert import (
+        ModernBertAttention,
+        ModernBertEncoderLayer,
+        ModernBertMLP,
+    )
 
-    return refuser(monkeypatch, (ModernBertMLP, "forward"))
+    return refuser(
+        monkeypatch,
+        (ModernBertMLP, "forward"),
+        (ModernBertAttention, "forward"),
+        (ModernBertEncoderLayer, "forward"),
+    )
 
 
 def _mlps(model):
@@ -66,11 +74,22 @@ def _mlps(model):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_eval_outputs_match_with_padding(name, attn, original_refused):
+def test_eval_outputs_match_at_real_positions(name, attn, original_refused):
+    # a padded query farther than the window from every token has no allowed key: the fused
+    # kernel gives it 0 (as SDPA does), eager HF the mean of its values; no real position
+    # reads it (it is a padding key to every later layer)
     reference = _model(name, attn=attn).eval()
     model = patch(copy.deepcopy(reference))
     assert all(isinstance(mlp, FusedModernBertMLPMixin) for mlp in _mlps(model))
-    assert_eval_outputs_match(reference, model, *_batch(model.config), original_refused)
+    ids, mask = _batch(model.config)
+    real = mask.bool()
+    with torch.no_grad():
+        expected = _outputs(reference, ids, mask)
+        original_refused()
+        for out, value in zip(_outputs(model, ids, mask), expected, strict=True):
+            if out.shape[:2] == mask.shape:
+                out, value = out[real], value[real]
+            torch.testing.assert_close(out, value, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -99,26 +118,27 @@ def test_mlp_dropout_is_seeded_by_torch_and_recompute_keeps_less():
     assert kept["none"] >= 2 * 64 * 2 * 48 * 4 and kept["mlp"] < kept["none"] / 4
 
 
-def test_summary_reasons_hooks_and_unpatch():
+def test_summary_hooks_and_unpatch():
     model = _model("ModernBertForSequenceClassification")
     keys = list(model.state_dict())
     patch(model)
     assert list(model.state_dict()) == keys
-    left = {item.name: item.reason for item in patch_summary(model).left}
-    assert "set_attn_implementation('slimformer')" in left["model.layers.0.attn"]
+    assert "FusedModernBertEncoderLayer" in str(patch_summary(model))
     calls = []
-    model.model.layers[0].mlp.Wi.register_forward_hook(lambda *a: calls.append(1))
+    model.model.layers[0].attn.Wqkv.register_forward_hook(lambda *a: calls.append("Wqkv"))
+    model.model.layers[1].mlp.Wi.register_forward_hook(lambda *a: calls.append("Wi"))
     ids, mask = _batch(model.config)
     model.eval()(ids, attention_mask=mask)
-    assert calls == [1]  # a hooked Linear: the original forward ran, so the hook fired
+    assert calls == ["Wqkv", "Wi"]  # hooked: those calls ran the original forwards
     unpatch(model)
+    assert type(model.model.layers[0]).__name__ == "ModernBertEncoderLayer"
     assert type(model.model.layers[0].mlp).__name__ == "ModernBertMLP"
 
 
 def test_tanh_gelu_mlp_is_left_with_its_reason():
     model = patch(_model("ModernBertModel", hidden_activation="gelu_pytorch_tanh"))
     left = {item.name: item.reason for item in patch_summary(model).left}
-    assert "the fused kernel's geglu is the exact gelu" in left["layers.0.mlp"]
+    assert "its MLP: its activation is a GELUTanh; the fused kernel's geglu is the exact gelu" in left["layers.0"]
 
 
 def test_unpad_is_left_with_its_reason():
@@ -136,16 +156,23 @@ def test_embeddings_norm_and_drop_run_as_one_kernel():
     )
 
 
-def test_attention_core_on_the_fused_kernel_through_the_registered_implementation(original_refused, monkeypatch):
-    # what the summary's reason for the attention says: its core (after RoPE) runs on
-    # slimformer's kernel, the local layers' window read as HF's mask
-    from slimformer.integrations.hf import attention as registered
+def test_local_layers_take_the_sliding_window_and_skip_what_is_outside(monkeypatch):
+    # global layers attend everywhere, local ones (HF: |i - j| <= local_attention // 2) get
+    # the kernels' window, whose tiles outside it are never visited
+    from slimformer.integrations.hf import modernbert
 
-    calls = []
-    kernel = registered.attention
-    monkeypatch.setattr(registered, "attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    reference = _model("ModernBertForSequenceClassification").train()
-    model = patch(copy.deepcopy(reference), recompute="mlp")
-    model.set_attn_implementation("slimformer")
-    assert_gradients_match(reference, model, *_batch(model.config), original_refused)
-    assert len(calls) == TINY["num_hidden_layers"]
+    windows = []
+    kernel = modernbert.attention
+    monkeypatch.setattr(modernbert, "attention", lambda *a, **k: windows.append(k["window"]) or kernel(*a, **k))
+    model = patch(_model("ModernBertModel")).eval()
+    ids, mask = _batch(model.config)
+    model(ids, attention_mask=mask)
+    expected = [None if kind == "full_attention" else TINY["local_attention"] // 2 for kind in model.config.layer_types]
+    assert windows == expected and None in windows and 2 in windows
+
+
+def test_gradients_match_on_the_kernels_too(backend):
+    # the interpreted kernels: the local layers' windows skip tiles, RoPE'd q and k
+    reference = _model("ModernBertModel", max_position_embeddings=64).train()
+    model = patch(copy.deepcopy(reference), recompute="qkv")
+    assert_gradients_match(reference, model, *_batch(model.config, seq=40), lambda: None)

@@ -1,35 +1,52 @@
-"""ModernBERT encoders of HuggingFace transformers (>= 5): the GeGLU MLP on the fused MLP kernel.
+"""ModernBERT encoders of HuggingFace transformers (>= 5): fused layers and embeddings.
+
+``ModernBertEncoderLayer`` (pre-LN) becomes ``FusedModernBertEncoderLayer``, a subclass of its
+class sharing its submodules (``state_dict``, hooks and ``unpatch`` as for the other
+families), whose forward runs
+
+    h = attn_norm(x);  q, k, v = Wqkv(h);  q, k = RoPE(q, k)          (cos, sin: the model's)
+    x = x + out_drop(Wo(attention(q, k, v; padding, window)))          slimformer.attention
+    x = x + mlp(mlp_norm(x))                                            the fused GeGLU MLP
+
+RoPE is applied to q and k in torch before the kernel: its backward keeps only cos and sin,
+so no copy of q or k is kept beside the kernel's. The local layers pass the kernel HF's
+sliding window (|i − j| <= ``config.sliding_window``), whose tiles outside it the kernels
+never visit; the padding reaches the kernel as a key padding mask, read off the diagonal
+of the mask transformers builds (every token may attend to itself, windowed or not). A
+padded query farther than the window from every token has no allowed key: it gets 0, as
+SDPA gives (HF eager: the mean of its values); no real position reads it.
 
 ``ModernBertMLP`` computes ``Wo(drop(act(input) * gate))`` with ``input, gate =
 Wi(x).chunk(2)``: the fused MLP's ``geglu`` (``slimformer.kernels.activation``), which keeps
 only Wi's output for backward, or nothing at the ``mlp`` recompute policies, where HF keeps
-Wi's output, the activation, the product and the dropout mask. ``FusedModernBertMLP``
-subclasses the MLP's class and shares its submodules (``state_dict``, hooks and ``unpatch``
-as for the other families); its ``recompute`` is the layer policy (``mlp``, ``qkv+mlp`` and
-``full`` recompute fc1; the others keep it). Its LayerNorms are ``torch.nn.LayerNorm`` and
-become ``slimformer.LayerNorm`` as everywhere.
-
-The MLP calls its original forward, for that call, when Wi, Wo, the activation or the
-dropout has hooks or was replaced by another type (``sf.quantize``'s Linears included).
+Wi's output, the activation, the product and the dropout mask. The layer's ``recompute`` is
+its MLP's too: ``qkv`` checkpoints the attention block, ``mlp`` recomputes Wi, ``full``
+checkpoints the whole layer. A layer calls its original forward, for that call, when
+attentions are asked for, its mask is not a tensor or its attention's Linears, dropout or
+norms have hooks; the MLP likewise for its own submodules.
 
 The embeddings' ``norm`` and ``drop``, which their forward calls as ``self.drop(self.norm(x))``
 and nowhere else (source checked), become one fused norm kernel as BERT's do.
 
-Not fused yet, so left with the reason in the summary: the attention (RoPE applied inside
-the attention and the local layers' sliding window are not in the kernels yet; with
-``model.set_attn_implementation("slimformer")`` its core runs on the fused kernel, reading
-the local layers' window as a mask) and unpadding; an activation other than exact gelu.
+Left, with the reason in the summary: unpadding (not yet), a layer whose MLP's activation is
+not the exact gelu (its attention and MLP then stay HF's), head dims above 256.
 """
 
 import inspect
 import re
+import sys
 
+import torch
+from einops import rearrange
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from slimformer.integrations import ModelFamily
 from slimformer.integrations.hf.classes import RuntimeMixin
 from slimformer.kernels.activation import fused_mlp
-from slimformer.layers.norm import fuse_with_dropout
+from slimformer.kernels.attention import MAX_HEAD_DIM, attention
+from slimformer.kernels.attention.tiles import MASKED_BIAS
+from slimformer.layers.norm import LayerNorm, fuse_with_dropout
 from slimformer.layers.policies import check_policy
 from slimformer.layers.sharing import NotScriptable, TorchDropout, TorchLayerNorm, has_user_hooks
 
@@ -37,6 +54,7 @@ __all__ = ["FAMILY", "FusedModernBertMLPMixin"]
 
 _MODULE = "transformers.models.modernbert.modeling_modernbert"
 _MLP = (_MODULE, "ModernBertMLP")
+_LAYER = (_MODULE, "ModernBertEncoderLayer")
 _EMBEDDINGS = (_MODULE, "ModernBertEmbeddings")
 _DROP_OF_NORM = re.compile(r"self\.drop\(self\.norm\(")
 _BASE_MODEL = (_MODULE, "ModernBertModel")
@@ -78,6 +96,110 @@ class FusedModernBertMLPMixin(RuntimeMixin, NotScriptable):
         return f"activation='geglu', recompute={self.recompute!r}"
 
 
+class FusedModernBertLayerMixin(RuntimeMixin, NotScriptable):
+    """Forward of a patched ``ModernBertEncoderLayer``, mixed before its class: pre-LN, Wqkv,
+    RoPE applied to q and k in torch (its backward keeps cos and sin, no copy of q or k), the
+    fused attention with the layer's sliding window for its local layers (tiles outside it
+    skipped) and the padding as a key padding mask, Wo, and the (fused) MLP. ``recompute``:
+    ``qkv`` checkpoints the attention block, ``full`` the whole layer; the MLP keeps its own."""
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
+        reason = self._unfused_reason(attention_mask, kwargs)
+        if reason is not None:
+            return super().forward(hidden_states, attention_mask, position_embeddings, **kwargs)
+        policy = check_policy(self.recompute)
+        padding = _padding(attention_mask)
+        if policy == "full" and torch.is_grad_enabled():
+            return checkpoint(self._layer, hidden_states, padding, position_embeddings, "none", use_reentrant=False)
+        return self._layer(hidden_states, padding, position_embeddings, policy)
+
+    def _layer(self, hidden_states, padding, position_embeddings, policy):
+        h = self.attn_norm(hidden_states)
+        if "qkv" in policy and torch.is_grad_enabled():
+            context = checkpoint(self._attention, h, padding, *position_embeddings, use_reentrant=False)
+        else:
+            context = self._attention(h, padding, *position_embeddings)
+        hidden_states = hidden_states + self.attn.out_drop(self.attn.Wo(context))
+        return hidden_states + self.mlp(self.mlp_norm(hidden_states))
+
+    def _attention(self, h, padding, cos, sin):
+        """(batch, seq, hidden) context of the fused attention, before Wo."""
+        attn = self.attn
+        qkv = rearrange(attn.Wqkv(h), "b s (three n d) -> three b n s d", three=3, d=attn.head_dim)
+        q, k = sys.modules[_MODULE].apply_rotary_pos_emb(qkv[0], qkv[1], cos, sin, unsqueeze_dim=1)
+        window = None if attn.sliding_window is None else attn.config.sliding_window
+        dropout_p = attn.attention_dropout if attn.training else 0.0
+        out = attention(
+            q, k, qkv[2], dropout_p=dropout_p, scale=attn.head_dim**-0.5, key_padding_mask=padding, window=window
+        )
+        return rearrange(out, "b n s d -> b s (n d)")
+
+    def _unfused_reason(self, attention_mask, kwargs) -> str | None:
+        """Why this call runs the original forward, or None."""
+        if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
+            return "attentions were asked for"
+        if not (attention_mask is None or isinstance(attention_mask, torch.Tensor)):
+            return f"its attention_mask is a {type(attention_mask).__name__}"
+        for name in ("attn", "attn.Wqkv", "attn.Wo", "attn.out_drop", "attn_norm", "mlp_norm"):
+            if has_user_hooks(self.get_submodule(name)):
+                return f"{name} has hooks"
+        return None
+
+    @property
+    def recompute(self) -> str:
+        return self.__dict__["_recompute"]
+
+    @recompute.setter
+    def recompute(self, policy: str) -> None:
+        # the layer's policy is its fused MLP's too (which recomputes Wi at the mlp policies)
+        self.__dict__["_recompute"] = policy
+        if isinstance(self.mlp, FusedModernBertMLPMixin):
+            self.mlp.recompute = policy
+
+    def extra_repr(self) -> str:
+        return f"recompute={self.recompute!r}"
+
+
+def _padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The (batch, seq) key padding mask (True = padding) of the mask transformers hands a
+    ModernBERT layer: None, (batch, seq) with 0 = padding, or (batch, 1, seq, seq) bool (True
+    = attend) or additive, of padding alone or of padding and a window. Every token may
+    attend to itself, so the diagonal says which keys are padding, whatever the window."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask == 0
+    diagonal = torch.diagonal(attention_mask[:, 0], dim1=-2, dim2=-1)
+    return ~diagonal if diagonal.dtype == torch.bool else diagonal <= MASKED_BIAS
+
+
+def _layer_problem(layer: nn.Module) -> str | None:
+    mlp_problem = _mlp_problem(layer.mlp)
+    if mlp_problem is not None:
+        return f"its MLP: {mlp_problem}"
+    attn = layer.attn
+    if type(attn.Wqkv) is not nn.Linear or type(attn.Wo) is not nn.Linear:
+        return "its Wqkv or Wo is not a torch.nn.Linear"
+    if attn.head_dim > MAX_HEAD_DIM:
+        return f"head_dim {attn.head_dim} is above the fused kernel's {MAX_HEAD_DIM}"
+    return None
+
+
+def _fused_layer(layer: nn.Module) -> nn.Module:
+    """A ``FusedModernBertEncoderLayer`` sharing ``layer``'s submodules, its MLP fused and its
+    LayerNorms slimformer's (in the fused layer's own module dict: ``unpatch`` puts the
+    original layer, its children untouched, back)."""
+    fused_class = FusedModernBertLayerMixin.over(type(layer))
+    fused = fused_class.__new__(fused_class)
+    fused.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
+    fused._modules["mlp"] = _fused_mlp(layer.mlp)
+    for name in ("attn_norm", "mlp_norm"):
+        if type(layer.get_submodule(name)) is TorchLayerNorm:
+            fused._modules[name] = LayerNorm.from_torch(layer.get_submodule(name))
+    fused.recompute = "none"
+    return fused
+
+
 def _mlp_problem(mlp: nn.Module) -> str | None:
     if type(mlp.act).__name__ != _GELU:
         return f"its activation is a {type(mlp.act).__name__}; the fused kernel's geglu is the exact gelu"
@@ -98,10 +220,14 @@ def _fused_mlp(mlp: nn.Module) -> nn.Module:
 
 
 def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:
-    if (type(module).__module__, type(module).__name__) != _MLP:
-        return None
-    problem = _mlp_problem(module)
-    return (None, problem) if problem else (_fused_mlp(module), None)
+    kind = (type(module).__module__, type(module).__name__)
+    if kind == _LAYER:
+        problem = _layer_problem(module)
+        return (None, problem) if problem else (_fused_layer(module), None)
+    if kind == _MLP:  # in a layer that is left
+        problem = _mlp_problem(module)
+        return (None, problem) if problem else (_fused_mlp(module), None)
+    return None
 
 
 def _embeddings_problem(embeddings: nn.Module) -> str | None:
