@@ -141,11 +141,10 @@ def test_tanh_gelu_mlp_is_left_with_its_reason():
     assert "its MLP: its activation is a GELUTanh; the fused kernel's geglu is the exact gelu" in left["layers.0"]
 
 
-def test_unpad_is_left_with_its_reason():
-    with pytest.warns(UserWarning, match="nothing is unpadded"):
-        model = patch(_model("ModernBertModel"), unpad=True)
-    left = {item.name: item.reason for item in patch_summary(model).left}
-    assert "unpad: not supported for ModernBERT yet" in left[""]
+def test_unpad_packs_the_real_tokens():
+    # (real positions equal the padded model's: tests/test_unpad_families.py)
+    model = patch(_model("ModernBertModel"), unpad=True)
+    assert type(model).__name__ == "UnpaddedModernBertModel"
 
 
 def test_embeddings_norm_and_drop_run_as_one_kernel():

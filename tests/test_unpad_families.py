@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 from transformers import (
     AlbertConfig,
     AlbertForSequenceClassification,
@@ -14,6 +13,9 @@ from transformers import (
     DistilBertConfig,
     DistilBertForMaskedLM,
     DistilBertModel,
+    ModernBertConfig,
+    ModernBertForSequenceClassification,
+    ModernBertModel,
     MPNetConfig,
     MPNetForSequenceClassification,
     MPNetModel,
@@ -22,6 +24,7 @@ from transformers import (
 import slimformer as sf
 from slimformer.memory import measure_activation_memory
 from slimformer.recompute import POLICIES
+from tests.family_checks import spread_layer_norms
 from tests.test_patch import _assert_grads_close
 from tests.test_unpad import MASKS, _batch
 
@@ -78,6 +81,27 @@ def _mpnet(model_class, dropout, attn):
     return model
 
 
+def _modernbert(model_class, dropout, attn):
+    config = ModernBertConfig(
+        vocab_size=100,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+        hidden_size=32,
+        num_hidden_layers=3,  # one global layer, two local ones
+        num_attention_heads=2,
+        intermediate_size=48,
+        local_attention=4,
+        attention_dropout=dropout,
+        mlp_dropout=dropout,
+        embedding_dropout=dropout,
+        attn_implementation=attn if attn != "slimformer" else "sdpa",
+    )
+    return model_class(config)
+
+
 MODELS = {
     "AlbertModel": lambda dropout, attn: _albert(AlbertModel, dropout, attn),
     "AlbertForSequenceClassification": lambda dropout, attn: _albert(AlbertForSequenceClassification, dropout, attn),
@@ -85,8 +109,14 @@ MODELS = {
     "DistilBertForMaskedLM": lambda dropout, attn: _distilbert(DistilBertForMaskedLM, dropout, attn),
     "MPNetModel": lambda dropout, attn: _mpnet(MPNetModel, dropout, attn),
     "MPNetForSequenceClassification": lambda dropout, attn: _mpnet(MPNetForSequenceClassification, dropout, attn),
+    "ModernBertModel": lambda dropout, attn: _modernbert(ModernBertModel, dropout, attn),
+    "ModernBertForSequenceClassification": lambda dropout, attn: _modernbert(
+        ModernBertForSequenceClassification, dropout, attn
+    ),
 }
-BASE = {"AlbertModel", "DistilBertModel", "MPNetModel"}
+BASE = {"AlbertModel", "DistilBertModel", "MPNetModel", "ModernBertModel"}
+# attention that depends on positions (a relative bias, a window): padding between tokens runs padded
+POSITIONAL = {"MPNetModel", "ModernBertModel"}
 
 
 @pytest.fixture(autouse=True)
@@ -96,13 +126,7 @@ def torch_path(monkeypatch):
 
 def _model(name, dropout=0.0, attn="sdpa"):
     torch.manual_seed(0)
-    model = MODELS[name](dropout, attn)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.uniform_(-0.5, 0.5)
-    return model
+    return spread_layer_norms(MODELS[name](dropout, attn))
 
 
 def _pair(name, recompute=None, **kwargs):
@@ -112,11 +136,12 @@ def _pair(name, recompute=None, **kwargs):
 
 
 def _varlen_calls(monkeypatch):
-    from slimformer.integrations.hf import bert
+    from slimformer.integrations.hf import bert, modernbert
 
     calls = []
-    real = bert.varlen_attention
-    monkeypatch.setattr(bert, "varlen_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for module in (bert, modernbert):
+        real = module.varlen_attention
+        monkeypatch.setattr(module, "varlen_attention", lambda *a, _real=real, **k: calls.append(1) or _real(*a, **k))
     return calls
 
 
@@ -132,7 +157,7 @@ def test_hidden_states_equal_at_real_positions_zero_at_padding(name, mask_name, 
         expected = padded(ids, attention_mask=mask, output_hidden_states=True)
         assert not calls
         out = unpadded(ids, attention_mask=mask, output_hidden_states=True)
-    if name == "MPNetModel" and mask_name == "holes":  # its offsets count the padding: runs padded
+    if name in POSITIONAL and mask_name == "holes":  # its offsets count the padding: runs padded
         assert not calls
         torch.testing.assert_close(out.last_hidden_state, expected.last_hidden_state, rtol=1e-5, atol=1e-5)
         return
@@ -192,7 +217,7 @@ def test_calls_that_run_padded(name, monkeypatch):
         unpadded.unpad = False
         torch.testing.assert_close(unpadded(ids, attention_mask=mask).last_hidden_state, expected)
     assert not calls
-    if name != "MPNetModel":  # MPNet has eager attention only, and its packed call builds no mask
+    if name not in POSITIONAL:  # their packed calls build no mask (and MPNet has eager attention only)
         # flex attention builds a BlockMask even for the packed row: the call runs padded
         flex = sf.patch(_model(name, attn="flex_attention"), unpad=True).eval()
         reason = flex.padded_reason({"attention_mask": mask}, {})
@@ -224,7 +249,9 @@ def test_torch_compile_breaks_the_graph_once_at_the_packing_and_matches(name):
     # the packing keyword costs no break of its own: the graph breaks only at the packing's
     # token count (and MPNet's check for padding between tokens), host syncs both
     breaks = dict(counters["graph_break"])
-    assert breaks and all("pack_padding_mask" in reason or "_has_holes" in reason for reason in breaks), breaks
+    assert breaks and all(
+        "pack_padding_mask" in reason or "has_padding_between_tokens" in reason for reason in breaks
+    ), breaks
     assert sum(count for reason, count in breaks.items() if "pack_padding_mask" in reason) == 1, breaks
     (out, grads), (expected, expected_grads) = results
     torch.testing.assert_close(out, expected)

@@ -28,8 +28,13 @@ norms have hooks; the MLP likewise for its own submodules.
 The embeddings' ``norm`` and ``drop``, which their forward calls as ``self.drop(self.norm(x))``
 and nowhere else (source checked), become one fused norm kernel as BERT's do.
 
-Left, with the reason in the summary: unpadding (not yet), a layer whose MLP's activation is
-not the exact gelu (its attention and MLP then stay HF's), head dims above 256.
+With ``unpad=True``, ``ModernBertModel`` becomes ``UnpaddedModernBertModel``: the real tokens
+only, at their padded positions for RoPE, through ``sf.varlen_attention`` (each sequence's
+window its own) on any device, no flash-attn package needed; a batch with padding between
+two tokens of a row runs padded (the window counts that padding).
+
+Left, with the reason in the summary: a layer whose MLP's activation is not the exact gelu
+(its attention and MLP then stay HF's), head dims above 256.
 """
 
 import inspect
@@ -42,9 +47,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slimformer.integrations import ModelFamily
+from slimformer.integrations.hf.bert import refuse_packed
 from slimformer.integrations.hf.classes import RuntimeMixin
+from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, has_padding_between_tokens
 from slimformer.kernels.activation import fused_mlp
-from slimformer.kernels.attention import MAX_HEAD_DIM, attention
+from slimformer.kernels.attention import MAX_HEAD_DIM, attention, varlen_attention
 from slimformer.kernels.attention.tiles import MASKED_BIAS
 from slimformer.layers.norm import LayerNorm, fuse_with_dropout
 from slimformer.layers.policies import check_policy
@@ -104,11 +111,12 @@ class FusedModernBertLayerMixin(RuntimeMixin, NotScriptable):
     ``qkv`` checkpoints the attention block, ``full`` the whole layer; the MLP keeps its own."""
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
-        reason = self._unfused_reason(attention_mask, kwargs)
+        reason = self._call_reason(attention_mask, kwargs) or self._unfused_reason()
         if reason is not None:
+            refuse_packed(attention_mask, reason)
             return super().forward(hidden_states, attention_mask, position_embeddings, **kwargs)
         policy = check_policy(self.recompute)
-        padding = _padding(attention_mask)
+        padding = attention_mask if isinstance(attention_mask, PackedSequences) else _padding(attention_mask)
         if policy == "full" and torch.is_grad_enabled():
             return checkpoint(self._layer, hidden_states, padding, position_embeddings, "none", use_reentrant=False)
         return self._layer(hidden_states, padding, position_embeddings, policy)
@@ -123,23 +131,33 @@ class FusedModernBertLayerMixin(RuntimeMixin, NotScriptable):
         return hidden_states + self.mlp(self.mlp_norm(hidden_states))
 
     def _attention(self, h, padding, cos, sin):
-        """(batch, seq, hidden) context of the fused attention, before Wo."""
+        """(batch, seq, hidden) context of the fused attention, before Wo; ``padding`` a
+        (batch, seq) key padding mask, None, or a ``PackedSequences`` (h is then the packed
+        (1, total, hidden) row, cos and sin its tokens', and the window each sequence's)."""
         attn = self.attn
         qkv = rearrange(attn.Wqkv(h), "b s (three n d) -> three b n s d", three=3, d=attn.head_dim)
         q, k = sys.modules[_MODULE].apply_rotary_pos_emb(qkv[0], qkv[1], cos, sin, unsqueeze_dim=1)
         window = None if attn.sliding_window is None else attn.config.sliding_window
         dropout_p = attn.attention_dropout if attn.training else 0.0
-        out = attention(
-            q, k, qkv[2], dropout_p=dropout_p, scale=attn.head_dim**-0.5, key_padding_mask=padding, window=window
-        )
+        scale = attn.head_dim**-0.5
+        if isinstance(padding, PackedSequences):
+            q, k, v = (rearrange(t, "1 n t d -> t n d") for t in (q, k, qkv[2]))
+            cu, longest = padding.cu_seqlens, padding.max_seqlen
+            out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=scale, window=window)
+            return rearrange(out, "t n d -> 1 t (n d)")
+        out = attention(q, k, qkv[2], dropout_p=dropout_p, scale=scale, key_padding_mask=padding, window=window)
         return rearrange(out, "b n s d -> b s (n d)")
 
-    def _unfused_reason(self, attention_mask, kwargs) -> str | None:
-        """Why this call runs the original forward, or None."""
+    def _call_reason(self, attention_mask, kwargs) -> str | None:
+        """Why this call, by its arguments, runs the original forward, or None."""
         if kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)):
             return "attentions were asked for"
-        if not (attention_mask is None or isinstance(attention_mask, torch.Tensor)):
+        if not (attention_mask is None or isinstance(attention_mask, (torch.Tensor, PackedSequences))):
             return f"its attention_mask is a {type(attention_mask).__name__}"
+        return None
+
+    def _unfused_reason(self) -> str | None:
+        """Why a call must run the original forward, by its submodules (hooks), or None."""
         for name in ("attn", "attn.Wqkv", "attn.Wo", "attn.out_drop", "attn_norm", "mlp_norm"):
             if has_user_hooks(self.get_submodule(name)):
                 return f"{name} has hooks"
@@ -255,11 +273,35 @@ def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str 
     return {"norm": norm, "drop": drop}, None
 
 
+class ModernBertUnpadding(UnpaddedEncoderModel):
+    """``UnpaddedEncoderModel`` over ``ModernBertModel``, which takes a ready mask per layer
+    kind: the packed call hands both kinds the packing, and RoPE the real tokens' positions."""
+
+    def encoder_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def padded_reason(self, arguments: dict, extra: dict) -> str | None:
+        reason = super().padded_reason(arguments, extra)
+        if reason is None and has_padding_between_tokens(arguments["attention_mask"]):
+            reason = "padding between tokens (the local layers' window counts it)"
+        return reason
+
+    def packed_forward(self, arguments: dict, extra: dict, packing: PackedSequences):
+        arguments["attention_mask"] = {"full_attention": packing, "sliding_attention": packing}
+        return super(UnpaddedEncoderModel, self).forward(**arguments, **extra)
+
+    def _padded_position_ids(self, arguments: dict, packing: PackedSequences) -> torch.Tensor:
+        positions = torch.arange(packing.seq, device=packing.indices.device)
+        return positions.expand(packing.batch, packing.seq)
+
+
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     kind = getattr(type(model), "_original_class", type(model))
     if (kind.__module__, kind.__name__) != _BASE_MODEL:
         return None
-    return None, "unpad: not supported for ModernBERT yet (its attention is not fused); it runs padded"
+    if all(isinstance(layer, FusedModernBertLayerMixin) for layer in model.layers):
+        return ModernBertUnpadding.over(type(model)), None
+    return None, "unpad: its layers are not all fused"
 
 
 FAMILY = ModelFamily("ModernBERT", _replacement, replace_children=_fused_embeddings, unpad=_unpadded)

@@ -49,7 +49,12 @@ from slimformer.integrations.hf.bert import (
     refuse_packed,
 )
 from slimformer.integrations.hf.classes import RuntimeMixin
-from slimformer.integrations.hf.unpad import PACKING_ARGUMENT, PackedSequences, UnpaddedEncoderModel
+from slimformer.integrations.hf.unpad import (
+    PACKING_ARGUMENT,
+    PackedSequences,
+    UnpaddedEncoderModel,
+    has_padding_between_tokens,
+)
 
 __all__ = ["FAMILY", "FusedMPNetLayerMixin", "RelativePositionBias"]
 
@@ -174,7 +179,7 @@ class MPNetUnpadding(UnpaddedEncoderModel):
 
     def padded_reason(self, arguments: dict, extra: dict) -> str | None:
         reason = super().padded_reason(arguments, extra)
-        if reason is None and _has_holes(arguments["attention_mask"]):
+        if reason is None and has_padding_between_tokens(arguments["attention_mask"]):
             # the packed sequence's offsets j - i would leave out the padding the padded
             # model counts between two tokens (one more host sync, MPNet's only)
             reason = "padding between tokens (MPNet's relative positions count it)"
@@ -199,15 +204,6 @@ class MPNetUnpadding(UnpaddedEncoderModel):
             positions = sys.modules[type(embeddings).__module__].create_position_ids_from_input_ids
             return positions(arguments["input_ids"], embeddings.padding_idx)
         return embeddings.create_position_ids_from_inputs_embeds(arguments["inputs_embeds"])
-
-
-# Run eagerly under torch.compile (a host sync, as the packing's token count is).
-@torch.compiler.disable
-def _has_holes(mask: torch.Tensor) -> bool:
-    """Whether a row of a (batch, seq) padding mask has padding between two tokens."""
-    tokens = mask != 0
-    starts = (tokens[:, 1:] & ~tokens[:, :-1]).sum(1) + tokens[:, 0]
-    return bool((starts > 1).any())
 
 
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:

@@ -141,6 +141,17 @@ def pack_padding_mask(attention_mask: torch.Tensor) -> PackedSequences:
 PACKING_ARGUMENT = "slimformer_packing"
 
 
+# Run eagerly under torch.compile (a host sync, as the packing's token count is).
+@torch.compiler.disable
+def has_padding_between_tokens(mask: torch.Tensor) -> bool:
+    """Whether a row of a (batch, seq) padding mask has padding between two tokens: where a
+    model's attention depends on positions (MPNet's relative bias, ModernBERT's window), the
+    packed sequence's offsets would leave that padding out."""
+    tokens = mask != 0
+    starts = (tokens[:, 1:] & ~tokens[:, :-1]).sum(1) + tokens[:, 0]
+    return bool((starts > 1).any())
+
+
 def unpad_tokens(x: torch.Tensor, packing: PackedSequences) -> torch.Tensor:
     """(batch, seq, ...) -> (total, ...): the real tokens, in order."""
     return x.flatten(0, 1).index_select(0, packing.indices)
