@@ -19,7 +19,7 @@ from tests.family_checks import (
     refuser,
     spread_layer_norms,
 )
-from tests.test_patch import _batch, _outputs
+from tests.test_patch import _assert_grads_close, _batch, _outputs
 
 MODELS = {
     "ModernBertModel": ModernBertModel,
@@ -175,3 +175,23 @@ def test_gradients_match_on_the_kernels_too(backend):
     reference = _model("ModernBertModel", max_position_embeddings=64).train()
     model = patch(copy.deepcopy(reference), recompute="qkv")
     assert_gradients_match(reference, model, *_batch(model.config, seq=40), lambda: None)
+
+
+def test_masked_lm_loss_is_fused():
+    reference = _model("ModernBertForMaskedLM").train()
+    model = patch(copy.deepcopy(reference), recompute="qkv+mlp")
+    assert type(model).__name__ == "FusedModernBertForMaskedLM"
+    ids, mask = _batch(model.config)
+    labels = torch.full_like(ids, -100)
+    labels[:, 1::3] = ids[:, 1::3]
+    labels[mask == 0] = -100
+    results = []
+    for m in (model, reference):
+        m.zero_grad()
+        out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results.append((out, {name: p.grad for name, p in m.named_parameters()}))
+    (out, grads), (expected_out, expected) = results
+    assert out.logits is None and expected_out.logits is not None
+    torch.testing.assert_close(out.loss, expected_out.loss, rtol=1e-5, atol=1e-6)
+    _assert_grads_close(grads, expected)

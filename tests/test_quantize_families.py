@@ -1,4 +1,4 @@
-"""sf.quantize of the families after BERT (DistilBERT, MPNet, ALBERT): a model fine-tuned here on
+"""sf.quantize of the families after BERT (DistilBERT, MPNet, ModernBERT, ALBERT): a model fine-tuned here on
 a small synthetic task keeps its accuracy within one point in int8, and saves and
 reloads through ``save_pretrained`` / ``from_pretrained`` bit for bit."""
 
@@ -12,6 +12,8 @@ from transformers import (
     AutoModelForSequenceClassification,
     DistilBertConfig,
     DistilBertForSequenceClassification,
+    ModernBertConfig,
+    ModernBertForSequenceClassification,
     MPNetConfig,
     MPNetForSequenceClassification,
 )
@@ -32,6 +34,22 @@ CONFIGS = {
             num_attention_heads=4,
             intermediate_size=128,
             max_position_embeddings=SEQ + 2,
+        )
+    ),
+    "ModernBERT": lambda: ModernBertForSequenceClassification(
+        ModernBertConfig(
+            vocab_size=VOCAB,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            hidden_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=96,
+            local_attention=8,
+            classifier_pooling="mean",
         )
     ),
     "ALBERT": lambda: AlbertForSequenceClassification(

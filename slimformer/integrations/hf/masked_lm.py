@@ -1,4 +1,4 @@
-"""The fused masked-LM loss of HuggingFace BERT-family, DistilBERT and ALBERT ``*ForMaskedLM`` models.
+"""The fused masked-LM loss of HuggingFace BERT-family, DistilBERT, ALBERT, MPNet and ModernBERT ``*ForMaskedLM`` models.
 
 ``slimformer.patch`` changes the class of such a model, in place and reversibly, to
 ``Fused<Model>(FusedMaskedLM, <Model>)``: the same object, Parameters, ``state_dict``
@@ -30,8 +30,9 @@ from slimformer.layers.mlm_head import masked_token_loss
 # transform + decoder), "pretraining" (the same, beside cls.seq_relationship for
 # next-sentence prediction), "lm_head" (RoBERTa: lm_head with dense, gelu,
 # layer_norm, decoder), "distilbert" (the model's own vocab_transform, activation,
-# vocab_layer_norm, vocab_projector) or "albert" (predictions with dense, activation,
-# LayerNorm, decoder: the transform maps hidden to the embedding size).
+# vocab_layer_norm, vocab_projector), "albert" (predictions with dense, activation,
+# LayerNorm, decoder: the transform maps hidden to the embedding size) or "modernbert" (the
+# model's head, a dense-activation-norm module, and decoder).
 _MASKED_LM_MODELS = {
     ("transformers.models.bert.modeling_bert", "BertForMaskedLM"): "predictions",
     ("transformers.models.bert.modeling_bert", "BertForPreTraining"): "pretraining",
@@ -43,6 +44,7 @@ _MASKED_LM_MODELS = {
     ("transformers.models.distilbert.modeling_distilbert", "DistilBertForMaskedLM"): "distilbert",
     ("transformers.models.albert.modeling_albert", "AlbertForMaskedLM"): "albert",
     ("transformers.models.mpnet.modeling_mpnet", "MPNetForMaskedLM"): "lm_head",
+    ("transformers.models.modernbert.modeling_modernbert", "ModernBertForMaskedLM"): "modernbert",
 }
 # The head layouts of BERT-family models (``slimformer.integrations.hf.bert``'s).
 BERT_HEADS = frozenset({"predictions", "pretraining", "lm_head"})
@@ -68,6 +70,8 @@ def _head(model):
             return model.vocab_layer_norm(model.activation(model.vocab_transform(rows)))
 
         return transform, model.vocab_projector
+    if layout == "modernbert":
+        return model.head, model.decoder
     if layout == "albert":
         head = model.predictions
 

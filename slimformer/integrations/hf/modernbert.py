@@ -27,6 +27,8 @@ norms have hooks; the MLP likewise for its own submodules.
 
 The embeddings' ``norm`` and ``drop``, which their forward calls as ``self.drop(self.norm(x))``
 and nowhere else (source checked), become one fused norm kernel as BERT's do.
+``ModernBertForMaskedLM``'s loss is fused with its decoder (``slimformer.integrations.hf.masked_lm``:
+its ``head`` on the labelled rows only, as its sparse prediction does).
 
 With ``unpad=True``, ``ModernBertModel`` becomes ``UnpaddedModernBertModel``: the real tokens
 only, at their padded positions for RoPE, through ``sf.varlen_attention`` (each sequence's
@@ -47,7 +49,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slimformer.integrations import ModelFamily
-from slimformer.integrations.hf.bert import refuse_packed
+from slimformer.integrations.hf.bert import fused_loss, refuse_packed
 from slimformer.integrations.hf.classes import RuntimeMixin
 from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, has_padding_between_tokens
 from slimformer.kernels.activation import fused_mlp
@@ -304,4 +306,10 @@ def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     return None, "unpad: its layers are not all fused"
 
 
-FAMILY = ModelFamily("ModernBERT", _replacement, replace_children=_fused_embeddings, unpad=_unpadded)
+FAMILY = ModelFamily(
+    "ModernBERT",
+    _replacement,
+    replace_children=_fused_embeddings,
+    fuse_loss=lambda model: fused_loss(model, frozenset({"modernbert"})),
+    unpad=_unpadded,
+)
