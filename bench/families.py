@@ -1,7 +1,8 @@
 """The encoder families after BERT under ``sf.patch``: kept memory and unpadded speed on the CPU.
 
-For each family (BERT as the baseline, DistilBERT, MPNet, ALBERT), at base-size dimensions
-(hidden 768, 12 heads, FFN 3072; ALBERT's embeddings 128), random weights, fp32,
+For each family (BERT as the baseline, DistilBERT, MPNet, ModernBERT, ALBERT), at base-size dimensions
+(hidden 768, 12 heads, FFN 3072; ALBERT's embeddings 128; ModernBERT's GeGLU 2 x 1536, its
+first layer, a global one, measured alone), random weights, fp32,
 dropout 0.1, training mode:
 
 1. **One layer**, seq 512: bytes the layer keeps for backward per token per hidden unit
@@ -95,6 +96,25 @@ def _mpnet_config(layers, attn):
     return MPNetConfig(num_hidden_layers=layers, max_position_embeddings=514, attn_implementation="eager")
 
 
+def _modernbert_config(layers, attn):
+    from transformers import ModernBertConfig
+
+    return ModernBertConfig(
+        num_hidden_layers=layers,
+        hidden_size=768,
+        intermediate_size=3072 // 2,
+        attention_dropout=0.1,  # the benchmark's dropout (ModernBERT's defaults are 0)
+        mlp_dropout=0.1,
+        embedding_dropout=0.1,
+        attn_implementation=attn,
+    )
+
+
+def _modernbert_layer_arguments(model, x):
+    positions = torch.arange(x.shape[1])[None]
+    return (None, model.rotary_emb(x, positions, model.config.layer_types[0]))
+
+
 FAMILIES = {
     "BERT": Family(
         _bert_config, "BertModel", "BertForMaskedLM", "BertForSequenceClassification", lambda m: m.encoder.layer[0]
@@ -113,6 +133,14 @@ FAMILIES = {
         "MPNetForSequenceClassification",
         lambda m: m.encoder.layer[0],
         layer_arguments=lambda model, x: (None, model.encoder.compute_position_bias(x)),
+    ),
+    "ModernBERT": Family(
+        _modernbert_config,
+        "ModernBertModel",
+        "ModernBertForMaskedLM",
+        "ModernBertForSequenceClassification",
+        lambda m: m.layers[0],
+        layer_arguments=_modernbert_layer_arguments,
     ),
     "ALBERT": Family(
         _albert_config,

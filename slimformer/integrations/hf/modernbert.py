@@ -142,12 +142,15 @@ class FusedModernBertLayerMixin(RuntimeMixin, NotScriptable):
         window = None if attn.sliding_window is None else attn.config.sliding_window
         dropout_p = attn.attention_dropout if attn.training else 0.0
         scale = attn.head_dim**-0.5
+        # v copied out of the projection: kept as a view, it would keep all of Wqkv's output
+        # (q and k are RoPE's new tensors)
+        v = qkv[2].contiguous()
         if isinstance(padding, PackedSequences):
-            q, k, v = (rearrange(t, "1 n t d -> t n d") for t in (q, k, qkv[2]))
+            q, k, v = (rearrange(t, "1 n t d -> t n d") for t in (q, k, v))
             cu, longest = padding.cu_seqlens, padding.max_seqlen
             out = varlen_attention(q, k, v, cu, cu, longest, longest, dropout_p, scale=scale, window=window)
             return rearrange(out, "t n d -> 1 t (n d)")
-        out = attention(q, k, qkv[2], dropout_p=dropout_p, scale=scale, key_padding_mask=padding, window=window)
+        out = attention(q, k, v, dropout_p=dropout_p, scale=scale, key_padding_mask=padding, window=window)
         return rearrange(out, "b n s d -> b s (n d)")
 
     def _call_reason(self, attention_mask, kwargs) -> str | None:
