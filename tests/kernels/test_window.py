@@ -112,3 +112,54 @@ def test_bad_window_is_refused_with_its_name():
         attention(q, q, q, window=2.0)
     with pytest.raises(TypeError, match="window must be an int or None, got bool"):
         attention(q, q, q, window=True)
+
+
+def test_the_kernels_visit_tiles_in_proportion_to_the_window(monkeypatch):
+    # the interpreted kernels' tile functions, counted: with a window the tiles each query
+    # (key) block visits stay the same as seq grows and grow with the window; without one
+    # they grow with seq
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("counts the interpreted kernels' tile calls")
+    from slimformer.kernels.attention import backward, forward
+
+    calls = {"fwd": 0, "dkdv": 0, "dq": 0}
+    for module, name, key in (
+        (forward, "_attention_fwd_tile", "fwd"),
+        (backward, "_attention_bwd_dkdv_tile", "dkdv"),
+        (backward, "_attention_bwd_dq_tile", "dq"),
+    ):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module,
+            name,
+            lambda *a, _real=real, _key=key, **k: calls.__setitem__(_key, calls[_key] + 1) or _real(*a, **k),
+        )
+
+    def visits(seq, window):
+        for key in calls:
+            calls[key] = 0
+        q = torch.randn(1, 1, seq, 16, requires_grad=True)
+        attention(q, q, q, window=window).sum().backward()
+        return dict(calls)
+
+    small, large, wider, full_small, full_large = (
+        visits(256, 8), visits(512, 8), visits(512, 40), visits(256, None), visits(512, None)
+    )  # fmt: skip
+    for key in calls:
+        assert large[key] <= 2 * small[key] + 2  # linear in seq: the same tiles per block
+        assert wider[key] > large[key]  # more with a wider window
+        assert full_large[key] >= 4 * full_small[key] - 4  # without: quadratic
+
+
+def test_keeps_what_plain_attention_keeps():
+    # the window changes which tiles run, not what backward keeps: q, k, v, out and lse
+    from slimformer.memory import measure_activation_memory
+
+    q, k, v = (torch.randn(1, 2, 128, 16, requires_grad=True) for _ in range(3))
+    kept = [
+        measure_activation_memory(lambda w=window: attention(q, k, v, dropout_p=0.1, window=w), exclude=(q, k, v))
+        for window in (None, 16)
+    ]
+    assert kept[0].saved_bytes == kept[1].saved_bytes
