@@ -107,3 +107,26 @@ def assert_gradients_match(reference, model, ids, mask, refuse):
     loss, grads = _loss_and_grads(model, ids, mask)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-5)
     _assert_grads_close(grads, expected)
+
+
+def assert_masked_lm_loss_fused(reference, model, ids, mask):
+    """``model`` (patched ``reference``, a ``*ForMaskedLM`` in training, no dropout) returns
+    HF's loss and gradients without logits, every third real token labelled; under
+    ``torch.no_grad`` its own forward, logits and all."""
+    labels = torch.full_like(ids, -100)
+    labels[:, 1::3] = ids[:, 1::3]
+    labels[mask == 0] = -100
+    results = []
+    for m in (model, reference):
+        m.zero_grad()
+        out = m(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results.append((out, {name: p.grad for name, p in m.named_parameters()}))
+    (out, grads), (expected_out, expected) = results
+    assert out.logits is None and expected_out.logits is not None
+    torch.testing.assert_close(out.loss, expected_out.loss, rtol=1e-5, atol=1e-6)
+    _assert_grads_close(grads, expected)
+    with torch.no_grad():  # no grad, or eval: the model's own forward, logits and all
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask, labels=labels).logits, reference(ids, attention_mask=mask).logits
+        )

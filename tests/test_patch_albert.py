@@ -25,6 +25,7 @@ from tests.family_checks import (
     assert_embeddings_norm_and_dropout_run_as_one_kernel,
     assert_eval_outputs_match,
     assert_gradients_match,
+    assert_masked_lm_loss_fused,
     refuser,
     spread_layer_norms,
 )
@@ -188,21 +189,7 @@ def test_masked_lm_loss_is_fused_with_the_vocabulary_projection(policy):
     assert type(model).__name__ == "FusedAlbertForMaskedLM"
     assert [swap.change for swap in patch_summary(model).class_swaps] == ["masked-LM loss fused with the decoder"]
     assert model.predictions.decoder.weight is model.albert.embeddings.word_embeddings.weight  # still tied
-    ids, mask = _batch(model.config)
-    labels = torch.full_like(ids, -100)
-    labels[:, 1::3] = ids[:, 1::3]
-    results = []
-    for m in (model, reference):
-        m.zero_grad()
-        out = m(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        results.append((out, {name: p.grad for name, p in m.named_parameters()}))
-    (out, grads), (expected_out, expected) = results
-    assert out.logits is None and expected_out.logits is not None
-    torch.testing.assert_close(out.loss, expected_out.loss, rtol=1e-5, atol=1e-6)
-    _assert_grads_close(grads, expected)
-    with torch.no_grad():  # no grad, or eval: the model's own forward, logits and all
-        torch.testing.assert_close(model(ids, attention_mask=mask, labels=labels).logits, expected_out.logits)
+    assert_masked_lm_loss_fused(reference, model, *_batch(model.config))
     unpatch(model)
     assert type(model) is AlbertForMaskedLM
 

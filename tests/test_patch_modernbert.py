@@ -16,10 +16,11 @@ from slimformer.recompute import POLICIES, recompute
 from tests.family_checks import (
     assert_embeddings_norm_and_dropout_run_as_one_kernel,
     assert_gradients_match,
+    assert_masked_lm_loss_fused,
     refuser,
     spread_layer_norms,
 )
-from tests.test_patch import _assert_grads_close, _batch, _outputs
+from tests.test_patch import _batch, _outputs
 
 MODELS = {
     "ModernBertModel": ModernBertModel,
@@ -181,17 +182,4 @@ def test_masked_lm_loss_is_fused():
     reference = _model("ModernBertForMaskedLM").train()
     model = patch(copy.deepcopy(reference), recompute="qkv+mlp")
     assert type(model).__name__ == "FusedModernBertForMaskedLM"
-    ids, mask = _batch(model.config)
-    labels = torch.full_like(ids, -100)
-    labels[:, 1::3] = ids[:, 1::3]
-    labels[mask == 0] = -100
-    results = []
-    for m in (model, reference):
-        m.zero_grad()
-        out = m(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        results.append((out, {name: p.grad for name, p in m.named_parameters()}))
-    (out, grads), (expected_out, expected) = results
-    assert out.logits is None and expected_out.logits is not None
-    torch.testing.assert_close(out.loss, expected_out.loss, rtol=1e-5, atol=1e-6)
-    _assert_grads_close(grads, expected)
+    assert_masked_lm_loss_fused(reference, model, *_batch(model.config))

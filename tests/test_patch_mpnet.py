@@ -26,6 +26,7 @@ from tests.family_checks import (
     assert_dropout_seeded_by_torch,
     assert_embeddings_norm_and_dropout_run_as_one_kernel,
     assert_eval_outputs_match,
+    assert_masked_lm_loss_fused,
     refuser,
     spread_layer_norms,
 )
@@ -147,19 +148,7 @@ def test_masked_lm_loss_is_fused():
     reference = _model("MPNetForMaskedLM", dropout=0.0).train()
     model = patch(copy.deepcopy(reference), recompute="qkv+mlp")
     assert type(model).__name__ == "FusedMPNetForMaskedLM"
-    ids, mask = _batch(model.config)
-    labels = torch.full_like(ids, -100)
-    labels[:, 1::3] = ids[:, 1::3]
-    results = []
-    for m in (model, reference):
-        m.zero_grad()
-        out = m(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        results.append((out, {name: p.grad for name, p in m.named_parameters()}))
-    (out, grads), (expected_out, expected) = results
-    assert out.logits is None
-    torch.testing.assert_close(out.loss, expected_out.loss, rtol=1e-5, atol=1e-6)
-    _assert_grads_close(grads, expected)
+    assert_masked_lm_loss_fused(reference, model, *_batch(model.config))
 
 
 def test_attentions_run_the_original_layers_on_hfs_bias():
