@@ -74,3 +74,42 @@ def test_example_rejects_bad_arguments(tmp_path):
         sentence_embeddings.main(["--steps", "0"])
     with pytest.raises(SystemExit, match="no sentence-transformers model folder"):
         sentence_embeddings.main([str(tmp_path)])
+
+
+def _backbone_config(family, tokenizer):
+    from transformers import DistilBertConfig, ModernBertConfig, MPNetConfig
+
+    ids = dict(pad_token_id=tokenizer.pad_token_id)
+    if family == "ModernBERT":
+        ids |= dict(bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id)
+        ids |= dict(cls_token_id=tokenizer.cls_token_id, sep_token_id=tokenizer.sep_token_id)
+        return ModernBertConfig(
+            vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+            intermediate_size=48, local_attention=4, **ids,
+        )  # fmt: skip
+    if family == "MPNet":
+        return MPNetConfig(
+            vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=64, **ids,
+        )  # fmt: skip
+    return DistilBertConfig(vocab_size=len(tokenizer), dim=32, n_layers=2, n_heads=2, hidden_dim=64, **ids)
+
+
+@pytest.mark.parametrize("family", ["MPNet", "ModernBERT", "DistilBERT"])
+def test_any_supported_backbone_patches_unpads_and_quantizes(family, tmp_path):
+    # a SentenceTransformer over another family's backbone (random weights, MiniLM's tokenizer)
+    from sentence_transformers import SentenceTransformer, models
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm.get_model_path())
+    tokenizer.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    AutoModel.from_config(_backbone_config(family, tokenizer)).save_pretrained(tmp_path)
+    loaded = SentenceTransformer(modules=[models.Transformer(str(tmp_path)), models.Pooling(32)], device="cpu")
+    expected = loaded.encode(SENTENCES, convert_to_tensor=True)
+    patched = sf.patch(copy.deepcopy(loaded), unpad=True)
+    assert not sf.patch_summary(patched).left
+    torch.testing.assert_close(patched.encode(SENTENCES, convert_to_tensor=True), expected, rtol=1e-4, atol=1e-5)
+    quantized = sf.quantize(copy.deepcopy(loaded), "int8")
+    cosine = torch.nn.functional.cosine_similarity(quantized.encode(SENTENCES, convert_to_tensor=True), expected)
+    assert cosine.min() > 0.98
