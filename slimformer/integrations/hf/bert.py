@@ -63,7 +63,6 @@ masked-LM loss (``slimformer.integrations.hf.masked_lm``) and unpads base models
 (``slimformer.integrations.hf.unpad``) of the same family.
 """
 
-import copy
 import inspect
 import operator
 import re
@@ -363,7 +362,9 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
             return rearrange(out, "t h d -> 1 t (h d)")
         q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=attn.attention_head_size) for t in qkv)
         if relative_bias is not None and attn_mask is not None:
-            attn_mask, padding = None, _padding_of(attn_mask, padding)
+            # the kernels take a relative bias in the attn_mask's place: the padding goes as keys
+            keys = padding_of_mask(attn_mask)
+            attn_mask, padding = None, keys if padding is None else keys | padding
         out = attention(
             q, k, v, attn_mask, dropout_p, scale=scale, key_padding_mask=padding, relative_bias=relative_bias
         )
@@ -423,14 +424,18 @@ def refuse_packed(attention_mask, reason: str) -> None:
         )
 
 
-def _padding_of(attn_mask: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
-    """The (batch, seq_k) key padding mask (True = padding) of a (batch, 1, seq_q, seq_k)
-    mask transformers built from a padding mask alone (``create_bidirectional_mask``: the
-    same keys for every query): its first query row, for a kernel call that takes a
-    relative bias in the attn_mask's place."""
-    row = attn_mask[:, 0, 0, :]
-    keys = ~row if row.dtype == torch.bool else row <= MASKED_BIAS
-    return keys if padding is None else keys | padding
+def padding_of_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The (batch, seq) key padding mask (True = padding) of a mask transformers built for
+    self-attention from a padding mask: None, (batch, seq) with 0 = padding, or (batch, 1,
+    seq, seq) bool (True = attend) or additive, of padding alone or of padding and a
+    window (ModernBERT's local layers). Every token may attend to itself, so the diagonal
+    says which keys are padding, whatever the window."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask == 0
+    diagonal = torch.diagonal(attention_mask[:, 0], dim1=-2, dim2=-1)
+    return ~diagonal if diagonal.dtype == torch.bool else diagonal <= MASKED_BIAS
 
 
 def _is_bert_layer(module: nn.Module) -> bool:
@@ -477,11 +482,7 @@ def _bert_layer_problem(layer: nn.Module) -> str | None:
 def fuse_layer(layer: nn.Module, mixin: type[FusedBertFamilyLayer] = FusedBertFamilyLayer) -> nn.Module:
     """A ``Fused<Layer>`` (``mixin`` over the layer's class) sharing ``layer``'s submodules,
     attributes and hooks."""
-    fused_class = mixin.over(type(layer))
-    fused = fused_class.__new__(fused_class)
-    # The module's dicts (submodules, hooks) are copied so that registering on one of
-    # the two objects later does not change the other; their contents are shared.
-    fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
+    fused = mixin.sharing(layer)
     layout = mixin.layout
     fused.fused_activation = _HF_ACTIVATIONS[_hf_activation(fused, layout)[1]]
     fused.recompute = "none"
@@ -493,22 +494,26 @@ def fuse_layer(layer: nn.Module, mixin: type[FusedBertFamilyLayer] = FusedBertFa
 _EMBEDDINGS_SOURCE_PROBLEM: dict[type, str | None] = {}
 
 
-def _embeddings_problem(embeddings: nn.Module) -> str | None:
-    """Why the LayerNorm and dropout of ``embeddings`` (an allow-listed class) cannot be
-    fused, or None."""
+def _embeddings_problem(embeddings: nn.Module, names: tuple[str, str], pattern: re.Pattern) -> str | None:
+    """Why the norm and dropout (attribute ``names``) of ``embeddings`` (an allow-listed
+    class) cannot be fused, or None: every call of either must be one of ``pattern``'s."""
     kind = type(embeddings)
+    norm_name, dropout_name = names
     if kind not in _EMBEDDINGS_SOURCE_PROBLEM:
         try:
             source = inspect.getsource(kind.forward)
         except (OSError, TypeError):
             source = ""
-        pairs = len(_NORM_THEN_DROPOUT.findall(source))
-        same = pairs > 0 and source.count("self.LayerNorm") == source.count("self.dropout") == pairs
-        problem = None if same else "its forward does not apply dropout right after each LayerNorm (source checked)"
+        pairs = len(pattern.findall(source))
+        calls = [len(re.findall(rf"self\.{name}\b", source)) for name in names]
+        same = pairs > 0 and calls == [pairs, pairs]
+        problem = (
+            None if same else f"its forward does not apply {dropout_name} right after each {norm_name} (source checked)"
+        )
         _EMBEDDINGS_SOURCE_PROBLEM[kind] = problem
     if _EMBEDDINGS_SOURCE_PROBLEM[kind] is not None:
         return _EMBEDDINGS_SOURCE_PROBLEM[kind]
-    for name, expected in (("LayerNorm", TorchLayerNorm), ("dropout", TorchDropout)):
+    for name, expected in zip(names, (TorchLayerNorm, TorchDropout)):
         module = getattr(embeddings, name, None)
         if type(module) is not expected:
             return f"{name} is a {type(module).__name__}, not torch.nn.{expected.__name__}"
@@ -516,18 +521,22 @@ def _embeddings_problem(embeddings: nn.Module) -> str | None:
 
 
 def fuse_embeddings(
-    embeddings: nn.Module, classes: frozenset[tuple[str, str]] = _BERT_EMBEDDINGS
+    embeddings: nn.Module,
+    classes: frozenset[tuple[str, str]] = _BERT_EMBEDDINGS,
+    names: tuple[str, str] = ("LayerNorm", "dropout"),
+    pattern: re.Pattern = _NORM_THEN_DROPOUT,
 ) -> tuple[dict[str, nn.Module], str | None] | None:
-    """{"LayerNorm": LayerNormDropout, "dropout": DropoutInNorm} fusing the two in
-    ``embeddings``, or ({}, why not), or None when its class is none of ``classes``
-    ((module, class name) pairs; BERT-family embeddings by default)."""
+    """{norm: LayerNormDropout, dropout: DropoutInNorm} fusing the two in ``embeddings``
+    (their attribute ``names``; ``pattern`` matches the forward's call of both), or ({},
+    why not), or None when its class is none of ``classes`` ((module, class name) pairs;
+    BERT-family embeddings by default)."""
     if (type(embeddings).__module__, type(embeddings).__name__) not in classes:
         return None
-    problem = _embeddings_problem(embeddings)
+    problem = _embeddings_problem(embeddings, names, pattern)
     if problem is not None:
         return {}, problem
-    norm, dropout = fuse_with_dropout(embeddings.LayerNorm, embeddings.dropout)
-    return {"LayerNorm": norm, "dropout": dropout}, None
+    norm, dropout = fuse_with_dropout(*(getattr(embeddings, name) for name in names))
+    return dict(zip(names, (norm, dropout))), None
 
 
 def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:

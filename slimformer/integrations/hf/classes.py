@@ -7,6 +7,7 @@ own checks (output capture, gradient checkpointing). Such a class exists in no m
 so a pickle names the mixin and the original class instead (``new_mixed``).
 """
 
+import copy
 import inspect
 
 from slimformer.layers.sharing import forward_with_signature
@@ -44,6 +45,19 @@ class RuntimeMixin:
             name = f"{cls.prefix}{original_class.__name__}"
             _MADE[cls, original_class] = type(name, (cls, original_class), namespace)
         return _MADE[cls, original_class]
+
+    @classmethod
+    def sharing(cls, module):
+        """An instance of ``cls.over(type(module))`` sharing ``module``'s submodules,
+        Parameters, attributes and hooks (``__init__`` not run). The module's dicts are
+        copied, so that registering on one of the two objects later does not change the
+        other; their contents are shared, and ``unpatch`` puts ``module`` itself back."""
+        made = cls.over(type(module))
+        shared = made.__new__(made)
+        shared.__dict__.update(
+            {k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in module.__dict__.items()}
+        )
+        return shared
 
     def __reduce_ex__(self, protocol):
         # The state comes third, set once the object exists, since it may refer back to it.

@@ -8,7 +8,6 @@ nothing else becomes ``Fused<Norm>``, a subclass of its own class; any other is 
 with the reason (Gemma's ``(1 + weight)``, T5's cast to the weight's dtype ...).
 """
 
-import copy
 import inspect
 import textwrap
 
@@ -79,10 +78,7 @@ def _llama_style_rmsnorm_problem(norm: nn.Module) -> str | None:
 
 
 def _fuse_llama_style_rmsnorm(norm: nn.Module) -> nn.Module:
-    fused_class = FusedLlamaStyleRMSNorm.over(type(norm))
-    fused = fused_class.__new__(fused_class)
-    fused.__dict__.update({k: copy.copy(v) if isinstance(v, (dict, set)) else v for k, v in norm.__dict__.items()})
-    return fused
+    return FusedLlamaStyleRMSNorm.sharing(norm)
 
 
 def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | None:

@@ -39,7 +39,6 @@ Left, with the reason in the summary: a layer whose MLP's activation is not the 
 (its attention and MLP then stay HF's), head dims above 256.
 """
 
-import inspect
 import re
 import sys
 
@@ -49,13 +48,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from slimformer.integrations import ModelFamily
-from slimformer.integrations.hf.bert import fused_loss, refuse_packed
+from slimformer.integrations.hf.bert import fuse_embeddings, fused_loss, padding_of_mask, refuse_packed
 from slimformer.integrations.hf.classes import RuntimeMixin
 from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, has_padding_between_tokens
 from slimformer.kernels.activation import fused_mlp
 from slimformer.kernels.attention import MAX_HEAD_DIM, attention, varlen_attention
-from slimformer.kernels.attention.tiles import MASKED_BIAS
-from slimformer.layers.norm import LayerNorm, fuse_with_dropout
+from slimformer.layers.norm import LayerNorm
 from slimformer.layers.policies import check_policy
 from slimformer.layers.sharing import NotScriptable, TorchDropout, TorchLayerNorm, has_user_hooks
 
@@ -118,7 +116,7 @@ class FusedModernBertLayerMixin(RuntimeMixin, NotScriptable):
             refuse_packed(attention_mask, reason)
             return super().forward(hidden_states, attention_mask, position_embeddings, **kwargs)
         policy = check_policy(self.recompute)
-        padding = attention_mask if isinstance(attention_mask, PackedSequences) else _padding(attention_mask)
+        padding = attention_mask if isinstance(attention_mask, PackedSequences) else padding_of_mask(attention_mask)
         if policy == "full" and torch.is_grad_enabled():
             return checkpoint(self._layer, hidden_states, padding, position_embeddings, "none", use_reentrant=False)
         return self._layer(hidden_states, padding, position_embeddings, policy)
@@ -183,19 +181,6 @@ class FusedModernBertLayerMixin(RuntimeMixin, NotScriptable):
         return f"recompute={self.recompute!r}"
 
 
-def _padding(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """The (batch, seq) key padding mask (True = padding) of the mask transformers hands a
-    ModernBERT layer: None, (batch, seq) with 0 = padding, or (batch, 1, seq, seq) bool (True
-    = attend) or additive, of padding alone or of padding and a window. Every token may
-    attend to itself, so the diagonal says which keys are padding, whatever the window."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() == 2:
-        return attention_mask == 0
-    diagonal = torch.diagonal(attention_mask[:, 0], dim1=-2, dim2=-1)
-    return ~diagonal if diagonal.dtype == torch.bool else diagonal <= MASKED_BIAS
-
-
 def _layer_problem(layer: nn.Module) -> str | None:
     mlp_problem = _mlp_problem(layer.mlp)
     if mlp_problem is not None:
@@ -212,9 +197,7 @@ def _fused_layer(layer: nn.Module) -> nn.Module:
     """A ``FusedModernBertEncoderLayer`` sharing ``layer``'s submodules, its MLP fused and its
     LayerNorms slimformer's (in the fused layer's own module dict: ``unpatch`` puts the
     original layer, its children untouched, back)."""
-    fused_class = FusedModernBertLayerMixin.over(type(layer))
-    fused = fused_class.__new__(fused_class)
-    fused.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in layer.__dict__.items()})
+    fused = FusedModernBertLayerMixin.sharing(layer)
     fused._modules["mlp"] = _fused_mlp(layer.mlp)
     for name in ("attn_norm", "mlp_norm"):
         if type(layer.get_submodule(name)) is TorchLayerNorm:
@@ -235,9 +218,7 @@ def _mlp_problem(mlp: nn.Module) -> str | None:
 
 
 def _fused_mlp(mlp: nn.Module) -> nn.Module:
-    fused_class = FusedModernBertMLPMixin.over(type(mlp))
-    fused = fused_class.__new__(fused_class)
-    fused.__dict__.update({k: v.copy() if isinstance(v, (dict, set)) else v for k, v in mlp.__dict__.items()})
+    fused = FusedModernBertMLPMixin.sharing(mlp)
     fused.recompute = "none"
     return fused
 
@@ -253,29 +234,8 @@ def _replacement(module: nn.Module) -> tuple[nn.Module | None, str | None] | Non
     return None
 
 
-def _embeddings_problem(embeddings: nn.Module) -> str | None:
-    try:
-        source = inspect.getsource(type(embeddings).forward)
-    except (OSError, TypeError):
-        source = ""
-    calls = len(_DROP_OF_NORM.findall(source))
-    if not calls or not source.count("self.norm") == source.count("self.drop") == calls:
-        return "its forward does not apply drop right after each norm (source checked)"
-    for name, expected in (("norm", TorchLayerNorm), ("drop", TorchDropout)):
-        if type(getattr(embeddings, name)) is not expected:
-            return f"{name} is a {type(getattr(embeddings, name)).__name__}, not torch.nn.{expected.__name__}"
-    return None
-
-
 def _fused_embeddings(embeddings: nn.Module) -> tuple[dict[str, nn.Module], str | None] | None:
-    """{"norm": LayerNormDropout, "drop": DropoutInNorm} of ModernBERT's embeddings, or ({}, why not)."""
-    if (type(embeddings).__module__, type(embeddings).__name__) != _EMBEDDINGS:
-        return None
-    problem = _embeddings_problem(embeddings)
-    if problem is not None:
-        return {}, problem
-    norm, drop = fuse_with_dropout(embeddings.norm, embeddings.drop)
-    return {"norm": norm, "drop": drop}, None
+    return fuse_embeddings(embeddings, frozenset({_EMBEDDINGS}), ("norm", "drop"), _DROP_OF_NORM)
 
 
 class ModernBertUnpadding(UnpaddedEncoderModel):
