@@ -38,12 +38,19 @@ class PeakMemory:
     method: str = ""  # how it was measured: "max_memory_allocated" or "live tensor storages"
     _current: Callable[[], int] = field(default=lambda: 0, repr=False)
     _peak: Callable[[], int] = field(default=lambda: 0, repr=False)
+    _split: Callable[[], tuple[int, int]] = field(default=lambda: (0, 0), repr=False)
 
     def current_bytes(self) -> int:
         return self._current()
 
     def peak_so_far(self) -> int:
         return self._peak()
+
+    def split(self) -> tuple[int, int]:
+        """(allocated now, the most allocated since the last ``split`` or the block's start),
+        above the block's start; the next interval starts now. ``peak_so_far`` and ``bytes``
+        still cover the whole block."""
+        return self._split()
 
 
 class _LiveStorageBytes(TorchDispatchMode):
@@ -53,6 +60,7 @@ class _LiveStorageBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.interval_peak = 0  # since the last split
         self._sizes: dict[int, int] = {}  # data pointer -> bytes, of the live storages counted
 
     def _freed(self, key: int) -> None:
@@ -77,7 +85,12 @@ class _LiveStorageBytes(TorchDispatchMode):
             weakref.finalize(storage, self._freed, key)
             self.live += size
             self.peak = max(self.peak, self.live)
+            self.interval_peak = max(self.interval_peak, self.live)
         return out
+
+    def split(self) -> tuple[int, int]:
+        interval, self.interval_peak = self.interval_peak, self.live
+        return self.live, interval
 
 
 @contextlib.contextmanager
@@ -90,16 +103,26 @@ def peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
+        whole = [0]  # the block's peak before the last split reset torch's statistic
+
+        def split() -> tuple[int, int]:
+            interval = torch.cuda.max_memory_allocated(device) - before
+            whole[0] = max(whole[0], interval)
+            torch.cuda.reset_peak_memory_stats(device)  # the statistic restarts at what is allocated now
+            return torch.cuda.memory_allocated(device) - before, interval
+
         result._current = lambda: torch.cuda.memory_allocated(device) - before
-        result._peak = lambda: torch.cuda.max_memory_allocated(device) - before
+        result._peak = lambda: max(whole[0], torch.cuda.max_memory_allocated(device) - before)
+        result._split = split
         yield result
         torch.cuda.synchronize(device)
-        result.bytes = torch.cuda.max_memory_allocated(device) - before
+        result.bytes = result._peak()
         result.method = "max_memory_allocated"
     elif device.type == "cpu":
         tracker = _LiveStorageBytes()
         result._current = lambda: tracker.live
         result._peak = lambda: tracker.peak
+        result._split = tracker.split
         with tracker:
             yield result
         result.bytes = tracker.peak

@@ -1,0 +1,397 @@
+"""A model's training-step memory, measured at small batches and predicted at any batch.
+
+One training step is a sequence of **stages**: the forward of what runs before the first
+planned layer ("embeddings"), of each application of a planned layer (a module with a
+``recompute`` policy: a fused encoder layer; ALBERT's shared layer once per
+application), of what runs after the last ("head": pooler, heads, loss); then their
+backwards in reverse; then the optimizer step. Hooks split the step at those
+boundaries, and ``slimformer.memory.peak_memory`` reads, for each stage, what it leaves
+allocated (``delta``) and the most it allocates above its start (``excess``):
+
+* forward: a pre- and a post-hook on each planned layer;
+* backward: a hook on each planned layer's output (its gradient is ready: the layer's
+  backward starts) and on its input (its gradient is ready: the layer's backward ends);
+* the gradients: a post-accumulate-grad hook on each trainable parameter records the
+  stage in whose backward its gradient appears, and its bytes.
+
+Both numbers are affine in the number of tokens for slimformer's layers (nothing they
+keep or make grows with seq², and the references work block by block), so two
+measured batches give each stage's line (``Affine``), per recompute policy. A stage's
+numbers depend on its own layer's policy only, so any per-layer mix is predicted by
+walking the stages with each one's policy (``MemoryProfile.predict``): the live bytes
+start at what persists (parameters, buffers, optimizer state, the batch), each stage
+adds its delta, and the peak is the largest ``live + excess`` met on the way, the
+optimizer step's temporaries included.
+
+The optimizer is never run on the model: its state and temporaries come from
+``OptimizerCost``, measured on stand-in tensors. For ``adamw-in-backward`` the
+measured backward frees each gradient in its hook, as the real one does, and adds the
+per-parameter step's temporaries at that moment.
+"""
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from slimformer.memory.peak import peak_memory
+from slimformer.plan.optimizer import OptimizerCost
+
+__all__ = ["Affine", "MemoryProfile", "Prediction", "StageCost", "measure_profile"]
+
+FORWARD, BACKWARD = "forward", "backward"
+EMBEDDINGS, HEAD = "embeddings", "head"
+
+
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """``intercept + slope * tokens`` (bytes)."""
+
+    intercept: float
+    slope: float
+
+    def __call__(self, tokens: float) -> float:
+        return self.intercept + self.slope * tokens
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float]]) -> "Affine":
+        """Least squares through (tokens, bytes) points (at least two token counts)."""
+        xs = torch.tensor([p[0] for p in points], dtype=torch.float64)
+        ys = torch.tensor([p[1] for p in points], dtype=torch.float64)
+        if len(set(xs.tolist())) < 2:
+            raise ValueError(f"a line needs two token counts, got {sorted(set(xs.tolist()))}")
+        design = torch.stack([torch.ones_like(xs), xs], dim=1)
+        intercept, slope = torch.linalg.lstsq(design, ys.unsqueeze(1)).solution.squeeze(1).tolist()
+        return cls(intercept, slope)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """One stage under one policy: bytes it leaves allocated, and its peak above its start."""
+
+    delta: Affine
+    excess: Affine
+
+
+@dataclasses.dataclass
+class Prediction:
+    """A predicted training step: ``peak_bytes`` and what is alive at that moment
+    (``breakdown``: name -> bytes, summing to the peak), where it happens (``moment``:
+    "forward of layer 3", "optimizer step", ...) and the step's largest transient in
+    backward above what was alive."""
+
+    peak_bytes: int
+    moment: str
+    breakdown: dict[str, int]
+    largest_backward_transient: int
+
+
+@dataclasses.dataclass
+class MemoryProfile:
+    """A model's measured step memory (see the module docstring).
+
+    ``layers``: the planned modules' names; ``stages``: the forward's stages in order,
+    ``stage_layer[i]`` the index in ``layers`` of stage i's module (None for embeddings
+    and head); ``costs[(phase, stage index, policy)]``; ``grads[stage index]``: the
+    gradient bytes that appear in the stage's backward; ``fixed_bytes``: parameters and
+    buffers; ``row_bytes``: the batch's bytes per row; ``row_tokens``: tokens per row
+    (the real ones for an unpadded model); ``trainable``: the trainable parameters'
+    bytes, one entry per tensor.
+    """
+
+    layers: list[str]
+    stages: list[str]
+    stage_layer: list[int | None]
+    costs: dict[tuple[str, int, str], StageCost]
+    grads: list[int]
+    fixed_bytes: int
+    row_bytes: int
+    row_tokens: float
+    trainable: list[int]
+    optimizer: OptimizerCost
+    policies: tuple[str, ...]
+    device: str
+    seq: int
+    unpadded: bool
+    step_flops: float = 0.0  # a training step's FLOPs per token (slimformer.plan.flops)
+
+    def tokens(self, batch: int, seq: int | None = None) -> float:
+        """Tokens in ``batch`` rows of ``seq`` positions (the profile's seq by default)."""
+        return self.row_tokens * batch * (seq or self.seq) / self.seq
+
+    def _policy(self, stage: int, policies: Sequence[str]) -> str:
+        """The policy a stage runs under: its layer's; embeddings and head take their
+        neighbouring layer's (what they were measured next to)."""
+        layer = self.stage_layer[stage]
+        if layer is None:
+            neighbour = self.stage_layer[1] if stage == 0 else self.stage_layer[-2]
+            layer = 0 if neighbour is None else neighbour
+        return policies[layer]
+
+    def predict(self, policies: Sequence[str], batch: int, seq: int | None = None) -> Prediction:
+        """The step peak with ``policies[i]`` on ``layers[i]``, at ``batch`` rows of
+        ``seq`` positions (the profile's seq by default)."""
+        if len(policies) != len(self.layers):
+            raise ValueError(f"policies must name one policy per layer ({len(self.layers)}), got {len(policies)}")
+        unknown = set(policies) - set(self.policies)
+        if unknown:
+            raise ValueError(f"policies {sorted(unknown)} were not measured; measured: {self.policies}")
+        tokens = self.tokens(batch, seq)
+        in_backward = self.optimizer.name == "adamw-in-backward"
+        state = self.optimizer.state_bytes(self.trainable)
+        base = {
+            "parameters and buffers": self.fixed_bytes,
+            "optimizer state": state,
+            "batch": round(self.row_bytes * batch * (seq or self.seq) / self.seq),
+        }
+        live = float(sum(base.values()))
+        kept = [0.0] * len(self.stages)  # activations each stage keeps, until its backward
+        grads = 0.0
+        best = Prediction(round(live), "start", {**base}, 0)
+        largest_transient = 0.0
+        n = len(self.stages)
+        order = [(FORWARD, i) for i in range(n)] + [(BACKWARD, i) for i in reversed(range(n))]
+        for phase, stage in order:
+            cost = self.costs[(phase, stage, self._policy(stage, policies))]
+            excess = cost.excess(tokens)
+            if phase == BACKWARD:
+                largest_transient = max(largest_transient, excess)
+            if live + excess > best.peak_bytes:
+                best = self._moment(phase, stage, policies, base, kept, grads, live, excess)
+            delta = cost.delta(tokens)
+            live += delta
+            if phase == FORWARD:
+                kept[stage] = delta
+            else:
+                kept[stage] = 0.0
+                grads += 0 if in_backward else self.grads[stage]
+        if not in_backward:
+            temporaries = self.optimizer.temporaries(self.trainable)
+            if live + temporaries > best.peak_bytes:
+                best = self._moment("optimizer", None, policies, base, kept, grads, live, temporaries)
+        best.largest_backward_transient = round(largest_transient)
+        return best
+
+    def _moment(self, phase, stage, policies, base, kept, grads, live, excess) -> Prediction:
+        """The breakdown of ``live + excess`` bytes at a stage's peak."""
+        breakdown = {**base, "gradients": round(grads)}
+        for i, name in enumerate(self.stages):
+            if kept[i]:
+                label = name if self.stage_layer[i] is None else f"{name} ({policies[self.stage_layer[i]]})"
+                breakdown[f"activations: {label}"] = round(kept[i])
+        accounted = sum(breakdown.values())
+        breakdown["gradients between stages, other leftovers"] = round(live) - accounted
+        if phase == "optimizer":
+            moment, label = "optimizer step", "optimizer-step temporaries"
+        else:
+            moment, label = f"{phase} of {self.stages[stage]}", f"transient in {phase} of {self.stages[stage]}"
+        breakdown[label] = round(excess)
+        return Prediction(round(live + excess), moment, breakdown, 0)
+
+
+class _StepRecorder:
+    """Splits one measured step into stages (see the module docstring)."""
+
+    def __init__(self, peak, layers: list[nn.Module], params: list[nn.Parameter], in_backward: OptimizerCost | None):
+        self.peak = peak
+        self.intervals: list[tuple[str, str, int, int, int]] = []  # phase, stage, start, end, peak
+        self.label = (FORWARD, EMBEDDINGS)
+        self.start = 0
+        self.extra = 0  # peaks the hooks add (a per-parameter optimizer step's temporaries)
+        self.forward_stages: list[tuple[str, int]] = []  # (stage name, layer index), in order
+        self.grads: dict[str, int] = {}
+        self.seen: set[nn.Parameter] = set()
+        self.in_backward = in_backward
+        self.handles = []
+        for index, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._pre_hook(index)))
+            self.handles.append(layer.register_forward_hook(self._post_hook(index)))
+        for param in params:
+            self.handles.append(param.register_post_accumulate_grad_hook(self._grad_hook))
+
+    def close(self, label: tuple[str, str]) -> None:
+        live, top = self.peak.split()
+        self.intervals.append((*self.label, self.start, live, max(top, self.extra)))
+        self.label, self.start, self.extra = label, live, 0
+
+    def _pre_hook(self, index):
+        def hook(module, args):
+            applied = sum(1 for _, i in self.forward_stages if i == index)  # ALBERT applies one layer many times
+            stage = f"layer {index}" if not applied else f"layer {index} (application {applied + 1})"
+            self.forward_stages.append((stage, index))
+            self.close((FORWARD, stage))
+            hidden = _first_grad_tensor(args)
+            if hidden is not None:  # its gradient is ready when this application's backward ends
+                hidden.register_hook(lambda grad, before=stage: self._backward_ended(before))
+
+        return hook
+
+    def _post_hook(self, index):
+        def hook(module, args, output):
+            stage = self.forward_stages[-1][0]
+            self.close((FORWARD, f"after {stage}"))
+            out = _first_grad_tensor(output)
+            if out is not None:
+                out.register_hook(lambda grad, at=stage: self.close((BACKWARD, at)))
+
+        return hook
+
+    def _backward_ended(self, stage: str) -> None:
+        self.close((BACKWARD, f"before {stage}"))
+
+    def _grad_hook(self, param: nn.Parameter) -> None:
+        if param not in self.seen:
+            self.seen.add(param)
+            stage = self.label[1]
+            self.grads[stage] = self.grads.get(stage, 0) + param.grad.numel() * param.grad.element_size()
+        if self.in_backward is not None:
+            size = param.numel() * param.element_size()
+            self.extra = max(self.extra, self.peak.current_bytes() + self.in_backward.temporaries([size]))
+            param.grad = None
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _first_grad_tensor(value):
+    """The first tensor requiring grad in a module's args or output (tuples, lists, dicts, ModelOutputs)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (tuple, list)) else ()
+    for item in items:
+        found = _first_grad_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | None], dict, dict]:
+    """Merge the recorder's raw intervals into one (start, end, peak) per (phase, stage)."""
+    names = [EMBEDDINGS] + [stage for stage, _ in recorder.forward_stages] + [HEAD]
+    layer_of = [None] + [index for _, index in recorder.forward_stages] + [None]
+    position = {name: i for i, name in enumerate(names)}
+
+    def stage_of(phase: str, label: str) -> int:
+        # "after X" belongs to the next stage's forward; "before X" to the previous stage's backward
+        if label.startswith("after "):
+            return position[label.removeprefix("after ")] + 1
+        if label.startswith("before "):
+            return position[label.removeprefix("before ")] - 1
+        return position[label]
+
+    merged: dict[tuple[str, int], list[int]] = {}
+    order = []
+    for phase, label, start, end, top in recorder.intervals:
+        key = (phase, stage_of(phase, label))
+        if key in merged:
+            entry = merged[key]
+            entry[2] = max(entry[2], top)
+            entry[1] = end
+        else:
+            merged[key] = [start, end, top]
+            order.append(key)
+    grads = {}
+    for label, size in recorder.grads.items():
+        index = stage_of(BACKWARD, label) if label not in position else position[label]
+        grads[index] = grads.get(index, 0) + size
+    return names, layer_of, merged, grads
+
+
+def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, device):
+    """One forward and backward of ``model`` on ``batch``, split into stages."""
+    for param in params:
+        param.grad = None
+    with peak_memory(device) as peak:
+        recorder = _StepRecorder(peak, layers, params, in_backward)
+        try:
+            context = torch.autocast(device.type, autocast) if autocast is not None else contextlib.nullcontext()
+            with context:
+                loss = loss_fn(model, batch)
+            recorder.close((BACKWARD, HEAD))
+            loss.backward()
+            del loss
+            recorder.close((BACKWARD, "end"))
+        finally:
+            recorder.remove()
+    for param in params:
+        param.grad = None
+    return _stage_intervals(recorder)
+
+
+def measure_profile(
+    model: nn.Module,
+    layers: list[tuple[str, nn.Module]],
+    make_batch: Callable[[int], dict],
+    batch_tokens: Callable[[dict], float],
+    loss_fn: Callable[[nn.Module, dict], torch.Tensor],
+    *,
+    optimizer: OptimizerCost,
+    autocast: torch.dtype | None,
+    policies: Sequence[str],
+    rows: Sequence[int],
+    row_bytes: int,
+    row_tokens: float,
+    seq: int,
+    unpadded: bool,
+    progress: Callable[[str], None] = lambda _: None,
+) -> MemoryProfile:
+    """Measure ``model``'s stages under each policy at batches of ``rows`` rows (at least
+    two sizes) and fit them (see the module docstring). ``layers`` (name, module) are set
+    to each policy in turn; the caller restores them."""
+    device = next(model.parameters()).device
+    params = [p for p in model.parameters() if p.requires_grad]
+    modules = [module for _, module in layers]
+    in_backward = optimizer if optimizer.name == "adamw-in-backward" else None
+    samples: dict[tuple[str, int, str], list] = {}
+    grads: dict[int, int] = {}
+    shape = None
+    for module in modules:
+        module.recompute = policies[0]
+    _run_step(model, make_batch(rows[0]), loss_fn, modules, params, autocast, in_backward, device)  # warm-up
+    for policy in policies:
+        for module in modules:
+            module.recompute = policy
+        for n in rows:
+            progress(f"{policy}, {n} rows")
+            batch = make_batch(n)
+            tokens = batch_tokens(batch)
+            names, layer_of, merged, step_grads = _run_step(
+                model, batch, loss_fn, modules, params, autocast, in_backward, device
+            )
+            if shape is None:
+                shape, grads = (names, layer_of), step_grads
+            elif (names, layer_of) != shape:
+                raise RuntimeError(f"the model ran different layers at {policy!r}, {n} rows: {names} vs {shape[0]}")
+            for (phase, stage), (start, end, top) in merged.items():
+                samples.setdefault((phase, stage, policy), []).append((tokens, end - start, top - start))
+    costs = {
+        key: StageCost(Affine.fit([(t, d) for t, d, _ in points]), Affine.fit([(t, e) for t, _, e in points]))
+        for key, points in samples.items()
+    }
+    names, layer_of = shape
+    for phase in (FORWARD, BACKWARD):  # a stage that made no interval (no hook between two others) costs nothing
+        for stage in range(len(names)):
+            for policy in policies:
+                costs.setdefault((phase, stage, policy), StageCost(Affine(0, 0), Affine(0, 0)))
+    fixed = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())
+    }
+    return MemoryProfile(
+        layers=[name for name, _ in layers],
+        stages=names,
+        stage_layer=layer_of,
+        costs=costs,
+        grads=[grads.get(i, 0) for i in range(len(names))],
+        fixed_bytes=sum(fixed.values()),
+        row_bytes=row_bytes,
+        row_tokens=row_tokens,
+        trainable=[p.numel() * p.element_size() for p in params],
+        optimizer=optimizer,
+        policies=tuple(policies),
+        device=str(device),
+        seq=seq,
+        unpadded=unpadded,
+    )
