@@ -39,6 +39,7 @@ class PeakMemory:
     _current: Callable[[], int] = field(default=lambda: 0, repr=False)
     _peak: Callable[[], int] = field(default=lambda: 0, repr=False)
     _split: Callable[[], tuple[int, int]] = field(default=lambda: (0, 0), repr=False)
+    _moment: Callable[[], int] = field(default=lambda: 0, repr=False)
 
     def current_bytes(self) -> int:
         return self._current()
@@ -52,6 +53,11 @@ class PeakMemory:
         still cover the whole block."""
         return self._split()
 
+    def moment(self) -> int:
+        """The most allocated since the last ``moment`` or ``split`` call, above the block's
+        start: called after each op, the op's own peak."""
+        return self._moment()
+
 
 class _LiveStorageBytes(TorchDispatchMode):
     """Running total and peak of the bytes of the storages that aten ops created while active."""
@@ -61,6 +67,7 @@ class _LiveStorageBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.interval_peak = 0  # since the last split
+        self.moment_peak = 0  # since the last moment() or split
         self._sizes: dict[int, int] = {}  # data pointer -> bytes, of the live storages counted
 
     def _freed(self, key: int) -> None:
@@ -86,11 +93,16 @@ class _LiveStorageBytes(TorchDispatchMode):
             self.live += size
             self.peak = max(self.peak, self.live)
             self.interval_peak = max(self.interval_peak, self.live)
+            self.moment_peak = max(self.moment_peak, self.live)
         return out
 
     def split(self) -> tuple[int, int]:
-        interval, self.interval_peak = self.interval_peak, self.live
+        interval, self.interval_peak, self.moment_peak = self.interval_peak, self.live, self.live
         return self.live, interval
+
+    def moment(self) -> int:
+        top, self.moment_peak = self.moment_peak, self.live
+        return top
 
 
 @contextlib.contextmanager
@@ -103,17 +115,25 @@ def peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        whole = [0]  # the block's peak before the last split reset torch's statistic
+        # torch's peak statistic restarts at each moment() and split(); the block's and the
+        # interval's peaks are kept here across those resets
+        whole, interval = [0], [0]
+
+        def since_reset() -> int:
+            top = torch.cuda.max_memory_allocated(device) - before
+            torch.cuda.reset_peak_memory_stats(device)
+            whole[0], interval[0] = max(whole[0], top), max(interval[0], top)
+            return top
 
         def split() -> tuple[int, int]:
-            interval = torch.cuda.max_memory_allocated(device) - before
-            whole[0] = max(whole[0], interval)
-            torch.cuda.reset_peak_memory_stats(device)  # the statistic restarts at what is allocated now
-            return torch.cuda.memory_allocated(device) - before, interval
+            since_reset()
+            top, interval[0] = interval[0], torch.cuda.memory_allocated(device) - before
+            return interval[0], top
 
         result._current = lambda: torch.cuda.memory_allocated(device) - before
         result._peak = lambda: max(whole[0], torch.cuda.max_memory_allocated(device) - before)
         result._split = split
+        result._moment = since_reset
         yield result
         torch.cuda.synchronize(device)
         result.bytes = result._peak()
@@ -123,6 +143,7 @@ def peak_memory(device: torch.device | str) -> Iterator[PeakMemory]:
         result._current = lambda: tracker.live
         result._peak = lambda: tracker.peak
         result._split = tracker.split
+        result._moment = tracker.moment
         with tracker:
             yield result
         result.bytes = tracker.peak

@@ -35,11 +35,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from slimformer.memory.peak import peak_memory
 from slimformer.plan.optimizer import OptimizerCost
 
-__all__ = ["Affine", "MemoryProfile", "Prediction", "StageCost", "measure_profile"]
+__all__ = ["Affine", "Envelope", "MemoryProfile", "Prediction", "StageCost", "measure_profile"]
 
 FORWARD, BACKWARD = "forward", "backward"
 EMBEDDINGS, HEAD = "embeddings", "head"
@@ -68,11 +69,39 @@ class Affine:
 
 
 @dataclasses.dataclass(frozen=True)
+class Envelope:
+    """The most of several ``Affine`` lines: a stage's peak is the largest of its moments
+    (one per op), each affine in tokens, and which one is largest can change with the
+    token count (a weight-sized temporary at small batches, an activation at large)."""
+
+    lines: tuple[Affine, ...]
+
+    def __call__(self, tokens: float) -> float:
+        return max(line(tokens) for line in self.lines)
+
+    @classmethod
+    def fit(cls, runs: Sequence[tuple[float, Sequence[float]]]) -> "Envelope":
+        """From (tokens, [bytes at each moment]) per run: one line per moment when every run
+        has the same moments (the same ops), else one line through each run's largest.
+        Lines below another one at every token count are dropped."""
+        if len({len(values) for _, values in runs}) == 1 and runs[0][1]:
+            lines = [Affine.fit([(t, values[k]) for t, values in runs]) for k in range(len(runs[0][1]))]
+        else:
+            lines = [Affine.fit([(t, max(values, default=0)) for t, values in runs])]
+        lines = sorted(set(lines), key=lambda line: (line.slope, line.intercept), reverse=True)
+        kept = []
+        for line in lines:  # by slope, descending: kept only if above every steeper line at 0 tokens
+            if not kept or line.intercept > max(k.intercept for k in kept):
+                kept.append(line)
+        return cls(tuple(kept))
+
+
+@dataclasses.dataclass(frozen=True)
 class StageCost:
     """One stage under one policy: bytes it leaves allocated, and its peak above its start."""
 
     delta: Affine
-    excess: Affine
+    excess: Envelope
 
 
 @dataclasses.dataclass
@@ -196,10 +225,11 @@ class _StepRecorder:
 
     def __init__(self, peak, layers: list[nn.Module], params: list[nn.Parameter], in_backward: OptimizerCost | None):
         self.peak = peak
-        self.intervals: list[tuple[str, str, int, int, int]] = []  # phase, stage, start, end, peak
+        # phase, stage, start, end, peak, the peak of each op in between (above the step's start)
+        self.intervals: list[tuple[str, str, int, int, int, list[int]]] = []
         self.label = (FORWARD, EMBEDDINGS)
         self.start = 0
-        self.extra = 0  # peaks the hooks add (a per-parameter optimizer step's temporaries)
+        self.samples: list[int] = []
         self.forward_stages: list[tuple[str, int]] = []  # (stage name, layer index), in order
         self.grads: dict[str, int] = {}
         self.seen: set[nn.Parameter] = set()
@@ -213,8 +243,8 @@ class _StepRecorder:
 
     def close(self, label: tuple[str, str]) -> None:
         live, top = self.peak.split()
-        self.intervals.append((*self.label, self.start, live, max(top, self.extra)))
-        self.label, self.start, self.extra = label, live, 0
+        self.intervals.append((*self.label, self.start, live, top, self.samples))
+        self.label, self.start, self.samples = label, live, []
 
     def _pre_hook(self, index):
         def hook(module, args):
@@ -248,12 +278,25 @@ class _StepRecorder:
             self.grads[stage] = self.grads.get(stage, 0) + param.grad.numel() * param.grad.element_size()
         if self.in_backward is not None:
             size = param.numel() * param.element_size()
-            self.extra = max(self.extra, self.peak.current_bytes() + self.in_backward.temporaries([size]))
+            self.samples.append(self.peak.current_bytes() + self.in_backward.temporaries([size]))
             param.grad = None
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+class _OpMoments(TorchDispatchMode):
+    """Appends each op's peak (``PeakMemory.moment``) to the recorder's current interval."""
+
+    def __init__(self, recorder: _StepRecorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.recorder.samples.append(self.recorder.peak.moment())
+        return out
 
 
 def _first_grad_tensor(value):
@@ -282,17 +325,15 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
             return position[label.removeprefix("before ")] - 1
         return position[label]
 
-    merged: dict[tuple[str, int], list[int]] = {}
-    order = []
-    for phase, label, start, end, top in recorder.intervals:
+    merged: dict[tuple[str, int], list] = {}
+    for phase, label, start, end, top, samples in recorder.intervals:
         key = (phase, stage_of(phase, label))
         if key in merged:
             entry = merged[key]
-            entry[2] = max(entry[2], top)
-            entry[1] = end
+            entry[1], entry[2] = end, max(entry[2], top)
+            entry[3] += samples
         else:
-            merged[key] = [start, end, top]
-            order.append(key)
+            merged[key] = [start, end, top, list(samples)]
     grads = {}
     for label, size in recorder.grads.items():
         index = stage_of(BACKWARD, label) if label not in position else position[label]
@@ -308,12 +349,13 @@ def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, devi
         recorder = _StepRecorder(peak, layers, params, in_backward)
         try:
             context = torch.autocast(device.type, autocast) if autocast is not None else contextlib.nullcontext()
-            with context:
-                loss = loss_fn(model, batch)
-            recorder.close((BACKWARD, HEAD))
-            loss.backward()
-            del loss
-            recorder.close((BACKWARD, "end"))
+            with _OpMoments(recorder):
+                with context:
+                    loss = loss_fn(model, batch)
+                recorder.close((BACKWARD, HEAD))
+                loss.backward()
+                del loss
+                recorder.close((BACKWARD, "end"))
         finally:
             recorder.remove()
     for param in params:
@@ -365,17 +407,19 @@ def measure_profile(
                 shape, grads = (names, layer_of), step_grads
             elif (names, layer_of) != shape:
                 raise RuntimeError(f"the model ran different layers at {policy!r}, {n} rows: {names} vs {shape[0]}")
-            for (phase, stage), (start, end, top) in merged.items():
-                samples.setdefault((phase, stage, policy), []).append((tokens, end - start, top - start))
+            for (phase, stage), (start, end, top, moments) in merged.items():
+                # the interval's own peak is a moment too: it holds what the per-op samples may miss
+                moments = [m - start for m in moments] + [top - start]
+                samples.setdefault((phase, stage, policy), []).append((tokens, end - start, moments))
     costs = {
-        key: StageCost(Affine.fit([(t, d) for t, d, _ in points]), Affine.fit([(t, e) for t, _, e in points]))
-        for key, points in samples.items()
+        key: StageCost(Affine.fit([(t, d) for t, d, _ in runs]), Envelope.fit([(t, m) for t, _, m in runs]))
+        for key, runs in samples.items()
     }
     names, layer_of = shape
     for phase in (FORWARD, BACKWARD):  # a stage that made no interval (no hook between two others) costs nothing
         for stage in range(len(names)):
             for policy in policies:
-                costs.setdefault((phase, stage, policy), StageCost(Affine(0, 0), Affine(0, 0)))
+                costs.setdefault((phase, stage, policy), StageCost(Affine(0, 0), Envelope((Affine(0, 0),))))
     fixed = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())
     }
