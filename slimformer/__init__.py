@@ -30,6 +30,7 @@ from slimformer.layers.mlp import FusedMLP
 from slimformer.layers.norm import LayerNorm, RMSNorm
 from slimformer.layers.transformer import TransformerEncoderLayer
 from slimformer.patch import patch, patch_summary, unpatch
+from slimformer.plan import Plan, max_batch, max_seq, optimizer_in_backward, plan
 from slimformer.quantize import fidelity_report, load_quantized, quantize, save_quantized
 from slimformer.recompute import recompute
 
@@ -40,6 +41,7 @@ __all__ = [
     "Linear16bit",
     "Linear8bit",
     "MultiheadAttention",
+    "Plan",
     "RMSNorm",
     "SelfAttention",
     "SlimformerInt8Config",
@@ -51,9 +53,13 @@ __all__ = [
     "layer_norm",
     "linear_cross_entropy",
     "load_quantized",
+    "max_batch",
+    "max_seq",
     "memory",
+    "optimizer_in_backward",
     "patch",
     "patch_summary",
+    "plan",
     "quantize",
     "recompute",
     "register_transformers_attention",

@@ -371,28 +371,25 @@ class Plan:
         return model
 
     def table(self) -> Table:
-        fits = "fits" if self.peak_bytes <= self.budget else "DOES NOT FIT"
         tokens = "real tokens" if self.profile.unpadded else "tokens"
+        autocast = f", {str(self.autocast).removeprefix('torch.')} autocast" if self.autocast else ""
         table = Table(
-            title=f"sf.plan: batch {self.batch} × seq {self.seq}, {self.optimizer}"
-            + (f", {self.autocast} autocast" if self.autocast else "")
-            + f", budget {format_bytes(self.budget)}",
-            caption=f"predicted step peak {format_bytes(self.peak_bytes)} ({fits}) at the {self.prediction.moment}; "
-            f"extra compute {100 * self.extra_compute:.1f}% of the step's FLOPs (est.); "
-            f"{self.profile.tokens(self.batch, self.seq):,.0f} {tokens}",
+            title=f"sf.plan: batch {self.batch} × seq {self.seq} ({self.profile.tokens(self.batch, self.seq):,.0f} "
+            f"{tokens}), {self.optimizer}{autocast}, budget {format_bytes(self.budget)}, {self.profile.device}"
         )
-        table.add_column("")
-        table.add_column("", justify="right")
-        policies = list(self.policies.values())
-        for policy in dict.fromkeys(policies):
+        table.add_column("step peak, at the worst moment")
+        table.add_column("bytes / layers", justify="right")
+        for policy in dict.fromkeys(self.policies.values()):
             names = [n for n, p in self.policies.items() if p == policy]
-            table.add_row(f"recompute {policy!r}", f"{len(names)} layers: " + _ranges(self.profile.layers, names))
+            table.add_row(f"recompute {policy!r}", f"layers {_ranges(self.profile.layers, names)}")
         table.add_section()
         for name, size in self.prediction.breakdown.items():
             table.add_row(name, format_bytes(size))
         table.add_section()
-        table.add_row("predicted step peak", format_bytes(self.peak_bytes))
+        fits = "fits" if self.peak_bytes <= self.budget else "DOES NOT FIT"
+        table.add_row(f"predicted step peak ({fits}), at the {self.prediction.moment}", format_bytes(self.peak_bytes))
         table.add_row("largest transient in backward", format_bytes(self.prediction.largest_backward_transient))
+        table.add_row("extra compute of the recompute (est.)", f"{100 * self.extra_compute:.1f}% of the step's FLOPs")
         return table
 
     def __rich__(self) -> Table:
@@ -415,7 +412,20 @@ def _ranges(all_names: list[str], names: list[str]) -> str:
     return ", ".join(parts)
 
 
-def _choose(profile_, flops, budget, batch, seq, optimizer, unpad, autocast) -> Plan:
+def choose(
+    profile_: MemoryProfile,
+    flops: list[LayerFlops],
+    budget: int,
+    batch: int,
+    seq: int | None = None,
+    *,
+    unpad: bool = False,
+    autocast: torch.dtype | None = None,
+) -> Plan:
+    """The first rung of the ladder whose predicted peak fits ``budget`` at ``batch`` rows
+    of ``seq`` positions, as a ``Plan``; ValueError (what the least peak is made of) if none."""
+    seq = seq or profile_.seq
+    optimizer = profile_.optimizer.name
     rungs = ladder(profile_, flops, batch, seq)
     fitting = [rung for rung in rungs if rung.prediction.peak_bytes <= budget]
     if not fitting:
@@ -483,7 +493,7 @@ def plan(
         model, example_batch, optimizer=optimizer, autocast=autocast, loss_fn=loss_fn, unpad=unpad, progress=progress
     )
     rows = next(v for v in example_batch.values() if isinstance(v, torch.Tensor)).shape[0]
-    return _choose(profile_, flops, budget, rows, profile_.seq, optimizer, unpad, autocast)
+    return choose(profile_, flops, budget, rows, unpad=unpad, autocast=autocast)
 
 
 def _check_device(model: nn.Module, device) -> None:
@@ -553,15 +563,20 @@ def max_batch(
     example = _cut(example, seq_len)
     profile_, flops = profile(model, example, optimizer=optimizer, **kwargs)
 
-    def least(batch: int) -> int:
-        return ladder(profile_, flops, batch)[-1].prediction.peak_bytes
-
-    best = _largest(lambda b: least(b) <= budget, 1, limit)
-    if best < 1:
-        raise ValueError(_too_small(budget, ladder(profile_, flops, 1)[-1].prediction, 1, seq_len, optimizer))
-    return best, _choose(
-        profile_, flops, budget, best, seq_len, optimizer, kwargs.get("unpad", False), kwargs.get("autocast")
+    best = largest_batch(profile_, flops, budget, limit)
+    return best, choose(
+        profile_, flops, budget, best, unpad=kwargs.get("unpad", False), autocast=kwargs.get("autocast")
     )
+
+
+def largest_batch(profile_: MemoryProfile, flops: list[LayerFlops], budget: int, limit: int = 1 << 16) -> int:
+    """The most rows at the profile's seq whose least-memory plan fits ``budget``;
+    ValueError (what one row's least peak is made of) if not even one row fits."""
+    best = _largest(lambda b: ladder(profile_, flops, b)[-1].prediction.peak_bytes <= budget, 1, limit)
+    if best < 1:
+        least = ladder(profile_, flops, 1)[-1].prediction
+        raise ValueError(_too_small(budget, least, 1, profile_.seq, profile_.optimizer.name))
+    return best
 
 
 def _cut(example: dict, seq: int) -> dict:
@@ -602,8 +617,8 @@ def max_seq(
     best = _largest(lambda s: ladder(profile_, flops, batch, s)[-1].prediction.peak_bytes <= budget, 1, top)
     if best < 1:
         raise ValueError(_too_small(budget, ladder(profile_, flops, batch, 1)[-1].prediction, batch, 1, optimizer))
-    return best, _choose(
-        profile_, flops, budget, batch, best, optimizer, kwargs.get("unpad", False), kwargs.get("autocast")
+    return best, choose(
+        profile_, flops, budget, batch, best, unpad=kwargs.get("unpad", False), autocast=kwargs.get("autocast")
     )
 
 
