@@ -31,18 +31,20 @@ per-parameter step's temporaries at that moment.
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from slimformer.memory.measure import _tensors
 from slimformer.memory.peak import peak_memory
 from slimformer.plan.optimizer import OptimizerCost
 
 __all__ = ["Affine", "Envelope", "MemoryProfile", "Prediction", "StageCost", "measure_profile"]
 
-FORWARD, BACKWARD = "forward", "backward"
+FORWARD, BACKWARD, RELEASE = "forward", "backward", "autocast exit"
 EMBEDDINGS, HEAD = "embeddings", "head"
 
 
@@ -98,10 +100,13 @@ class Envelope:
 
 @dataclasses.dataclass(frozen=True)
 class StageCost:
-    """One stage under one policy: bytes it leaves allocated, and its peak above its start."""
+    """One stage under one policy: bytes it leaves allocated, its peak above its start, and
+    (forward) how much of what it left is freed when the forward's autocast region ends
+    (autocast's cache of cast weights: what no backward keeps)."""
 
     delta: Affine
     excess: Envelope
+    released: Affine = Affine(0.0, 0.0)
 
 
 @dataclasses.dataclass
@@ -183,6 +188,10 @@ class MemoryProfile:
         n = len(self.stages)
         order = [(FORWARD, i) for i in range(n)] + [(BACKWARD, i) for i in reversed(range(n))]
         for phase, stage in order:
+            if (phase, stage) == (BACKWARD, n - 1):  # the forward's autocast region has ended
+                for i in range(n):
+                    freed = self.costs[(FORWARD, i, self._policy(i, policies))].released(tokens)
+                    live, kept[i] = live - freed, kept[i] - freed
             cost = self.costs[(phase, stage, self._policy(stage, policies))]
             excess = cost.excess(tokens)
             if phase == BACKWARD:
@@ -230,6 +239,8 @@ class _StepRecorder:
         self.label = (FORWARD, EMBEDDINGS)
         self.start = 0
         self.samples: list[int] = []
+        self.released: dict[str, int] = {}  # forward label -> bytes it made that autocast's exit freed
+        self.watched: set[int] = set()
         self.forward_stages: list[tuple[str, int]] = []  # (stage name, layer index), in order
         self.grads: dict[str, int] = {}
         self.seen: set[nn.Parameter] = set()
@@ -268,6 +279,18 @@ class _StepRecorder:
 
         return hook
 
+    def watch(self, storage) -> None:
+        """Note which forward stage made ``storage``, to credit it if autocast's exit frees it."""
+        key = storage.data_ptr()
+        if self.label[0] == FORWARD and key not in self.watched and storage.nbytes():
+            self.watched.add(key)
+            weakref.finalize(storage, self._freed, key, self.label[1], storage.nbytes())
+
+    def _freed(self, key: int, label: str, size: int) -> None:
+        self.watched.discard(key)
+        if self.label[0] == RELEASE:
+            self.released[label] = self.released.get(label, 0) + size
+
     def _backward_ended(self, stage: str) -> None:
         self.close((BACKWARD, f"before {stage}"))
 
@@ -295,6 +318,8 @@ class _OpMoments(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        for tensor in _tensors(out):
+            self.recorder.watch(tensor.untyped_storage())
         self.recorder.samples.append(self.recorder.peak.moment())
         return out
 
@@ -311,7 +336,7 @@ def _first_grad_tensor(value):
     return None
 
 
-def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | None], dict, dict]:
+def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | None], dict, dict, dict]:
     """Merge the recorder's raw intervals into one (start, end, peak) per (phase, stage)."""
     names = [EMBEDDINGS] + [stage for stage, _ in recorder.forward_stages] + [HEAD]
     layer_of = [None] + [index for _, index in recorder.forward_stages] + [None]
@@ -327,6 +352,8 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
 
     merged: dict[tuple[str, int], list] = {}
     for phase, label, start, end, top, samples in recorder.intervals:
+        if phase == RELEASE:
+            continue  # its frees are credited to the stages that made them
         key = (phase, stage_of(phase, label))
         if key in merged:
             entry = merged[key]
@@ -338,7 +365,11 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
     for label, size in recorder.grads.items():
         index = stage_of(BACKWARD, label) if label not in position else position[label]
         grads[index] = grads.get(index, 0) + size
-    return names, layer_of, merged, grads
+    released = {}
+    for label, size in recorder.released.items():
+        index = stage_of(FORWARD, label)
+        released[index] = released.get(index, 0) + size
+    return names, layer_of, merged, grads, released
 
 
 def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, device):
@@ -352,6 +383,7 @@ def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, devi
             with _OpMoments(recorder):
                 with context:
                     loss = loss_fn(model, batch)
+                    recorder.close((RELEASE, ""))
                 recorder.close((BACKWARD, HEAD))
                 loss.backward()
                 del loss
@@ -400,7 +432,7 @@ def measure_profile(
             progress(f"{policy}, {n} rows")
             batch = make_batch(n)
             tokens = batch_tokens(batch)
-            names, layer_of, merged, step_grads = _run_step(
+            names, layer_of, merged, step_grads, released = _run_step(
                 model, batch, loss_fn, modules, params, autocast, in_backward, device
             )
             if shape is None:
@@ -410,9 +442,14 @@ def measure_profile(
             for (phase, stage), (start, end, top, moments) in merged.items():
                 # the interval's own peak is a moment too: it holds what the per-op samples may miss
                 moments = [m - start for m in moments] + [top - start]
-                samples.setdefault((phase, stage, policy), []).append((tokens, end - start, moments))
+                freed = released.get(stage, 0) if phase == FORWARD else 0
+                samples.setdefault((phase, stage, policy), []).append((tokens, end - start, moments, freed))
     costs = {
-        key: StageCost(Affine.fit([(t, d) for t, d, _ in runs]), Envelope.fit([(t, m) for t, _, m in runs]))
+        key: StageCost(
+            Affine.fit([(t, d) for t, d, _, _ in runs]),
+            Envelope.fit([(t, m) for t, _, m, _ in runs]),
+            Affine.fit([(t, r) for t, _, _, r in runs]),
+        )
         for key, runs in samples.items()
     }
     names, layer_of = shape
