@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import io
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -95,7 +96,11 @@ def _patched(model: nn.Module, unpad: bool) -> Iterator[list[tuple[str, nn.Modul
     summary = patch_summary(model)
     if summary.patched:
         raise ValueError(f"{type(model).__name__} is patched but has no layer with a recompute policy")
-    patch(model, unpad=unpad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "nothing to patch": the error below says more
+        patch(model, unpad=unpad)
+    if not patch_summary(model).patched:
+        raise ValueError(_unknown_model_message(model))
     try:
         layers = plannable_layers(model)
         if not layers:
@@ -192,9 +197,8 @@ def _check_accepted(model: nn.Module, example: dict) -> None:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return
-    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-        return
-    unknown = sorted(set(example) - set(parameters))
+    # a forward taking **kwargs (transformers') would swallow a misspelt tensor: tensors must be named
+    unknown = sorted(k for k, v in example.items() if k not in parameters and isinstance(v, torch.Tensor))
     if unknown:
         raise ValueError(
             f"example_batch has keys {type(model).__name__}.forward does not take: {unknown} "

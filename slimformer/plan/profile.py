@@ -90,12 +90,22 @@ class Envelope:
             lines = [Affine.fit([(t, values[k]) for t, values in runs]) for k in range(len(runs[0][1]))]
         else:
             lines = [Affine.fit([(t, max(values, default=0)) for t, values in runs])]
-        lines = sorted(set(lines), key=lambda line: (line.slope, line.intercept), reverse=True)
-        kept = []
-        for line in lines:  # by slope, descending: kept only if above every steeper line at 0 tokens
-            if not kept or line.intercept > max(k.intercept for k in kept):
-                kept.append(line)
+        hull: list[Affine] = []  # the upper envelope over tokens >= 0, by slope ascending
+        for line in sorted(set(lines), key=lambda line: (line.slope, -line.intercept)):
+            if hull and hull[-1].slope == line.slope:
+                continue  # same slope, lower or equal intercept
+            while hull and hull[-1].intercept <= line.intercept:
+                hull.pop()  # steeper and not lower at 0 tokens: above everywhere
+            while len(hull) >= 2 and _meets(hull[-2], line) <= _meets(hull[-2], hull[-1]):
+                hull.pop()  # overtaken by the new line before it overtook its predecessor
+            hull.append(line)
+        kept = hull
         return cls(tuple(kept))
+
+
+def _meets(a: Affine, b: Affine) -> float:
+    """Tokens where ``b`` (steeper) overtakes ``a``."""
+    return (a.intercept - b.intercept) / (b.slope - a.slope)
 
 
 @dataclasses.dataclass(frozen=True)
