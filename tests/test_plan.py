@@ -114,18 +114,18 @@ def test_predicts_bf16_autocast_with_one_policy_for_every_layer():
         assert plan_profile.predict((policy,) * 3, 5).peak_bytes == pytest.approx(measured, rel=0.01)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known: under autocast, a layer at 'qkv' leaves bytes in the head's forward that its own backward frees "
-    "(a cross-stage effect, 20 KiB per layer here: 1.5% of this tiny model's peak); mixed plans are off by it",
-)
-def test_predicts_bf16_autocast_with_mixed_policies():
+def test_predicts_bf16_autocast_with_mixed_policies_never_below_the_measured_peak():
+    # Under autocast a layer at qkv keeps its fp32 input where the others keep a bf16 copy and HF drops
+    # the input at the end of the model's forward: credited to the stage that made it, so a mix is exact
+    # where that free is the only difference; where the head's forward peaks after such a free that
+    # happened in its measurement but not in the mix, or the reverse, the prediction is above (never below).
     model = _model("BertForTokenClassification")
     example = synthetic_batch(model, 5, 48)
     plan_profile, _ = profile(model, example, autocast=torch.bfloat16)
-    policies = ("qkv", "mlp", "mlp")
-    measured = measured_peak(model, example, policies, autocast=torch.bfloat16)
-    assert plan_profile.predict(policies, 5).peak_bytes == pytest.approx(measured, rel=0.01)
+    for policies in (("qkv", "mlp", "mlp"), ("mlp", "qkv", "qkv"), ("full", "none", "qkv+mlp")):
+        measured = measured_peak(model, example, policies, autocast=torch.bfloat16)
+        predicted = plan_profile.predict(policies, 5).peak_bytes
+        assert measured <= predicted <= measured * 1.01, policies
 
 
 def test_predicts_an_unpadded_model_in_real_tokens():

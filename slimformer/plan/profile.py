@@ -111,12 +111,17 @@ def _meets(a: Affine, b: Affine) -> float:
 @dataclasses.dataclass(frozen=True)
 class StageCost:
     """One stage under one policy: bytes it leaves allocated, its peak above its start, and
-    (forward) how much of what it left is freed when the forward's autocast region ends
-    (autocast's cache of cast weights: what no backward keeps)."""
+    (forward) what of those bytes a later point of the forward frees: ``frees`` pairs
+    (the forward stage where they are freed, or the number of stages for the end of the
+    forward's autocast region, bytes). Such bytes are kept or not by whoever reads them
+    next (a layer at ``qkv`` keeps its fp32 input under autocast, where the others keep a
+    bf16 copy and HF drops the input at the end of the model's forward), so they are
+    credited to the stage that made them, not to the stage where they happen to be freed;
+    autocast's cache of cast weights is freed at the end of its region, likewise credited."""
 
     delta: Affine
     excess: Envelope
-    released: Affine = Affine(0.0, 0.0)
+    frees: tuple[tuple[int, Affine], ...] = ()
 
 
 @dataclasses.dataclass
@@ -199,9 +204,7 @@ class MemoryProfile:
         order = [(FORWARD, i) for i in range(n)] + [(BACKWARD, i) for i in reversed(range(n))]
         for phase, stage in order:
             if (phase, stage) == (BACKWARD, n - 1):  # the forward's autocast region has ended
-                for i in range(n):
-                    freed = self.costs[(FORWARD, i, self._policy(i, policies))].released(tokens)
-                    live, kept[i] = live - freed, kept[i] - freed
+                live = self._free_later(n, policies, tokens, live, kept)
             cost = self.costs[(phase, stage, self._policy(stage, policies))]
             excess = cost.excess(tokens)
             if phase == BACKWARD:
@@ -212,6 +215,7 @@ class MemoryProfile:
             live += delta
             if phase == FORWARD:
                 kept[stage] = delta
+                live = self._free_later(stage, policies, tokens, live, kept)
             else:
                 kept[stage] = 0.0
                 grads += 0 if in_backward else self.grads[stage]
@@ -221,6 +225,14 @@ class MemoryProfile:
                 best = self._moment("optimizer", None, policies, base, kept, grads, live, temporaries)
         best.largest_backward_transient = round(largest_transient)
         return best
+
+    def _free_later(self, where: int, policies, tokens: float, live: float, kept: list[float]) -> float:
+        """``live`` less what earlier stages made and ``where`` frees (see ``StageCost.frees``)."""
+        for stage in range(min(where, len(self.stages))):
+            for at, size in self.costs[(FORWARD, stage, self._policy(stage, policies))].frees:
+                if at == where:
+                    live, kept[stage] = live - size(tokens), kept[stage] - size(tokens)
+        return live
 
     def _moment(self, phase, stage, policies, base, kept, grads, live, excess) -> Prediction:
         """The breakdown of ``live + excess`` bytes at a stage's peak."""
@@ -249,7 +261,8 @@ class _StepRecorder:
         self.label = (FORWARD, EMBEDDINGS)
         self.start = 0
         self.samples: list[int] = []
-        self.released: dict[str, int] = {}  # forward label -> bytes it made that autocast's exit freed
+        # (label of the forward that made them, label where freed: a later forward or RELEASE) -> bytes
+        self.freed_later: dict[tuple[str, str], int] = {}
         self.watched: set[int] = set()
         self.forward_stages: list[tuple[str, int]] = []  # (stage name, layer index), in order
         self.grads: dict[str, int] = {}
@@ -298,8 +311,9 @@ class _StepRecorder:
 
     def _freed(self, key: int, label: str, size: int) -> None:
         self.watched.discard(key)
-        if self.label[0] == RELEASE:
-            self.released[label] = self.released.get(label, 0) + size
+        if self.label[0] in (FORWARD, RELEASE) and self.label[1] != label:
+            where = RELEASE if self.label[0] == RELEASE else self.label[1]
+            self.freed_later[(label, where)] = self.freed_later.get((label, where), 0) + size
 
     def _backward_ended(self, stage: str) -> None:
         self.close((BACKWARD, f"before {stage}"))
@@ -375,11 +389,15 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
     for label, size in recorder.grads.items():
         index = stage_of(BACKWARD, label) if label not in position else position[label]
         grads[index] = grads.get(index, 0) + size
-    released = {}
-    for label, size in recorder.released.items():
-        index = stage_of(FORWARD, label)
-        released[index] = released.get(index, 0) + size
-    return names, layer_of, merged, grads, released
+    frees: dict[int, dict[int, int]] = {}  # maker stage -> {where: bytes}
+    for (label, where), size in recorder.freed_later.items():
+        maker = stage_of(FORWARD, label)
+        at = len(names) if where == RELEASE else stage_of(FORWARD, where)
+        if at != maker:
+            frees.setdefault(maker, {})[at] = frees.get(maker, {}).get(at, 0) + size
+            if at < len(names):
+                merged[(FORWARD, at)][1] += size  # the freeing stage's delta, without the credited bytes
+    return names, layer_of, merged, grads, frees
 
 
 def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, device):
@@ -403,6 +421,16 @@ def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, devi
     for param in params:
         param.grad = None
     return _stage_intervals(recorder)
+
+
+def _stage_cost(runs) -> StageCost:
+    """Fit one stage's runs: (tokens, delta, moments, {where: bytes freed later})."""
+    wheres = sorted({at for *_, freed in runs for at in freed})
+    return StageCost(
+        Affine.fit([(t, d) for t, d, _, _ in runs]),
+        Envelope.fit([(t, m) for t, _, m, _ in runs]),
+        tuple((at, Affine.fit([(t, freed.get(at, 0)) for t, _, _, freed in runs])) for at in wheres),
+    )
 
 
 def measure_profile(
@@ -442,7 +470,7 @@ def measure_profile(
             progress(f"{policy}, {n} rows")
             batch = make_batch(n)
             tokens = batch_tokens(batch)
-            names, layer_of, merged, step_grads, released = _run_step(
+            names, layer_of, merged, step_grads, frees = _run_step(
                 model, batch, loss_fn, modules, params, autocast, in_backward, device
             )
             if shape is None:
@@ -452,16 +480,9 @@ def measure_profile(
             for (phase, stage), (start, end, top, moments) in merged.items():
                 # the interval's own peak is a moment too: it holds what the per-op samples may miss
                 moments = [m - start for m in moments] + [top - start]
-                freed = released.get(stage, 0) if phase == FORWARD else 0
+                freed = frees.get(stage, {}) if phase == FORWARD else {}
                 samples.setdefault((phase, stage, policy), []).append((tokens, end - start, moments, freed))
-    costs = {
-        key: StageCost(
-            Affine.fit([(t, d) for t, d, _, _ in runs]),
-            Envelope.fit([(t, m) for t, _, m, _ in runs]),
-            Affine.fit([(t, r) for t, _, _, r in runs]),
-        )
-        for key, runs in samples.items()
-    }
+    costs = {key: _stage_cost(runs) for key, runs in samples.items()}
     names, layer_of = shape
     for phase in (FORWARD, BACKWARD):  # a stage that made no interval (no hook between two others) costs nothing
         for stage in range(len(names)):
