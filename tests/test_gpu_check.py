@@ -67,6 +67,8 @@ def test_dry_run_goes_through_every_phase(dry_run):
     assert all("tokens_per_s" in r for r in state["model"]["train"].values()), state["model"]["train"]
     assert set(state["model"]["infer"]) == set(INFER_COLUMNS)
     assert all(r["cosine_vs_fp16"] > 0.99 for r in state["model"]["infer"].values())
+    plan_rows = state["model"]["plan"]["sf.plan"]["rows"]
+    assert len(plan_rows) == 3 and all(abs(r["error"]) < 0.01 for r in plan_rows.values()), plan_rows
     assert len(state["targets"]) == 17
     markdown = (out / "gpu-dry-run-cpu.md").read_text()
     for heading in (
@@ -78,6 +80,7 @@ def test_dry_run_goes_through_every_phase(dry_run):
         "### MLP",
         "### Inference GEMMs",
         "## Whole model",
+        "sf.plan: the predicted step peak",
     ):
         assert heading in markdown
     assert (out / "gpu-dry-run-cpu-tests.xml").exists()

@@ -223,6 +223,19 @@ def test_max_batch_is_the_largest_that_fits(mlm):
     assert ladder(plan_profile, flops, 10)[-1].prediction.peak_bytes > budget
 
 
+def test_max_seq_is_the_longest_that_fits_and_its_peak_is_measured_close():
+    model = _model("BertForSequenceClassification", max_position_embeddings=96)
+    one_row = synthetic_batch(model, 1, 96)
+    plan_profile, flops = profile(model, one_row, seqs=(48, 96))
+    budget = ladder(plan_profile, flops, 3, 80)[-1].prediction.peak_bytes + 1
+    seq, plan = sf.max_seq(model, 3, budget)
+    assert seq == 80 and plan.seq == 80 and plan.peak_bytes <= budget
+    assert ladder(plan_profile, flops, 3, 81)[-1].prediction.peak_bytes > budget
+    batch = synthetic_batch(model, 3, 80)
+    measured = measured_peak(model, batch, list(plan.policies.values()))
+    assert plan.peak_bytes == pytest.approx(measured, rel=0.03)  # predicted along seq, from one row
+
+
 def test_a_budget_below_the_least_peak_says_what_the_least_is_and_changes_nothing(mlm):
     model, example, *_ = mlm
     model = copy.deepcopy(model)

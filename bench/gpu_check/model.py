@@ -11,6 +11,12 @@ unpad=True)``. Per column: tokens/s = real tokens / median step time (each step
 synchronised: host time counts, as in training), and the step's peak
 ``torch.cuda.max_memory_allocated`` (weights, gradients and optimizer state included).
 
+The planner: ``sf.plan``'s profile of the same model (``slimformer.plan.profile``, measured
+at 1 and 2 rows) predicts the step peak at the training batch for uniform ``none`` and
+``qkv+mlp`` and for the middle plan of its ladder; each is then run as the training
+columns are and its measured peak (above what was allocated before the step, plus the
+parameters, buffers, AdamW state and batch, as the prediction counts) set beside it.
+
 Inference: HF ``BertModel`` at BERT-base size, batch 32 × 128, eval, fp16 with SDPA,
 against ``sf.quantize(model, "int8")`` and ``"int8-weight-only"`` of the same model:
 median latency of a synchronised forward, and the least cosine similarity of a
@@ -112,12 +118,8 @@ def _train_model(base, spec: dict, device, dry_run: bool):
     return model, forward
 
 
-def train_column(name: str, base, sizes: dict, device, dry_run: bool, steps: int) -> dict:
-    """One training column (see the module docstring): tokens/s, step time, peak memory."""
-    spec = TRAIN_COLUMNS[name]
-    model, forward = _train_model(base, spec, device, dry_run)
-    inputs, tokens = training_batch(base.config, sizes["batch"], sizes["seq"], spec.get("padded", False), device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def training_step(forward, optimizer, inputs: dict, device) -> Callable[[], torch.Tensor]:
+    """One step of every training column: bf16 autocast forward, backward, AdamW, zero_grad; returns the loss."""
 
     def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -127,6 +129,15 @@ def train_column(name: str, base, sizes: dict, device, dry_run: bool, steps: int
         optimizer.zero_grad(set_to_none=True)
         return loss
 
+    return step
+
+
+def train_column(name: str, base, sizes: dict, device, dry_run: bool, steps: int) -> dict:
+    """One training column (see the module docstring): tokens/s, step time, peak memory."""
+    spec = TRAIN_COLUMNS[name]
+    model, forward = _train_model(base, spec, device, dry_run)
+    inputs, tokens = training_batch(base.config, sizes["batch"], sizes["seq"], spec.get("padded", False), device)
+    step = training_step(forward, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device)
     start = time.perf_counter()
     first_loss = float(step())
     _sync(device)
@@ -153,6 +164,49 @@ def train_column(name: str, base, sizes: dict, device, dry_run: bool, steps: int
         "losses": [first_loss, *losses],
         "steps": steps,
     }
+
+
+def plan_rows(base, sizes: dict, device, dry_run: bool) -> dict:
+    """sf.plan's predicted step peak against the measured one (see the module docstring)."""
+    from slimformer.plan import ladder, plannable_layers, profile
+
+    model = copy.deepcopy(base).to(device).train()
+    sf.patch(model)
+    model.set_attn_implementation("slimformer")
+    inputs, _ = training_batch(base.config, sizes["batch"], sizes["seq"], False, device)
+    start = time.perf_counter()
+    plan_profile, flops = profile(model, inputs, autocast=torch.bfloat16)
+    result = {"profile_s": round(time.perf_counter() - start, 1), "rows": {}}
+    layers = [layer for _, layer in plannable_layers(model)]
+    rungs = ladder(plan_profile, flops, sizes["batch"])
+    plans = {"uniform none": ("none",) * len(layers), "uniform qkv+mlp": ("qkv+mlp",) * len(layers)}
+    plans["ladder's middle plan"] = rungs[len(rungs) // 2].policies
+    for label, policies in plans.items():
+        for layer, policy in zip(layers, policies):
+            layer.recompute = policy
+        predicted = plan_profile.predict(policies, sizes["batch"]).peak_bytes
+        measured = _measured_step_peak(model, inputs, device)
+        result["rows"][label] = {
+            "policies": ", ".join(f"{p} x{policies.count(p)}" for p in dict.fromkeys(policies)),
+            "predicted_bytes": predicted,
+            "peak_bytes": measured,
+            "error": predicted / measured - 1 if measured else None,
+        }
+    return result
+
+
+def _measured_step_peak(model, inputs: dict, device) -> int:
+    """A training step's peak as ``sf.plan`` counts it."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the plan rows share one model
+    step = training_step(model, optimizer, inputs, device)
+    for _ in range(WARMUP_STEPS):
+        step()
+    with sf.memory.peak_memory(device) as peak:
+        step()
+    tensors = [*model.parameters(), *model.buffers(), *inputs.values()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    persistent = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return peak.bytes + sum(persistent.values())
 
 
 def infer_column(name: str, base, sizes: dict, device, dry_run: bool, calls: int) -> tuple[dict, torch.Tensor]:
@@ -219,7 +273,7 @@ def run(
     sizes = DRY if dry_run else FULL
     mlm, encoder = base_models(dry_run)
     work = [("train", name) for name in TRAIN_COLUMNS if name != "torch.compile(HF SDPA)"]
-    work += [("infer", name) for name in INFER_COLUMNS] + [("train", "torch.compile(HF SDPA)")]
+    work += [("infer", name) for name in INFER_COLUMNS] + [("train", "torch.compile(HF SDPA)"), ("plan", "sf.plan")]
     fp16_output = None
     for kind, name in work:
         if columns is not None and name not in columns:
@@ -230,6 +284,8 @@ def run(
         try:
             if kind == "train":
                 result = train_column(name, mlm, sizes, device, dry_run, sizes["steps"])
+            elif kind == "plan":
+                result = plan_rows(mlm, sizes, device, dry_run)
             else:
                 result, output = infer_column(name, encoder, sizes, device, dry_run, sizes["infer_calls"])
                 fp16_output = output if name == INFER_COLUMNS[0] else fp16_output

@@ -367,6 +367,24 @@ def _model_md(model: dict) -> list[str]:
             "|---|---|---|---|---|",
             *_column_rows(infer, INFER_COLUMNS, "latency_ms", infer_cells),
         ]
+    plan = model.get("plan", {}).get("sf.plan")
+    if plan:
+        lines += ["", "sf.plan: the predicted step peak against the measured one (same step, same batch):", ""]
+        if "rows" not in plan:
+            lines.append(f"not run: {plan.get('error') or plan.get('skipped')}")
+        else:
+            lines += [
+                f"Profile measured in {plan['profile_s']} s.",
+                "",
+                "| plan | policies | predicted GiB | measured GiB | error |",
+                "|---|---|---|---|---|",
+            ]
+            for label, r in plan["rows"].items():
+                measured = "–" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.3f}"
+                error = "–" if r["error"] is None else f"{100 * r['error']:+.2f}%"
+                lines.append(
+                    f"| {label} | {r['policies']} | {r['predicted_bytes'] / 2**30:.3f} | {measured} | {error} |"
+                )
     return lines
 
 

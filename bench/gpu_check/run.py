@@ -118,7 +118,7 @@ def run_check(args: argparse.Namespace) -> int:
     def model_phase(phase_deadline, cap):
         from bench.gpu_check import model
 
-        state["model"] = {"train": {}, "infer": {}}
+        state["model"] = {"train": {}, "infer": {}, "plan": {}}
 
         def record(kind, name, result):
             print(f"  {kind} {name}", flush=True)

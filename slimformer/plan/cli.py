@@ -68,8 +68,9 @@ def _build(args, device: torch.device):
     return model.to(device).train()
 
 
-def plot(profile_, flops, chosen_batches: list[int], path: Path, title: str) -> None:
-    """Predicted step peak vs batch: every uniform policy, and the least-memory plan."""
+def plot(profile_, flops, budget: int, chosen_batches: list[int], path: Path, title: str) -> None:
+    """Predicted step peak vs batch: every uniform policy, the plan sf.plan picks at each
+    batch where one fits, and the budget."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,8 +81,12 @@ def plot(profile_, flops, chosen_batches: list[int], path: Path, title: str) -> 
     for policy in profile_.policies:
         peaks = [profile_.predict((policy,) * len(profile_.layers), b).peak_bytes / 2**30 for b in batches]
         ax.plot(batches, peaks, label=f"uniform {policy}")
-    least = [ladder(profile_, flops, b)[-1].prediction.peak_bytes / 2**30 for b in batches]
-    ax.plot(batches, least, "k--", label="least-memory plan")
+    picked = []
+    for b in batches:
+        fitting = [rung for rung in ladder(profile_, flops, b) if rung.prediction.peak_bytes <= budget]
+        picked.append(fitting[0].prediction.peak_bytes / 2**30 if fitting else float("nan"))
+    ax.plot(batches, picked, "ko-", markersize=3, label="sf.plan's pick")
+    ax.axhline(budget / 2**30, color="red", linestyle="--", linewidth=1, label="budget")
     ax.set_xlabel("batch")
     ax.set_ylabel("predicted step peak (GiB)")
     ax.set_title(title, fontsize=9)
@@ -130,6 +135,6 @@ def main(argv=None) -> int:
     console.print(f"largest batch at seq {args.seq} in {format_bytes(budget)} with {args.optimizer}: {most}")
     if args.plot:
         title = f"{args.model} {args.head}, seq {args.seq}, {args.optimizer}, {args.dtype}, {device.type}"
-        plot(profile_, flops, [batch, most], args.plot, title)
+        plot(profile_, flops, budget, [batch, most], args.plot, title)
         console.print(f"plot: {args.plot}")
     return 0
