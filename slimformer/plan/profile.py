@@ -61,12 +61,12 @@ class Affine:
     @classmethod
     def fit(cls, points: Sequence[tuple[float, float]]) -> "Affine":
         """Least squares through (tokens, bytes) points (at least two token counts)."""
-        xs = torch.tensor([p[0] for p in points], dtype=torch.float64)
-        ys = torch.tensor([p[1] for p in points], dtype=torch.float64)
-        if len(set(xs.tolist())) < 2:
-            raise ValueError(f"a line needs two token counts, got {sorted(set(xs.tolist()))}")
-        design = torch.stack([torch.ones_like(xs), xs], dim=1)
-        intercept, slope = torch.linalg.lstsq(design, ys.unsqueeze(1)).solution.squeeze(1).tolist()
+        xs, ys = [float(p[0]) for p in points], [float(p[1]) for p in points]
+        if len(set(xs)) < 2:
+            raise ValueError(f"a line needs two token counts, got {sorted(set(xs))}")
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+        intercept = mean_y - slope * mean_x
         return cls(intercept, slope)
 
 
