@@ -132,44 +132,56 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 @dataclasses.dataclass(frozen=True)
 class OptimizerCost:
     """What an optimizer costs per trainable parameter tensor of ``n`` bytes, measured:
-    state ``state_per_byte * n + state_per_tensor``, a step's temporaries
-    ``temp_per_byte * n``, combined over the tensors of one step by ``combine`` ("sum":
-    all alive at once, foreach; "max": one tensor at a time)."""
+    state ``state_per_byte * n + state_per_tensor``; a step's temporaries
+    ``temp_per_byte * n`` per tensor, combined over the tensors of one step by ``combine``:
+    "sum" (all alive at once: foreach) or "carry" (one tensor at a time, but the last
+    temporary of the tensor before, ``carry_per_byte`` of its bytes, is still alive while
+    the next one's are made: a loop variable rebound only after its next value exists)."""
 
     name: str
     state_per_byte: float
     state_per_tensor: int
     temp_per_byte: float
     combine: str
+    carry_per_byte: float = 0.0
 
     def state_bytes(self, sizes: list[int]) -> int:
         return round(sum(self.state_per_byte * n + self.state_per_tensor for n in sizes))
 
     def temporaries(self, sizes: list[int]) -> int:
-        """The step's temporaries over tensors of ``sizes`` bytes (0 for an empty list)."""
-        each = [round(self.temp_per_byte * n) for n in sizes] or [0]
-        return sum(each) if self.combine == "sum" else max(each)
+        """The step's temporaries over tensors of ``sizes`` bytes, in the optimizer's order."""
+        if not sizes:
+            return 0
+        if self.combine == "sum":
+            return round(self.temp_per_byte * sum(sizes))
+        before = [0, *sizes[:-1]]
+        return round(max(self.temp_per_byte * n + self.carry_per_byte * b for n, b in zip(sizes, before)))
 
     @classmethod
     def measure(cls, name: str, dtype: torch.dtype, device: torch.device) -> "OptimizerCost":
-        """Run ``name`` on stand-in parameters (1 and 2 Mi elements of ``dtype`` on
-        ``device``) and read its state and its second step's temporaries off them."""
+        """Run ``name`` on stand-in parameters of ``dtype`` on ``device`` (1 and 2 Mi
+        elements for the state; one alone and three of 1 Mi elements for the temporaries)
+        and read its state and its second step's temporaries off them."""
         check_optimizer(name)
         step_name = "adamw" if name == "adamw-in-backward" else name  # one tensor per step in backward
-        numels = (1 << 20, 1 << 21)
-        params = [nn.Parameter(torch.zeros(n, dtype=dtype, device=device)) for n in numels]
-        alone, states = [], []
-        for param in params:
-            temp, state = _one_step(step_name, [param])
-            alone.append(temp)
-            states.append(state)
-        together, _ = _one_step(step_name, params)
-        sizes = [p.numel() * p.element_size() for p in params]
-        state_per_byte = (states[1] - states[0]) / (sizes[1] - sizes[0])
-        state_per_tensor = round(states[0] - state_per_byte * sizes[0])
-        temp_per_byte = alone[1] / sizes[1]
-        combine = "sum" if together > max(alone) * 1.25 else "max"
-        return cls(name, state_per_byte, state_per_tensor, temp_per_byte, combine)
+
+        def stand_ins(*numels):
+            return [nn.Parameter(torch.zeros(n, dtype=dtype, device=device)) for n in numels]
+
+        small, large = (1 << 20, 1 << 21)
+        (alone, state_small), (_, state_large) = (
+            _one_step(step_name, stand_ins(small)),
+            _one_step(step_name, stand_ins(large)),
+        )
+        three, _ = _one_step(step_name, stand_ins(small, small, small))
+        size = small * torch.empty((), dtype=dtype).element_size()
+        state_per_byte = (state_large - state_small) / (size * (large - small) / small)
+        state_per_tensor = round(state_small - state_per_byte * size)
+        temp_per_byte = alone / size
+        if name == "adamw-in-backward" or three <= 2.5 * alone:  # the three steps' temporaries were not all alive
+            carry = 0.0 if name == "adamw-in-backward" else max(0.0, three / size - temp_per_byte)
+            return cls(name, state_per_byte, state_per_tensor, temp_per_byte, "carry", carry)
+        return cls(name, state_per_byte, state_per_tensor, temp_per_byte, "sum")
 
 
 def _one_step(name: str, params: list[nn.Parameter]) -> tuple[int, int]:
