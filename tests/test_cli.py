@@ -33,15 +33,18 @@ CLIS = (
         for path in sorted((ROOT / "tools").rglob("*.py"))
         if MAIN_GUARD in path.read_text()
     ]
-    + ["slimformer.memory.cli"]
+    + ["slimformer.memory.cli", "slimformer.plan.cli"]
 )
 KNOWN = {
     "bench.report", "bench.int8_inference", "bench.int8_profile", "bench.unpad", "bench.cpu_step",
     "bench.mlm_memory", "bench.compile_memory", "tools.compile_report.__main__", "tools.compile_report.tutorial",
     "examples.finetune_classifier", "examples.layer_memory", "examples.quantize_bert", "examples.train_bert_mlm",
-    "slimformer.memory.cli",
+    "slimformer.memory.cli", "slimformer.plan.cli", "bench.plan",
 }  # fmt: skip
-REQUIRED_ARGUMENTS = {"tools.compile_report.tutorial": ["06-fused-attention.py"]}
+REQUIRED_ARGUMENTS = {
+    "tools.compile_report.tutorial": ["06-fused-attention.py"],
+    "slimformer.plan.cli": ["--budget", "1GiB"],
+}
 CPU_SLUG = report.device_slug(device_name(torch.device("cpu")), "cpu")  # the INT8 benchmarks' files
 
 
