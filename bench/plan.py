@@ -571,15 +571,7 @@ def time_steps(build: dict[str, Callable[[], Trainee]], rounds: int, log) -> dic
         trainees = {name: make() for name, make in build.items()}
         for trainee in trainees.values():
             trainee.step()  # warm-up: the optimizer state
-        times: dict[str, list[float]] = {name: [] for name in trainees}
-        for round_ in range(rounds):
-            for name, trainee in trainees.items():
-                gc.collect()
-                started = time.process_time()
-                trainee.step()
-                times[name].append(time.process_time() - started)
-            log(f"  time round {round_ + 1}/{rounds}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
-        return times
+        return time_steps_prepared(trainees, rounds, log)
     finally:
         torch.set_num_threads(threads)
 
