@@ -169,13 +169,11 @@ class OptimizerCost:
             return [nn.Parameter(torch.zeros(n, dtype=dtype, device=device)) for n in numels]
 
         small, large = (1 << 20, 1 << 21)
-        (alone, state_small), (_, state_large) = (
-            _one_step(step_name, stand_ins(small)),
-            _one_step(step_name, stand_ins(large)),
-        )
+        alone, state_small = _one_step(step_name, stand_ins(small))
+        _, state_large = _one_step(step_name, stand_ins(large))
         three, _ = _one_step(step_name, stand_ins(small, small, small))
-        size = small * torch.empty((), dtype=dtype).element_size()
-        state_per_byte = (state_large - state_small) / (size * (large - small) / small)
+        size = small * torch.empty((), dtype=dtype).element_size()  # bytes of the small stand-in
+        state_per_byte = (state_large - state_small) / size  # the large one has twice its bytes
         state_per_tensor = round(state_small - state_per_byte * size)
         temp_per_byte = alone / size
         if name == "adamw-in-backward" or three <= 2.5 * alone:  # the three steps' temporaries were not all alive

@@ -158,8 +158,8 @@ class _Batch:
                     f"{tuple(value.shape)}"
                 )
         _check_accepted(model, example)
-        seqs = [v.shape[1] for k, v in tensors.items() if v.dim() >= 2 and k != "labels"]
-        seq = max(seqs) if seqs else 1
+        seqs = _sequence_tensors(example)
+        seq = max(v.shape[1] for v in seqs) if seqs else 1
         return cls(
             {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example.items()},
             rows,
@@ -183,7 +183,7 @@ class _Batch:
         mask = batch.get("attention_mask")
         if self.unpadded and isinstance(mask, torch.Tensor) and mask.dim() == 2:
             return float(mask.sum())
-        ids = next(v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and k != "labels")
+        ids = _sequence_tensors(batch)[0]
         return float(ids.shape[0] * ids.shape[1])
 
     def row_bytes(self) -> int:
@@ -626,8 +626,13 @@ def max_seq(
     )
 
 
+def _sequence_tensors(example: dict) -> list[torch.Tensor]:
+    """The (batch, seq, ...) inputs of ``example``, labels left out."""
+    return [v for k, v in example.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and k != "labels"]
+
+
 def _example_seq(example: dict) -> int:
-    seqs = [v.shape[1] for k, v in example.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and k != "labels"]
+    seqs = _sequence_tensors(example)
     if not seqs:
         raise ValueError("example_batch has no (batch, seq) tensor")
-    return max(seqs)
+    return max(v.shape[1] for v in seqs)

@@ -366,7 +366,7 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
     layer_of = [None] + [index for _, index in recorder.forward_stages] + [None]
     position = {name: i for i, name in enumerate(names)}
 
-    def stage_of(phase: str, label: str) -> int:
+    def stage_of(label: str) -> int:
         # "after X" belongs to the next stage's forward; "before X" to the previous stage's backward
         if label.startswith("after "):
             return position[label.removeprefix("after ")] + 1
@@ -378,7 +378,7 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
     for phase, label, start, end, top, samples in recorder.intervals:
         if phase == RELEASE:
             continue  # its frees are credited to the stages that made them
-        key = (phase, stage_of(phase, label))
+        key = (phase, stage_of(label))
         if key in merged:
             entry = merged[key]
             entry[1], entry[2] = end, max(entry[2], top)
@@ -387,12 +387,12 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
             merged[key] = [start, end, top, list(samples)]
     grads = {}
     for label, size in recorder.grads.items():
-        index = stage_of(BACKWARD, label) if label not in position else position[label]
+        index = stage_of(label)
         grads[index] = grads.get(index, 0) + size
     frees: dict[int, dict[int, int]] = {}  # maker stage -> {where: bytes}
     for (label, where), size in recorder.freed_later.items():
-        maker = stage_of(FORWARD, label)
-        at = len(names) if where == RELEASE else stage_of(FORWARD, where)
+        maker = stage_of(label)
+        at = len(names) if where == RELEASE else stage_of(where)
         if at != maker:
             frees.setdefault(maker, {})[at] = frees.get(maker, {}).get(at, 0) + size
             if at < len(names):
