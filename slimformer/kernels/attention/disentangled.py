@@ -1,0 +1,987 @@
+"""DeBERTa's disentangled attention, fused: FlashAttention-2 with two more score terms.
+
+For query i and key j of one (batch, head), ``δ = index[i − j + seq_k − 1]`` the bucketed
+relative position (``relative_position_index``: DeBERTa-v2's log buckets, shifted by the
+span and clamped to the 2 · span rows of the position projections), pk and pq the head's
+position key and position query rows ((2 · span, head_dim)):
+
+    s_ij = scale · (q_i·k_j  +  q_i·pk_δ  +  k_j·pq_δ)        (content→position "c2p",
+    p = softmax_j(s),   o_i = Σ_j r z_ij p_ij v_j               position→content "p2c")
+
+The kernels never form a (seq_q, seq_k) tensor. A (BLOCK_M × BLOCK_N) tile sees only the
+BLOCK_M + BLOCK_N − 1 distances i − j = start_m − start_n + (m − n); they gather those rows
+of pk and pq (G_k, G_q: (R, head_dim), row r at distance start_m − start_n + r − BLOCK_N + 1),
+multiply C = Q G_kᵀ (M × R) and Pᵀ = G_q Kᵀ (R × N) and read the tile's terms off their
+skewed diagonals, r = m − n + BLOCK_N − 1:
+
+    c2p[m, n] = C[m, r],   p2c[m, n] = Pᵀ[r, n]
+
+Each is one more GEMM of (M + N − 1)/N ≈ 2 times a score tile's work, so a tile costs about
+3× plain attention's score GEMM in the forward (one QKᵀ, two position GEMMs, then PV:
+about 2.5× the forward's FLOPs) and the backward adds four such GEMMs to plain attention's
+five. The forward saves q, k, v, the position rows, o, the fp32 ``lse`` and the dropout seed,
+as ``slimformer.attention`` does; the backward rebuilds p tile by tile (dropout mask from the
+seed, Philox streams b · heads + h as in ``slimformer.attention``) and with
+dS = scale · P ∘ (dP − delta) reads the transposes of the skews off dS:
+
+    dC[m, r] = dS[m, m − r + N − 1],   dPᵀ[r, n] = dS[r + n − N + 1, n]     (0 where outside)
+    dQ += dS K + dC G_k,   dK += dSᵀ Q + dPᵀᵀ G_q,
+    d pk[δ_r] += (dCᵀ Q)_r,   d pq[δ_r] += (dPᵀ K)_r
+
+in two passes: one program per key block (dK, dV, d pq) and one per query block (dQ, d pk).
+The position gradients are added with fp32 atomics into a (batch, heads, seq_q + seq_k − 1,
+head_dim) buffer by distance, which the host sums over the batch and into the buckets (their
+last bits vary from run to run, as the relative bias's of ``slimformer.attention`` do).
+
+Key padding masks keys (True = padding); a row with no allowed key gets o = 0 and
+lse = +inf (no gradient), as in ``slimformer.attention``. The PyTorch reference (the CPU
+path) works on one batch entry's heads at a time and in blocks of query rows, so its
+largest temporaries are (heads, rows, seq_k) and the keys' p2c table (heads, 2 · span, seq_k).
+"""
+
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from slimformer.kernels.attention.launch import empty_forward, empty_output, reference_dtype
+from slimformer.kernels.attention.ops import last_dim_contiguous, runs_kernels
+from slimformer.kernels.attention.reference import _dropout_keep_block
+from slimformer.kernels.attention.tiles import LN2, LOG2E, dot, dropout_words, load_rows, store_rows, tile_ids
+from slimformer.kernels.dispatch import eager_autograd, reference_row_blocks
+from slimformer.kernels.philox import (
+    dropout_mma_apply,
+    dropout_threshold,
+    dropout_threshold_and_scale,
+    new_dropout_seed,
+)
+
+__all__ = ["disentangled_attention", "relative_position_index"]
+
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The reference's (heads, 2 · span, seq_k) p2c table per group of heads: at most this many elements.
+_REFERENCE_TABLE_ELEMENTS = 2**22
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def relative_position_index(
+    seq_q: int, seq_k: int, span: int, position_buckets: int, max_relative_positions: int, device
+) -> torch.Tensor:
+    """(seq_q + seq_k − 1,) int32: at ``i − j + seq_k − 1``, the row of the (2 · span)-row
+    position projections that query i and key j read, ``clamp(bucket(i − j) + span, 0,
+    2 · span − 1)``. ``bucket`` is DeBERTa-v2's: the identity when ``position_buckets`` or
+    ``max_relative_positions`` is not positive, else exact within ±position_buckets / 2 and
+    logarithmic beyond, up to ``max_relative_positions`` (the same float ops in the same order
+    as transformers' ``make_log_bucket_position``, so the same buckets bit for bit). The
+    bucket is odd in i − j, so c2p (``bucket(i − j)``) and p2c (``−bucket(j − i)``) read one index."""
+    distance = torch.arange(-(seq_k - 1), seq_q, device=device)
+    if position_buckets > 0 and max_relative_positions > 0:
+        distance = _log_bucket(distance, position_buckets, max_relative_positions).to(torch.long)
+    return (distance + span).clamp_(0, 2 * span - 1).to(torch.int32)
+
+
+def _log_bucket(distance: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
+    mid = buckets // 2
+    near = (distance < mid) & (distance > -mid)
+    magnitude = torch.where(near, torch.tensor(mid - 1).type_as(distance), distance.abs())
+    ratio = torch.log(magnitude / mid) / torch.log(torch.tensor((max_position - 1) / mid)) * (mid - 1)
+    log_position = torch.ceil(ratio) + mid
+    return torch.where(magnitude <= mid, distance.type_as(log_position), log_position * distance.sign())
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _position_rows(
+    P,  # (2 · span, head_dim) one head's position rows, last dim contiguous
+    stride_pp,
+    IDX,  # (n_index,) int32 row of each distance (relative_position_index)
+    first,  # index of the tile's row 0: start_m − start_n − (BLOCK_N − 1) + seq_k − 1
+    n_index,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """(BLOCK_R, BLOCK_D) rows of P at the tile's distances, zero outside the index."""
+    at = first + offs_r
+    inside = (at >= 0) & (at < n_index)
+    row = tl.load(IDX + at, mask=inside, other=0)
+    return tl.load(
+        P + row[:, None] * stride_pp + offs_d[None, :],
+        mask=inside[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _tile_scores(
+    q,
+    k,
+    gk,
+    gq,
+    offs_n,
+    seq_k,
+    qk_scale,
+    KPM_b,  # this batch entry's (seq_k,) uint8 key padding, nonzero = padding
+    HAS_C2P: tl.constexpr,
+    HAS_P2C: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, −inf where a key is not allowed."""
+    s = dot(q, tl.trans(k), None, PRECISION, UPCAST)
+    skew = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :] + (BLOCK_N - 1)
+    if HAS_C2P:
+        s += tl.gather(dot(q, tl.trans(gk), None, PRECISION, UPCAST), skew, axis=1)
+    if HAS_P2C:
+        s += tl.gather(dot(gq, tl.trans(k), None, PRECISION, UPCAST), skew, axis=0)
+    s = s * qk_scale
+    allowed = offs_n[None, :] < seq_k
+    if HAS_KPM:
+        padding = tl.load(KPM_b + offs_n, mask=offs_n < seq_k, other=1)
+        allowed &= padding[None, :] == 0
+    return tl.where(allowed, s, float("-inf"))
+
+
+@triton.jit
+def _disentangled_fwd_kernel(
+    Q,  # (batch, heads, seq_q, head_dim), last dim contiguous
+    K,  # (batch, heads, seq_k, head_dim), likewise
+    V,  # like K
+    PK,  # (heads, 2 · span, head_dim) position keys (c2p), last dim contiguous
+    PQ,  # (heads, 2 · span, head_dim) position queries (p2c), likewise
+    IDX,  # (seq_q + seq_k − 1,) int32
+    O,  # like Q, output
+    LSE,  # (batch, heads, seq_q) fp32 output, natural log, contiguous
+    KPM,  # (batch, seq_k) uint8, nonzero = padding
+    SEED,  # () int64 dropout seed
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_pkh,
+    stride_pkp,
+    stride_pqh,
+    stride_pqp,
+    stride_kpb,
+    heads,
+    seq_q,
+    seq_k,
+    qk_scale,  # scale · log2(e)
+    dropout_p,
+    HAS_C2P: tl.constexpr,
+    HAS_P2C: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    block, off_h, off_b = tile_ids(heads, seq_q, BLOCK_M, False)
+    start_m = block * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tile_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = tl.arange(0, BLOCK_M + BLOCK_N)
+    K_bh = K + off_b * stride_kb + off_h * stride_kh
+    V_bh = V + off_b * stride_vb + off_h * stride_vh
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    q = load_rows(q_ptrs, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    n_index = seq_q + seq_k - 1
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    for start_n in range(0, seq_k, BLOCK_N):
+        offs_n = start_n + tile_n
+        k = load_rows(
+            K_bh + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
+        )
+        first = start_m - start_n - (BLOCK_N - 1) + (seq_k - 1)
+        gk = k
+        gq = k
+        if HAS_C2P:
+            gk = _position_rows(
+                PK + off_h * stride_pkh, stride_pkp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
+            )
+        if HAS_P2C:
+            gq = _position_rows(
+                PQ + off_h * stride_pqh, stride_pqp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
+            )
+        s = _tile_scores(
+            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb,
+            HAS_C2P, HAS_P2C, HAS_KPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+        )  # fmt: skip
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = load_rows(
+            V_bh + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
+        )
+        p = p.to(v.dtype)
+        if HAS_DROPOUT:
+            words0, words1, byte = dropout_words(
+                seed, off_b * heads + off_h, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, False, 1
+            )
+            p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
+        acc = dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
+        m_i = m_new
+    no_key = m_i == float("-inf")
+    keep_scale = 1.0
+    if HAS_DROPOUT:
+        keep_scale = dropout_threshold_and_scale(dropout_p)[1]
+    acc = acc * tl.where(no_key, 0.0, keep_scale / l_i)[:, None]
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    store_rows(o_ptrs, acc.to(O.dtype.element_ty), offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)
+    lse = tl.where(no_key, float("inf"), (m_i + tl.log2(l_i)) * LN2)
+    tl.store(LSE + (off_b * heads + off_h) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+
+
+@triton.jit
+def _add_position_grad(
+    DP,  # (n_index, head_dim) fp32 gradient by distance of one (batch, head)
+    grad,  # (BLOCK_R, BLOCK_D) fp32, row r at index first + r
+    first,
+    n_index,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    at = first + offs_r
+    rows = (offs_r < BLOCK_M + BLOCK_N - 1) & (at >= 0) & (at < n_index)
+    tl.atomic_add(
+        DP + at[:, None] * HEAD_DIM + offs_d[None, :],
+        grad,
+        mask=rows[:, None] & (offs_d[None, :] < HEAD_DIM),
+        sem="relaxed",
+    )
+
+
+@triton.jit
+def _tile_ds(
+    s,
+    lse,
+    delta,
+    do,
+    v,
+    seed,
+    off_bh,
+    start_m,
+    start_n,
+    seq_k,
+    dropout_p,
+    scale,
+    HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """(p, the kept p · r or p, dS = scale · P ∘ (dP − delta)) of one tile (fp32)."""
+    p = tl.exp2(s - lse[:, None] * LOG2E)
+    dp = dot(do, tl.trans(v), None, PRECISION, UPCAST)
+    kept = p
+    if HAS_DROPOUT:
+        threshold, keep_scale = dropout_threshold_and_scale(dropout_p)
+        words0, words1, byte = dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, False, 1)
+        dp = dropout_mma_apply(dp, words0, words1, byte, threshold) * keep_scale
+        kept = dropout_mma_apply(p, words0, words1, byte, threshold) * keep_scale
+    return kept, p * (dp - delta[:, None]) * scale
+
+
+@triton.jit
+def _disentangled_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    PK,
+    PQ,
+    IDX,
+    DO,  # like Q, last dim contiguous
+    LSE,  # (batch, heads, seq_q) fp32
+    DELTA,  # (batch, heads, seq_q) fp32: Σ_d dO O
+    KPM,
+    SEED,
+    DK,  # (batch, heads, seq_k, head_dim) contiguous, output
+    DV,  # likewise
+    DPQ,  # (batch, heads, seq_q + seq_k − 1, head_dim) fp32, zeroed: p2c gradient by distance
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_pkh,
+    stride_pkp,
+    stride_pqh,
+    stride_pqp,
+    stride_kpb,
+    heads,
+    seq_q,
+    seq_k,
+    qk_scale,
+    scale,
+    dropout_p,
+    HAS_C2P: tl.constexpr,
+    HAS_P2C: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    block, off_h, off_b = tile_ids(heads, seq_k, BLOCK_N, False)
+    start_n = block * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    tile_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = tl.arange(0, BLOCK_M + BLOCK_N)
+    off_bh = off_b * heads + off_h
+    n_index = seq_q + seq_k - 1
+    k_rows = offs_n[:, None] * stride_ks + offs_d[None, :]
+    k = load_rows(K + off_b * stride_kb + off_h * stride_kh + k_rows, offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    v_rows = offs_n[:, None] * stride_vs + offs_d[None, :]
+    v = load_rows(V + off_b * stride_vb + off_h * stride_vh + v_rows, offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    Q_bh = Q + off_b * stride_qb + off_h * stride_qh
+    DO_bh = DO + off_b * stride_dob + off_h * stride_doh
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    # dPᵀ[r, n] = dS[r + n − N + 1, n]
+    rows_of_r = offs_r[:, None] + tl.arange(0, BLOCK_N)[None, :] - (BLOCK_N - 1)
+    skew_valid = (rows_of_r >= 0) & (rows_of_r < BLOCK_M)
+    skew_rows = tl.minimum(tl.maximum(rows_of_r, 0), BLOCK_M - 1)
+    for start_m in range(0, seq_q, BLOCK_M):
+        offs_m = start_m + tile_m
+        q = load_rows(
+            Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True
+        )
+        do = load_rows(
+            DO_bh + offs_m[:, None] * stride_dos + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True
+        )
+        lse = tl.load(LSE + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=float("inf"))
+        delta = tl.load(DELTA + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
+        first = start_m - start_n - (BLOCK_N - 1) + (seq_k - 1)
+        gk = k
+        gq = k
+        if HAS_C2P:
+            gk = _position_rows(
+                PK + off_h * stride_pkh, stride_pkp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
+            )
+        if HAS_P2C:
+            gq = _position_rows(
+                PQ + off_h * stride_pqh, stride_pqp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
+            )
+        s = _tile_scores(
+            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb,
+            HAS_C2P, HAS_P2C, HAS_KPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+        )  # fmt: skip
+        kept, ds = _tile_ds(
+            s, lse, delta, do, v, seed, off_bh, start_m, start_n, seq_k, dropout_p, scale,
+            HAS_DROPOUT, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+        )  # fmt: skip
+        dv = dot(tl.trans(kept.to(do.dtype)), do, dv, PRECISION, UPCAST)
+        ds_in = ds.to(q.dtype)
+        dk = dot(tl.trans(ds_in), q, dk, PRECISION, UPCAST)
+        if HAS_P2C:
+            dpt = tl.where(skew_valid, tl.gather(ds, skew_rows, axis=0), 0.0).to(q.dtype)
+            dk = dot(tl.trans(dpt), gq, dk, PRECISION, UPCAST)
+            grad = dot(dpt, k, None, PRECISION, UPCAST)
+            _add_position_grad(
+                DPQ + off_bh * n_index * HEAD_DIM, grad, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N
+            )
+    dk_ptrs = DK + off_bh * seq_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    store_rows(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)
+    dv_ptrs = DV + off_bh * seq_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    store_rows(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _disentangled_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    PK,
+    PQ,
+    IDX,
+    DO,
+    LSE,
+    DELTA,
+    KPM,
+    SEED,
+    DQ,  # (batch, heads, seq_q, head_dim) contiguous, output
+    DPK,  # (batch, heads, seq_q + seq_k − 1, head_dim) fp32, zeroed: c2p gradient by distance
+    stride_qb,
+    stride_qh,
+    stride_qs,
+    stride_kb,
+    stride_kh,
+    stride_ks,
+    stride_vb,
+    stride_vh,
+    stride_vs,
+    stride_dob,
+    stride_doh,
+    stride_dos,
+    stride_pkh,
+    stride_pkp,
+    stride_pqh,
+    stride_pqp,
+    stride_kpb,
+    heads,
+    seq_q,
+    seq_k,
+    qk_scale,
+    scale,
+    dropout_p,
+    HAS_C2P: tl.constexpr,
+    HAS_P2C: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    block, off_h, off_b = tile_ids(heads, seq_q, BLOCK_M, False)
+    start_m = block * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    tile_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_r = tl.arange(0, BLOCK_M + BLOCK_N)
+    off_bh = off_b * heads + off_h
+    n_index = seq_q + seq_k - 1
+    q_rows = offs_m[:, None] * stride_qs + offs_d[None, :]
+    q = load_rows(Q + off_b * stride_qb + off_h * stride_qh + q_rows, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    do_rows = offs_m[:, None] * stride_dos + offs_d[None, :]
+    do = load_rows(
+        DO + off_b * stride_dob + off_h * stride_doh + do_rows, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True
+    )
+    lse = tl.load(LSE + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=float("inf"))
+    delta = tl.load(DELTA + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
+    K_bh = K + off_b * stride_kb + off_h * stride_kh
+    V_bh = V + off_b * stride_vb + off_h * stride_vh
+    seed = 0
+    if HAS_DROPOUT:
+        seed = tl.load(SEED)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # dC[m, r] = dS[m, m − r + N − 1]
+    cols_of_r = tl.arange(0, BLOCK_M)[:, None] - offs_r[None, :] + (BLOCK_N - 1)
+    skew_valid = (cols_of_r >= 0) & (cols_of_r < BLOCK_N)
+    skew_cols = tl.minimum(tl.maximum(cols_of_r, 0), BLOCK_N - 1)
+    for start_n in range(0, seq_k, BLOCK_N):
+        offs_n = start_n + tile_n
+        k = load_rows(
+            K_bh + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
+        )
+        v = load_rows(
+            V_bh + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
+        )
+        first = start_m - start_n - (BLOCK_N - 1) + (seq_k - 1)
+        gk = k
+        gq = k
+        if HAS_C2P:
+            gk = _position_rows(
+                PK + off_h * stride_pkh, stride_pkp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
+            )
+        if HAS_P2C:
+            gq = _position_rows(
+                PQ + off_h * stride_pqh, stride_pqp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
+            )
+        s = _tile_scores(
+            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb,
+            HAS_C2P, HAS_P2C, HAS_KPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+        )  # fmt: skip
+        _, ds = _tile_ds(
+            s, lse, delta, do, v, seed, off_bh, start_m, start_n, seq_k, dropout_p, scale,
+            HAS_DROPOUT, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+        )  # fmt: skip
+        dq = dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
+        if HAS_C2P:
+            dc = tl.where(skew_valid, tl.gather(ds, skew_cols, axis=1), 0.0).to(q.dtype)
+            dq = dot(dc, gk, dq, PRECISION, UPCAST)
+            grad = dot(tl.trans(dc), q, None, PRECISION, UPCAST)
+            _add_position_grad(
+                DPK + off_bh * n_index * HEAD_DIM, grad, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N
+            )
+    dq_ptrs = DQ + off_bh * seq_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    store_rows(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+
+def _blocks(q: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_M = BLOCK_N, num_warps, num_stages): a tile holds two (tile × 2 · tile) position
+    products besides plain attention's, so tiles are half FlashAttention-2's (compile report)."""
+    head_dim = q.shape[-1]
+    if head_dim > 128:
+        return 16, 4, 1
+    if head_dim > 64 or q.dtype == torch.float32:
+        return 32, 4, 1
+    return 64, 8, 1
+
+
+def _flags(q, pos_key, pos_query, key_padding_mask, dropout_p) -> dict:
+    return dict(
+        HAS_C2P=pos_key is not None,
+        HAS_P2C=pos_query is not None,
+        HAS_KPM=key_padding_mask is not None,
+        HAS_DROPOUT=dropout_p > 0.0,
+        HEAD_DIM=q.shape[-1],
+        BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
+    )
+
+
+def _pointer_args(q, pos_key, pos_query, key_padding_mask) -> tuple[list, list]:
+    """(position and padding tensors, their strides): stand-ins where absent (never read)."""
+    pk = q if pos_key is None else pos_key
+    pq = q if pos_query is None else pos_query
+    kpm = q if key_padding_mask is None else key_padding_mask.view(torch.uint8)
+    strides = [pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), 0 if key_padding_mask is None else kpm.stride(0)]
+    return [pk, pq, kpm], strides
+
+
+def disentangled_forward(q, k, v, pos_key, pos_query, index, key_padding_mask, dropout_p, scale, seed):
+    """(out (batch, heads, seq_q, head_dim) in ``empty_output``'s layout, lse (batch, heads,
+    seq_q) fp32) by the Triton kernel."""
+    batch, heads, seq_q, _ = q.shape
+    seq_k = k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:
+        return empty_forward(q)
+    out = empty_output(q)
+    lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+    block, warps, stages = _blocks(q)
+    (pk, pq, kpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask)
+    grid = (triton.cdiv(seq_q, block) * heads * batch,)
+    _disentangled_fwd_kernel[grid](
+        q, k, v, pk, pq, index, out, lse, kpm, q if seed is None else seed,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
+        heads, seq_q, seq_k, scale * math.log2(math.e), dropout_p,
+        **_flags(q, pos_key, pos_query, key_padding_mask, dropout_p),
+        BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def disentangled_backward(
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, dropout_p, scale, seed
+):
+    """(dq, dk, dv, d pos_key by distance, d pos_query by distance) by the Triton kernels; the
+    position gradients (batch, heads, seq_q + seq_k − 1, head_dim) fp32, or None."""
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    n_index = seq_q + seq_k - 1
+    by_distance = lambda: torch.zeros((batch, heads, n_index, head_dim), dtype=torch.float32, device=q.device)  # noqa: E731
+    dpk = None if pos_key is None else by_distance()
+    dpq = None if pos_query is None else by_distance()
+    delta = torch.linalg.vecdot(grad_out.float(), out.float())
+    block, warps, stages = _blocks(q)
+    (pk, pq, kpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask)
+    common = (
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *strides,
+        heads, seq_q, seq_k, scale * math.log2(math.e), scale, dropout_p,
+    )  # fmt: skip
+    flags = dict(
+        **_flags(q, pos_key, pos_query, key_padding_mask, dropout_p),
+        BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    seed_arg = q if seed is None else seed
+    _disentangled_bwd_dkdv_kernel[(triton.cdiv(seq_k, block) * heads * batch,)](
+        q, k, v, pk, pq, index, grad_out, lse, delta, kpm, seed_arg, dk, dv, q if dpq is None else dpq, *common, **flags
+    )
+    _disentangled_bwd_dq_kernel[(triton.cdiv(seq_q, block) * heads * batch,)](
+        q, k, v, pk, pq, index, grad_out, lse, delta, kpm, seed_arg, dq, q if dpk is None else dpk, *common, **flags
+    )
+    return dq, dk, dv, dpk, dpq
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _head_groups(batch: int, heads: int, span_rows: int, seq_k: int) -> list[tuple[int, int, int]]:
+    """(batch entry, first head, end head) of the reference's groups: one batch entry's heads,
+    in groups whose (heads, 2 · span, seq_k) p2c table stays under _REFERENCE_TABLE_ELEMENTS."""
+    step = max(1, _REFERENCE_TABLE_ELEMENTS // max(1, span_rows * seq_k))
+    return [(b, h, min(heads, h + step)) for b in range(batch) for h in range(0, heads, step)]
+
+
+class _Group:
+    """One batch entry's heads h0:h1 in the reference's dtype: their keys, values, position rows
+    and the keys' p2c table ``pq Kᵀ`` (heads, 2 · span, seq_k), and the scores of any query rows."""
+
+    def __init__(self, q, k, v, pos_key, pos_query, index, key_padding_mask, scale, b, h0, h1):
+        dtype = reference_dtype(q)
+        self.q_all, self.b, self.h0, self.h1, self.scale = q, b, h0, h1, scale
+        self.k, self.v = k[b, h0:h1].to(dtype), v[b, h0:h1].to(dtype)
+        self.pk = None if pos_key is None else pos_key[h0:h1].to(dtype)
+        self.pq = None if pos_query is None else pos_query[h0:h1].to(dtype)
+        self.kpq = None if pos_query is None else torch.bmm(self.pq, self.k.mT)
+        self.padding = None if key_padding_mask is None else key_padding_mask[b]
+        self.index, self.seq_k = index.long(), k.shape[2]
+
+    def rows(self, x, start, stop):
+        return x[self.b, self.h0 : self.h1, start:stop].to(reference_dtype(self.q_all))
+
+    def positions(self, start: int, stop: int) -> torch.Tensor:
+        """(heads, rows, seq_k) int64 position row of query rows start:stop and every key (an expanded view)."""
+        i = torch.arange(start, stop, device=self.index.device)[:, None]
+        j = torch.arange(self.seq_k, device=self.index.device)
+        return self.index[i - j + self.seq_k - 1].expand(self.h1 - self.h0, -1, -1)
+
+    def scores(self, q_rows, positions):
+        """(heads, rows, seq_k) scaled scores, −inf at padding keys."""
+        s = torch.bmm(q_rows, self.k.mT)
+        if self.pk is not None:
+            s.add_(torch.bmm(q_rows, self.pk.mT).gather(-1, positions))
+        if self.kpq is not None:
+            s.add_(self.kpq.gather(-2, positions))
+        s.mul_(self.scale)
+        if self.padding is not None:
+            s.masked_fill_(self.padding, -math.inf)
+        return s
+
+    def keep(self, seed, heads, dropout_p, start, stop):
+        """The kernels' dropout keep mask of these heads' query rows start:stop (heads, rows, seq_k)."""
+        streams = self.h1 - self.h0
+        return _dropout_keep_block(
+            seed, self.b * heads + self.h0, streams, self.seq_k, start, stop, self.seq_k, dropout_p
+        )
+
+
+def disentangled_forward_reference(q, k, v, pos_key, pos_query, index, key_padding_mask, dropout_p, scale, seed):
+    """What ``disentangled_forward`` computes, in fp32 PyTorch (fp64 for fp64 inputs)."""
+    batch, heads, seq_q, _ = q.shape
+    if q.numel() == 0 or k.numel() == 0:
+        return empty_forward(q)
+    out = empty_output(q)
+    lse = torch.empty((batch, heads, seq_q), dtype=reference_dtype(q), device=q.device)
+    span_rows = 0 if pos_query is None else pos_query.shape[1]
+    with torch.autocast(q.device.type, enabled=False):
+        for b, h0, h1 in _head_groups(batch, heads, span_rows, k.shape[2]):
+            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, scale, b, h0, h1)
+            for start, stop in reference_row_blocks(seq_q, (h1 - h0) * k.shape[2]):
+                p = group.scores(group.rows(q, start, stop), group.positions(start, stop))
+                best = p.amax(-1, keepdim=True)
+                no_key = best == -math.inf
+                p.sub_(best.masked_fill(no_key, 0.0)).exp_()
+                total = p.sum(-1, keepdim=True)
+                row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
+                if seed is not None:
+                    p.mul_(group.keep(seed, heads, dropout_p, start, stop))
+                    row_scale.mul_(dropout_threshold(dropout_p)[1])
+                out[b, h0:h1, start:stop] = torch.bmm(p.mul_(row_scale), group.v)
+                lse[b, h0:h1, start:stop] = best.add_(total.log_()).masked_fill_(no_key, math.inf).squeeze(-1)
+    return out, lse
+
+
+def disentangled_backward_reference(
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, dropout_p, scale, seed
+):
+    """What ``disentangled_backward`` computes, with the position gradients already in buckets:
+    (dq, dk, dv, d pos_key, d pos_query) in the reference's dtype (None for an absent position)."""
+    batch, heads, seq_q, _ = q.shape
+    dtype = reference_dtype(q)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
+    dpk = None if pos_key is None else torch.zeros(pos_key.shape, dtype=dtype, device=q.device)
+    dpq = None if pos_query is None else torch.zeros(pos_query.shape, dtype=dtype, device=q.device)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq, dk, dv, dpk, dpq
+    span_rows = 0 if pos_query is None else pos_query.shape[1]
+    keep_scale = dropout_threshold(dropout_p)[1] if seed is not None else 1.0
+    with torch.autocast(q.device.type, enabled=False):
+        for b, h0, h1 in _head_groups(batch, heads, span_rows, k.shape[2]):
+            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, scale, b, h0, h1)
+            dk_g, dv_g = dk[b, h0:h1], dv[b, h0:h1]
+            dkpq = None if pos_query is None else torch.zeros_like(group.kpq)
+            for start, stop in reference_row_blocks(seq_q, (h1 - h0) * k.shape[2]):
+                q_rows, do_rows = group.rows(q, start, stop), group.rows(grad_out, start, stop)
+                positions = group.positions(start, stop)
+                p = group.scores(q_rows, positions)
+                p.sub_(lse[b, h0:h1, start:stop, None]).exp_()
+                dp = torch.bmm(do_rows, group.v.mT)
+                if seed is None:
+                    dv_g.baddbmm_(p.mT, do_rows)
+                else:
+                    keep = group.keep(seed, heads, dropout_p, start, stop)
+                    dv_g.baddbmm_((p * keep).mT, do_rows, alpha=keep_scale)
+                    dp.mul_(keep).mul_(keep_scale)
+                # Σ_j P dP over whole rows: each row of dS sums to ~0, as torch's softmax backward
+                ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
+                dq_rows = torch.bmm(ds, group.k)
+                if pos_key is not None:
+                    dc = torch.zeros((h1 - h0, stop - start, pos_key.shape[1]), dtype=dtype, device=q.device)
+                    dc.scatter_add_(-1, positions, ds)
+                    dq_rows.baddbmm_(dc, group.pk)
+                    dpk[h0:h1].baddbmm_(dc.mT, q_rows)
+                if dkpq is not None:
+                    dkpq.scatter_add_(-2, positions, ds)
+                dk_g.baddbmm_(ds.mT, q_rows)
+                dq[b, h0:h1, start:stop] = dq_rows
+            if dkpq is not None:
+                dk_g.baddbmm_(dkpq.mT, group.pq)
+                dpq[h0:h1].baddbmm_(dkpq, group.k)
+    return dq, dk, dv, dpk, dpq
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+def _optional(x: torch.Tensor | None, device) -> torch.Tensor:
+    return torch.empty(0, device=device) if x is None else x
+
+
+@torch.library.custom_op("slimformer::disentangled_attention", mutates_args=())
+def disentangled_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos_key: torch.Tensor | None,
+    pos_query: torch.Tensor | None,
+    index: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of checked inputs (``disentangled_attention``)."""
+    fwd = disentangled_forward if runs_kernels(q) else disentangled_forward_reference
+    return fwd(q, k, v, pos_key, pos_query, index, key_padding_mask, dropout_p, scale, seed)
+
+
+@disentangled_attention_op.register_fake
+def _(q, k, v, pos_key, pos_query, index, key_padding_mask, seed, dropout_p, scale):
+    return empty_output(q), q.new_empty(q.shape[:3], dtype=reference_dtype(q))
+
+
+@torch.library.custom_op("slimformer::disentangled_attention_backward", mutates_args=())
+def disentangled_attention_backward_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos_key: torch.Tensor | None,
+    pos_query: torch.Tensor | None,
+    index: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    dropout_p: float,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d pos_key, d pos_query) in the inputs' dtypes; an absent position's is empty."""
+    grad_out = last_dim_contiguous(grad_out)
+    args = (grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, dropout_p, scale, seed)
+    if runs_kernels(q):
+        dq, dk, dv, dpk, dpq = disentangled_backward(*args)
+        long_index = index.long()
+        dpk, dpq = (
+            None if grad is None else grad.new_zeros(pos.shape).index_add_(1, long_index, grad.sum(0))
+            for grad, pos in ((dpk, pos_key), (dpq, pos_query))
+        )
+    else:
+        dq, dk, dv, dpk, dpq = disentangled_backward_reference(*args)
+    dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dpk = _optional(None if dpk is None else dpk.to(pos_key.dtype), q.device)
+    dpq = _optional(None if dpq is None else dpq.to(pos_query.dtype), q.device)
+    return dq, dk, dv, dpk, dpq
+
+
+@disentangled_attention_backward_op.register_fake
+def _(grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed, dropout_p, scale):
+    positions = (
+        torch.empty(0, device=q.device) if pos is None else torch.empty_like(pos) for pos in (pos_key, pos_query)
+    )
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *positions
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, pos_key, pos_query, index, key_padding_mask, seed, dropout_p, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.dropout_p, ctx.scale = dropout_p, scale
+
+
+def _grad(ctx, grad_out, _grad_lse):
+    if grad_out is None:
+        return (None,) * 10
+    q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed = ctx.saved_tensors
+    dq, dk, dv, dpk, dpq = disentangled_attention_backward_op(
+        grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed, ctx.dropout_p, ctx.scale
+    )
+    return (
+        dq,
+        dk,
+        dv,
+        None if pos_key is None else dpk,
+        None if pos_query is None else dpq,
+        *(None,) * 5,
+    )
+
+
+_run = eager_autograd(disentangled_attention_op, _grad, _setup_context)
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def _check_tensor(name: str, x, dim: int, dtype: torch.dtype | None, device) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-d, got shape {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype:
+        raise TypeError(f"{name} must have query's dtype {dtype}, got {x.dtype}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on query's device {device}, got {x.device}")
+
+
+def _check_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def disentangled_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    pos_key: torch.Tensor | None = None,
+    pos_query: torch.Tensor | None = None,
+    *,
+    position_buckets: int = -1,
+    max_relative_positions: int = -1,
+    key_padding_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """DeBERTa(-v2/-v3)'s disentangled self-attention, fused (see the module docstring).
+
+    Args:
+        query, key, value: (batch, heads, seq_q or seq_k, head_dim), float16, bfloat16,
+            float32 or float64 (the PyTorch reference), one dtype and device; any strides.
+        pos_key: (heads, 2 · span, head_dim) position keys, ``pos_key_proj(rel_embeddings)``
+            per head, for the content→position term; None leaves it out.
+        pos_query: likewise the position queries (``pos_query_proj``) of the
+            position→content term; None leaves it out.
+        position_buckets, max_relative_positions: DeBERTa-v2's config values; the relative
+            position i − j is bucketed logarithmically when both are positive
+            (``relative_position_index``). span = rows of the position tensors / 2: HF's
+            ``position_buckets`` when positive, else ``max_relative_positions``.
+        key_padding_mask: (batch, seq_k) bool, True = padding.
+        dropout_p: attention dropout, masks regenerated in backward from a Philox seed.
+        scale: the scores' factor, default ``1 / sqrt(head_dim · (1 + terms))``, DeBERTa's
+            scale with one term per position tensor given.
+
+    Returns:
+        (batch, heads, seq_q, head_dim) in query's dtype, stored as (batch, seq_q, heads,
+        head_dim) so that merging the heads is a view. Gradients flow to query, key, value
+        and both position tensors.
+
+    Raises:
+        TypeError: non-tensors, dtypes other than the four or not matching, a non-bool
+            key_padding_mask, non-int bucket arguments.
+        ValueError: wrong ranks or shapes, head_dim outside [1, 256], positions of an odd or
+            different number of rows, a span that does not match ``position_buckets``,
+            dropout_p outside [0, 1), different devices.
+    """
+    _check_tensor("query", query, 4, None, getattr(query, "device", None))
+    if query.dtype not in _DTYPES:
+        raise TypeError(f"query must be float16, bfloat16, float32 or float64, got {query.dtype}")
+    batch, heads, seq_q, head_dim = query.shape
+    for name, tensor in (("key", key), ("value", value)):
+        _check_tensor(name, tensor, 4, query.dtype, query.device)
+    if key.shape[:2] != (batch, heads) or key.shape[-1] != head_dim:
+        raise ValueError(
+            f"key must be (batch, heads, seq_k, head_dim) = ({batch}, {heads}, seq_k, {head_dim}), got {tuple(key.shape)}"
+        )
+    if value.shape != key.shape:
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    seq_k = key.shape[2]
+    position_buckets = _check_int("position_buckets", position_buckets)
+    max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
+    rows = None
+    for name, pos in (("pos_key", pos_key), ("pos_query", pos_query)):
+        if pos is None:
+            continue
+        _check_tensor(name, pos, 3, query.dtype, query.device)
+        if pos.shape[0] != heads or pos.shape[2] != head_dim or pos.shape[1] % 2 or pos.shape[1] == 0:
+            raise ValueError(
+                f"{name} must be (heads, 2 · span, head_dim) = ({heads}, 2 · span, {head_dim}), got {tuple(pos.shape)}"
+            )
+        if rows is not None and pos.shape[1] != rows:
+            raise ValueError(f"pos_key and pos_query must have the same rows, got {rows} and {pos.shape[1]}")
+        rows = pos.shape[1]
+    if rows is not None and position_buckets > 0 and rows != 2 * position_buckets:
+        raise ValueError(f"position tensors must have 2 · position_buckets = {2 * position_buckets} rows, got {rows}")
+    if key_padding_mask is not None:
+        _check_tensor("key_padding_mask", key_padding_mask, 2, None, query.device)
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
+        if key_padding_mask.shape != (batch, seq_k):
+            raise ValueError(
+                f"key_padding_mask must be (batch, seq_k) = {(batch, seq_k)}, got {tuple(key_padding_mask.shape)}"
+            )
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    terms = (pos_key is not None) + (pos_query is not None)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim * (1 + terms))
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    span = (rows or 2) // 2
+    index = relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, query.device)
+    query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
+    pos_key, pos_query = (None if pos is None else last_dim_contiguous(pos) for pos in (pos_key, pos_query))
+    seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
+    out, _ = _run(query, key, value, pos_key, pos_query, index, key_padding_mask, seed, float(dropout_p), float(scale))
+    return out
