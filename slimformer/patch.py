@@ -72,7 +72,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from slimformer.integrations.hf import albert, bert, distilbert, llama, modernbert, mpnet
+from slimformer.integrations.hf import albert, bert, deberta, distilbert, llama, modernbert, mpnet
 from slimformer.integrations.hf.bert import FusedBertFamilyLayer
 from slimformer.integrations.hf.classes import new_mixed
 from slimformer.integrations.hf.llama import FusedLlamaStyleRMSNorm
@@ -104,7 +104,17 @@ __all__ = [
 
 # The model families patch recognises, asked in this order about every module that is no
 # torch.nn swap: one integration module each.
-_FAMILIES = (bert.FAMILY, distilbert.FAMILY, albert.FAMILY, mpnet.FAMILY, modernbert.FAMILY, llama.FAMILY)
+# DeBERTa-v2 before BERT: its layer has BERT's submodule names, which BERT's family
+# would leave as a look-alike.
+_FAMILIES = (
+    deberta.FAMILY,
+    bert.FAMILY,
+    distilbert.FAMILY,
+    albert.FAMILY,
+    mpnet.FAMILY,
+    modernbert.FAMILY,
+    llama.FAMILY,
+)
 _RECORD = "_slimformer_patch"
 _MASKED_LM_CHANGE = "masked-LM loss fused with the decoder"
 _UNPAD_CHANGE = "unpadded: packed real tokens, varlen attention"

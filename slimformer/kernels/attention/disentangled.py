@@ -121,6 +121,16 @@ def _position_rows(
 
 
 @triton.jit
+def _uniform_rows(QPM_b, offs_m, seq_q, HAS_QPM: tl.constexpr):
+    """[BLOCK_M] bool: the rows of this batch entry's query padding mask (none without one)."""
+    if HAS_QPM:
+        rows = tl.load(QPM_b + offs_m, mask=offs_m < seq_q, other=0) != 0
+    else:
+        rows = offs_m < 0
+    return rows
+
+
+@triton.jit
 def _tile_scores(
     q,
     k,
@@ -130,15 +140,19 @@ def _tile_scores(
     seq_k,
     qk_scale,
     KPM_b,  # this batch entry's (seq_k,) uint8 key padding, nonzero = padding
+    uniform,  # [BLOCK_M] bool: rows that weigh every key alike (query padding)
     HAS_C2P: tl.constexpr,
     HAS_P2C: tl.constexpr,
     HAS_KPM: tl.constexpr,
+    HAS_QPM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, −inf where a key is not allowed."""
+    """Scores of one (BLOCK_M, BLOCK_N) tile in log2 units, −inf where a key is not allowed;
+    0 for every key of a ``uniform`` row (HF DeBERTa fills all scores of a padded query with
+    finfo.min, so its softmax weighs all keys alike, padding included)."""
     s = dot(q, tl.trans(k), None, PRECISION, UPCAST)
     skew = tl.arange(0, BLOCK_M)[:, None] - tl.arange(0, BLOCK_N)[None, :] + (BLOCK_N - 1)
     if HAS_C2P:
@@ -150,7 +164,10 @@ def _tile_scores(
     if HAS_KPM:
         padding = tl.load(KPM_b + offs_n, mask=offs_n < seq_k, other=1)
         allowed &= padding[None, :] == 0
-    return tl.where(allowed, s, float("-inf"))
+    s = tl.where(allowed, s, float("-inf"))
+    if HAS_QPM:
+        s = tl.where(uniform[:, None], tl.where(offs_n[None, :] < seq_k, 0.0, float("-inf")), s)
+    return s
 
 
 @triton.jit
@@ -164,6 +181,7 @@ def _disentangled_fwd_kernel(
     O,  # like Q, output
     LSE,  # (batch, heads, seq_q) fp32 output, natural log, contiguous
     KPM,  # (batch, seq_k) uint8, nonzero = padding
+    QPM,  # (batch, seq_q) uint8, nonzero = a row weighing every key alike
     SEED,  # () int64 dropout seed
     stride_qb,
     stride_qh,
@@ -182,6 +200,7 @@ def _disentangled_fwd_kernel(
     stride_pqh,
     stride_pqp,
     stride_kpb,
+    stride_qpb,
     heads,
     seq_q,
     seq_k,
@@ -190,6 +209,7 @@ def _disentangled_fwd_kernel(
     HAS_C2P: tl.constexpr,
     HAS_P2C: tl.constexpr,
     HAS_KPM: tl.constexpr,
+    HAS_QPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -208,6 +228,7 @@ def _disentangled_fwd_kernel(
     V_bh = V + off_b * stride_vb + off_h * stride_vh
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
     q = load_rows(q_ptrs, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
+    uniform = _uniform_rows(QPM + off_b * stride_qpb, offs_m, seq_q, HAS_QPM)
     n_index = seq_q + seq_k - 1
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -232,8 +253,8 @@ def _disentangled_fwd_kernel(
                 PQ + off_h * stride_pqh, stride_pqp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
             )
         s = _tile_scores(
-            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb,
-            HAS_C2P, HAS_P2C, HAS_KPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb, uniform,
+            HAS_C2P, HAS_P2C, HAS_KPM, HAS_QPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
         )  # fmt: skip
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no allowed key so far has m = −inf; shifting by 0 keeps its p at 0.
@@ -299,13 +320,16 @@ def _tile_ds(
     seq_k,
     dropout_p,
     scale,
+    uniform,
     HAS_DROPOUT: tl.constexpr,
+    HAS_QPM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """(p, the kept p · r or p, dS = scale · P ∘ (dP − delta)) of one tile (fp32)."""
+    """(r z ∘ P, or P without dropout; dS = scale · P ∘ (dP − delta)) of one tile, fp32. A
+    ``uniform`` row's scores are constants: its dS is 0 (its p still weighs dV)."""
     p = tl.exp2(s - lse[:, None] * LOG2E)
     dp = dot(do, tl.trans(v), None, PRECISION, UPCAST)
     kept = p
@@ -314,7 +338,10 @@ def _tile_ds(
         words0, words1, byte = dropout_words(seed, off_bh, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, False, 1)
         dp = dropout_mma_apply(dp, words0, words1, byte, threshold) * keep_scale
         kept = dropout_mma_apply(p, words0, words1, byte, threshold) * keep_scale
-    return kept, p * (dp - delta[:, None]) * scale
+    ds = p * (dp - delta[:, None]) * scale
+    if HAS_QPM:
+        ds = tl.where(uniform[:, None], 0.0, ds)
+    return kept, ds
 
 
 @triton.jit
@@ -329,6 +356,7 @@ def _disentangled_bwd_dkdv_kernel(
     LSE,  # (batch, heads, seq_q) fp32
     DELTA,  # (batch, heads, seq_q) fp32: Σ_d dO O
     KPM,
+    QPM,
     SEED,
     DK,  # (batch, heads, seq_k, head_dim) contiguous, output
     DV,  # likewise
@@ -350,6 +378,7 @@ def _disentangled_bwd_dkdv_kernel(
     stride_pqh,
     stride_pqp,
     stride_kpb,
+    stride_qpb,
     heads,
     seq_q,
     seq_k,
@@ -359,6 +388,7 @@ def _disentangled_bwd_dkdv_kernel(
     HAS_C2P: tl.constexpr,
     HAS_P2C: tl.constexpr,
     HAS_KPM: tl.constexpr,
+    HAS_QPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -392,6 +422,7 @@ def _disentangled_bwd_dkdv_kernel(
     skew_rows = tl.minimum(tl.maximum(rows_of_r, 0), BLOCK_M - 1)
     for start_m in range(0, seq_q, BLOCK_M):
         offs_m = start_m + tile_m
+        uniform = _uniform_rows(QPM + off_b * stride_qpb, offs_m, seq_q, HAS_QPM)
         q = load_rows(
             Q_bh + offs_m[:, None] * stride_qs + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True
         )
@@ -412,12 +443,12 @@ def _disentangled_bwd_dkdv_kernel(
                 PQ + off_h * stride_pqh, stride_pqp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
             )
         s = _tile_scores(
-            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb,
-            HAS_C2P, HAS_P2C, HAS_KPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb, uniform,
+            HAS_C2P, HAS_P2C, HAS_KPM, HAS_QPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
         )  # fmt: skip
         kept, ds = _tile_ds(
-            s, lse, delta, do, v, seed, off_bh, start_m, start_n, seq_k, dropout_p, scale,
-            HAS_DROPOUT, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+            s, lse, delta, do, v, seed, off_bh, start_m, start_n, seq_k, dropout_p, scale, uniform,
+            HAS_DROPOUT, HAS_QPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
         )  # fmt: skip
         dv = dot(tl.trans(kept.to(do.dtype)), do, dv, PRECISION, UPCAST)
         ds_in = ds.to(q.dtype)
@@ -447,6 +478,7 @@ def _disentangled_bwd_dq_kernel(
     LSE,
     DELTA,
     KPM,
+    QPM,
     SEED,
     DQ,  # (batch, heads, seq_q, head_dim) contiguous, output
     DPK,  # (batch, heads, seq_q + seq_k − 1, head_dim) fp32, zeroed: c2p gradient by distance
@@ -467,6 +499,7 @@ def _disentangled_bwd_dq_kernel(
     stride_pqh,
     stride_pqp,
     stride_kpb,
+    stride_qpb,
     heads,
     seq_q,
     seq_k,
@@ -476,6 +509,7 @@ def _disentangled_bwd_dq_kernel(
     HAS_C2P: tl.constexpr,
     HAS_P2C: tl.constexpr,
     HAS_KPM: tl.constexpr,
+    HAS_QPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -500,6 +534,7 @@ def _disentangled_bwd_dq_kernel(
     )
     lse = tl.load(LSE + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=float("inf"))
     delta = tl.load(DELTA + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
+    uniform = _uniform_rows(QPM + off_b * stride_qpb, offs_m, seq_q, HAS_QPM)
     K_bh = K + off_b * stride_kb + off_h * stride_kh
     V_bh = V + off_b * stride_vb + off_h * stride_vh
     seed = 0
@@ -530,12 +565,12 @@ def _disentangled_bwd_dq_kernel(
                 PQ + off_h * stride_pqh, stride_pqp, IDX, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_D
             )
         s = _tile_scores(
-            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb,
-            HAS_C2P, HAS_P2C, HAS_KPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+            q, k, gk, gq, offs_n, seq_k, qk_scale, KPM + off_b * stride_kpb, uniform,
+            HAS_C2P, HAS_P2C, HAS_KPM, HAS_QPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
         )  # fmt: skip
         _, ds = _tile_ds(
-            s, lse, delta, do, v, seed, off_bh, start_m, start_n, seq_k, dropout_p, scale,
-            HAS_DROPOUT, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
+            s, lse, delta, do, v, seed, off_bh, start_m, start_n, seq_k, dropout_p, scale, uniform,
+            HAS_DROPOUT, HAS_QPM, BLOCK_M, BLOCK_N, PRECISION, UPCAST,
         )  # fmt: skip
         dq = dot(ds.to(k.dtype), k, dq, PRECISION, UPCAST)
         if HAS_C2P:
@@ -563,11 +598,12 @@ def _blocks(q: torch.Tensor) -> tuple[int, int, int]:
     return 64, 8, 1
 
 
-def _flags(q, pos_key, pos_query, key_padding_mask, dropout_p) -> dict:
+def _flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p) -> dict:
     return dict(
         HAS_C2P=pos_key is not None,
         HAS_P2C=pos_query is not None,
         HAS_KPM=key_padding_mask is not None,
+        HAS_QPM=query_padding_mask is not None,
         HAS_DROPOUT=dropout_p > 0.0,
         HEAD_DIM=q.shape[-1],
         BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])),
@@ -576,16 +612,18 @@ def _flags(q, pos_key, pos_query, key_padding_mask, dropout_p) -> dict:
     )
 
 
-def _pointer_args(q, pos_key, pos_query, key_padding_mask) -> tuple[list, list]:
+def _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask) -> tuple[list, list]:
     """(position and padding tensors, their strides): stand-ins where absent (never read)."""
     pk = q if pos_key is None else pos_key
     pq = q if pos_query is None else pos_query
-    kpm = q if key_padding_mask is None else key_padding_mask.view(torch.uint8)
-    strides = [pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), 0 if key_padding_mask is None else kpm.stride(0)]
-    return [pk, pq, kpm], strides
+    kpm, qpm = (q if mask is None else mask.view(torch.uint8) for mask in (key_padding_mask, query_padding_mask))
+    masks = [0 if mask is None else mask.stride(0) for mask in (key_padding_mask, query_padding_mask)]
+    return [pk, pq, kpm, qpm], [pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), *masks]
 
 
-def disentangled_forward(q, k, v, pos_key, pos_query, index, key_padding_mask, dropout_p, scale, seed):
+def disentangled_forward(
+    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed
+):
     """(out (batch, heads, seq_q, head_dim) in ``empty_output``'s layout, lse (batch, heads,
     seq_q) fp32) by the Triton kernel."""
     batch, heads, seq_q, _ = q.shape
@@ -595,20 +633,20 @@ def disentangled_forward(q, k, v, pos_key, pos_query, index, key_padding_mask, d
     out = empty_output(q)
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
     block, warps, stages = _blocks(q)
-    (pk, pq, kpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask)
+    (pk, pq, kpm, qpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask)
     grid = (triton.cdiv(seq_q, block) * heads * batch,)
     _disentangled_fwd_kernel[grid](
-        q, k, v, pk, pq, index, out, lse, kpm, q if seed is None else seed,
+        q, k, v, pk, pq, index, out, lse, kpm, qpm, q if seed is None else seed,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
         heads, seq_q, seq_k, scale * math.log2(math.e), dropout_p,
-        **_flags(q, pos_key, pos_query, key_padding_mask, dropout_p),
+        **_flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p),
         BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out, lse
 
 
 def disentangled_backward(
-    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, dropout_p, scale, seed
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, dropout_p, scale, seed
 ):
     """(dq, dk, dv, d pos_key by distance, d pos_query by distance) by the Triton kernels; the
     position gradients (batch, heads, seq_q + seq_k − 1, head_dim) fp32, or None."""
@@ -621,21 +659,52 @@ def disentangled_backward(
     dpq = None if pos_query is None else by_distance()
     delta = torch.linalg.vecdot(grad_out.float(), out.float())
     block, warps, stages = _blocks(q)
-    (pk, pq, kpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask)
+    (pk, pq, kpm, qpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask)
     common = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *strides,
         heads, seq_q, seq_k, scale * math.log2(math.e), scale, dropout_p,
     )  # fmt: skip
     flags = dict(
-        **_flags(q, pos_key, pos_query, key_padding_mask, dropout_p),
+        **_flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p),
         BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     seed_arg = q if seed is None else seed
     _disentangled_bwd_dkdv_kernel[(triton.cdiv(seq_k, block) * heads * batch,)](
-        q, k, v, pk, pq, index, grad_out, lse, delta, kpm, seed_arg, dk, dv, q if dpq is None else dpq, *common, **flags
+        q,
+        k,
+        v,
+        pk,
+        pq,
+        index,
+        grad_out,
+        lse,
+        delta,
+        kpm,
+        qpm,
+        seed_arg,
+        dk,
+        dv,
+        q if dpq is None else dpq,
+        *common,
+        **flags,
     )
     _disentangled_bwd_dq_kernel[(triton.cdiv(seq_q, block) * heads * batch,)](
-        q, k, v, pk, pq, index, grad_out, lse, delta, kpm, seed_arg, dq, q if dpk is None else dpk, *common, **flags
+        q,
+        k,
+        v,
+        pk,
+        pq,
+        index,
+        grad_out,
+        lse,
+        delta,
+        kpm,
+        qpm,
+        seed_arg,
+        dq,
+        q if dpk is None else dpk,
+        *common,
+        **flags,
     )
     return dq, dk, dv, dpk, dpq
 
@@ -654,7 +723,7 @@ class _Group:
     """One batch entry's heads h0:h1 in the reference's dtype: their keys, values, position rows
     and the keys' p2c table ``pq Kᵀ`` (heads, 2 · span, seq_k), and the scores of any query rows."""
 
-    def __init__(self, q, k, v, pos_key, pos_query, index, key_padding_mask, scale, b, h0, h1):
+    def __init__(self, q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, scale, b, h0, h1):
         dtype = reference_dtype(q)
         self.q_all, self.b, self.h0, self.h1, self.scale = q, b, h0, h1, scale
         self.k, self.v = k[b, h0:h1].to(dtype), v[b, h0:h1].to(dtype)
@@ -662,6 +731,7 @@ class _Group:
         self.pq = None if pos_query is None else pos_query[h0:h1].to(dtype)
         self.kpq = None if pos_query is None else torch.bmm(self.pq, self.k.mT)
         self.padding = None if key_padding_mask is None else key_padding_mask[b]
+        self.uniform = None if query_padding_mask is None else query_padding_mask[b]
         self.index, self.seq_k = index.long(), k.shape[2]
 
     def rows(self, x, start, stop):
@@ -673,8 +743,9 @@ class _Group:
         j = torch.arange(self.seq_k, device=self.index.device)
         return self.index[i - j + self.seq_k - 1].expand(self.h1 - self.h0, -1, -1)
 
-    def scores(self, q_rows, positions):
-        """(heads, rows, seq_k) scaled scores, −inf at padding keys."""
+    def scores(self, q_rows, positions, start, stop):
+        """(heads, rows, seq_k) scaled scores of query rows start:stop, −inf at padding keys;
+        0 at every key of a row the query padding mask makes uniform."""
         s = torch.bmm(q_rows, self.k.mT)
         if self.pk is not None:
             s.add_(torch.bmm(q_rows, self.pk.mT).gather(-1, positions))
@@ -683,6 +754,8 @@ class _Group:
         s.mul_(self.scale)
         if self.padding is not None:
             s.masked_fill_(self.padding, -math.inf)
+        if self.uniform is not None:
+            s.masked_fill_(self.uniform[start:stop, None], 0.0)
         return s
 
     def keep(self, seed, heads, dropout_p, start, stop):
@@ -693,7 +766,9 @@ class _Group:
         )
 
 
-def disentangled_forward_reference(q, k, v, pos_key, pos_query, index, key_padding_mask, dropout_p, scale, seed):
+def disentangled_forward_reference(
+    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed
+):
     """What ``disentangled_forward`` computes, in fp32 PyTorch (fp64 for fp64 inputs)."""
     batch, heads, seq_q, _ = q.shape
     if q.numel() == 0 or k.numel() == 0:
@@ -703,9 +778,9 @@ def disentangled_forward_reference(q, k, v, pos_key, pos_query, index, key_paddi
     span_rows = 0 if pos_query is None else pos_query.shape[1]
     with torch.autocast(q.device.type, enabled=False):
         for b, h0, h1 in _head_groups(batch, heads, span_rows, k.shape[2]):
-            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, scale, b, h0, h1)
+            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, scale, b, h0, h1)
             for start, stop in reference_row_blocks(seq_q, (h1 - h0) * k.shape[2]):
-                p = group.scores(group.rows(q, start, stop), group.positions(start, stop))
+                p = group.scores(group.rows(q, start, stop), group.positions(start, stop), start, stop)
                 best = p.amax(-1, keepdim=True)
                 no_key = best == -math.inf
                 p.sub_(best.masked_fill(no_key, 0.0)).exp_()
@@ -720,7 +795,7 @@ def disentangled_forward_reference(q, k, v, pos_key, pos_query, index, key_paddi
 
 
 def disentangled_backward_reference(
-    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, dropout_p, scale, seed
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, dropout_p, scale, seed
 ):
     """What ``disentangled_backward`` computes, with the position gradients already in buckets:
     (dq, dk, dv, d pos_key, d pos_query) in the reference's dtype (None for an absent position)."""
@@ -735,13 +810,13 @@ def disentangled_backward_reference(
     keep_scale = dropout_threshold(dropout_p)[1] if seed is not None else 1.0
     with torch.autocast(q.device.type, enabled=False):
         for b, h0, h1 in _head_groups(batch, heads, span_rows, k.shape[2]):
-            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, scale, b, h0, h1)
+            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, scale, b, h0, h1)
             dk_g, dv_g = dk[b, h0:h1], dv[b, h0:h1]
             dkpq = None if pos_query is None else torch.zeros_like(group.kpq)
             for start, stop in reference_row_blocks(seq_q, (h1 - h0) * k.shape[2]):
                 q_rows, do_rows = group.rows(q, start, stop), group.rows(grad_out, start, stop)
                 positions = group.positions(start, stop)
-                p = group.scores(q_rows, positions)
+                p = group.scores(q_rows, positions, start, stop)
                 p.sub_(lse[b, h0:h1, start:stop, None]).exp_()
                 dp = torch.bmm(do_rows, group.v.mT)
                 if seed is None:
@@ -752,6 +827,8 @@ def disentangled_backward_reference(
                     dp.mul_(keep).mul_(keep_scale)
                 # Σ_j P dP over whole rows: each row of dS sums to ~0, as torch's softmax backward
                 ds = dp.sub_(torch.linalg.vecdot(p, dp).unsqueeze(-1)).mul_(p).mul_(scale)
+                if group.uniform is not None:  # constant scores
+                    ds.masked_fill_(group.uniform[start:stop, None], 0.0)
                 dq_rows = torch.bmm(ds, group.k)
                 if pos_key is not None:
                     dc = torch.zeros((h1 - h0, stop - start, pos_key.shape[1]), dtype=dtype, device=q.device)
@@ -784,17 +861,18 @@ def disentangled_attention_op(
     pos_query: torch.Tensor | None,
     index: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
+    query_padding_mask: torch.Tensor | None,
     seed: torch.Tensor | None,
     dropout_p: float,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of checked inputs (``disentangled_attention``)."""
     fwd = disentangled_forward if runs_kernels(q) else disentangled_forward_reference
-    return fwd(q, k, v, pos_key, pos_query, index, key_padding_mask, dropout_p, scale, seed)
+    return fwd(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed)
 
 
 @disentangled_attention_op.register_fake
-def _(q, k, v, pos_key, pos_query, index, key_padding_mask, seed, dropout_p, scale):
+def _(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, seed, dropout_p, scale):
     return empty_output(q), q.new_empty(q.shape[:3], dtype=reference_dtype(q))
 
 
@@ -810,13 +888,29 @@ def disentangled_attention_backward_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
+    query_padding_mask: torch.Tensor | None,
     seed: torch.Tensor | None,
     dropout_p: float,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d pos_key, d pos_query) in the inputs' dtypes; an absent position's is empty."""
     grad_out = last_dim_contiguous(grad_out)
-    args = (grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, dropout_p, scale, seed)
+    args = (
+        grad_out,
+        q,
+        k,
+        v,
+        pos_key,
+        pos_query,
+        index,
+        out,
+        lse,
+        key_padding_mask,
+        query_padding_mask,
+        dropout_p,
+        scale,
+        seed,
+    )
     if runs_kernels(q):
         dq, dk, dv, dpk, dpq = disentangled_backward(*args)
         long_index = index.long()
@@ -833,7 +927,9 @@ def disentangled_attention_backward_op(
 
 
 @disentangled_attention_backward_op.register_fake
-def _(grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed, dropout_p, scale):
+def _(
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed, dropout_p, scale
+):
     positions = (
         torch.empty(0, device=q.device) if pos is None else torch.empty_like(pos) for pos in (pos_key, pos_query)
     )
@@ -841,9 +937,9 @@ def _(grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, 
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, pos_key, pos_query, index, key_padding_mask, seed, dropout_p, scale = inputs
+    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, seed, dropout_p, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed)
+    ctx.save_for_backward(q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
     ctx.dropout_p, ctx.scale = dropout_p, scale
@@ -851,10 +947,23 @@ def _setup_context(ctx, inputs, output):
 
 def _grad(ctx, grad_out, _grad_lse):
     if grad_out is None:
-        return (None,) * 10
-    q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed = ctx.saved_tensors
+        return (None,) * 11
+    q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed = ctx.saved_tensors
     dq, dk, dv, dpk, dpq = disentangled_attention_backward_op(
-        grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, seed, ctx.dropout_p, ctx.scale
+        grad_out,
+        q,
+        k,
+        v,
+        pos_key,
+        pos_query,
+        index,
+        out,
+        lse,
+        key_padding_mask,
+        query_padding_mask,
+        seed,
+        ctx.dropout_p,
+        ctx.scale,
     )
     return (
         dq,
@@ -862,7 +971,7 @@ def _grad(ctx, grad_out, _grad_lse):
         dv,
         None if pos_key is None else dpk,
         None if pos_query is None else dpq,
-        *(None,) * 5,
+        *(None,) * 6,
     )
 
 
@@ -899,6 +1008,7 @@ def disentangled_attention(
     position_buckets: int = -1,
     max_relative_positions: int = -1,
     key_padding_mask: torch.Tensor | None = None,
+    query_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
 ) -> torch.Tensor:
@@ -916,6 +1026,9 @@ def disentangled_attention(
             (``relative_position_index``). span = rows of the position tensors / 2: HF's
             ``position_buckets`` when positive, else ``max_relative_positions``.
         key_padding_mask: (batch, seq_k) bool, True = padding.
+        query_padding_mask: (batch, seq_q) bool, True = a row that weighs every key alike,
+            padding included (HF DeBERTa's padded queries, whose scores are all finfo.min);
+            such a row's scores get no gradient.
         dropout_p: attention dropout, masks regenerated in backward from a Philox seed.
         scale: the scores' factor, default ``1 / sqrt(head_dim · (1 + terms))``, DeBERTa's
             scale with one term per position tensor given.
@@ -963,14 +1076,18 @@ def disentangled_attention(
         rows = pos.shape[1]
     if rows is not None and position_buckets > 0 and rows != 2 * position_buckets:
         raise ValueError(f"position tensors must have 2 · position_buckets = {2 * position_buckets} rows, got {rows}")
-    if key_padding_mask is not None:
-        _check_tensor("key_padding_mask", key_padding_mask, 2, None, query.device)
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be bool (True = padding), got {key_padding_mask.dtype}")
-        if key_padding_mask.shape != (batch, seq_k):
-            raise ValueError(
-                f"key_padding_mask must be (batch, seq_k) = {(batch, seq_k)}, got {tuple(key_padding_mask.shape)}"
-            )
+    masks = (
+        ("key_padding_mask", key_padding_mask, "seq_k", seq_k),
+        ("query_padding_mask", query_padding_mask, "seq_q", seq_q),
+    )
+    for name, mask, seq_name, seq in masks:
+        if mask is None:
+            continue
+        _check_tensor(name, mask, 2, None, query.device)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
+        if mask.shape != (batch, seq):
+            raise ValueError(f"{name} must be (batch, {seq_name}) = {(batch, seq)}, got {tuple(mask.shape)}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     terms = (pos_key is not None) + (pos_query is not None)
@@ -983,5 +1100,17 @@ def disentangled_attention(
     query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
     pos_key, pos_query = (None if pos is None else last_dim_contiguous(pos) for pos in (pos_key, pos_query))
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
-    out, _ = _run(query, key, value, pos_key, pos_query, index, key_padding_mask, seed, float(dropout_p), float(scale))
+    out, _ = _run(
+        query,
+        key,
+        value,
+        pos_key,
+        pos_query,
+        index,
+        key_padding_mask,
+        query_padding_mask,
+        seed,
+        float(dropout_p),
+        float(scale),
+    )
     return out
