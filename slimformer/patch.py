@@ -434,9 +434,10 @@ def patch(model: nn.Module, recompute: str | None = None, unpad: bool = False) -
     if unpad:
         unpad_swaps, unpad_left = _plan_class_swaps(root, "unpad", _UNPAD_CHANGE)
         if not unpad_swaps:
+            why = "; ".join(f"{item.name or item.type_name}: {item.reason}" for item in unpad_left)
             warnings.warn(
-                f"slimformer.patch: unpad=True but {type(model).__name__} has no BERT-family base model whose "
-                "encoder layers are all fused; nothing is unpadded",
+                f"slimformer.patch: unpad=True but nothing is unpadded in {type(model).__name__} "
+                f"({why or 'no base model of a family slimformer unpads, with its encoder layers all fused'})",
                 stacklevel=2,
             )
         for class_swap, new_class in unpad_swaps:

@@ -14,7 +14,9 @@ with e = ``pos_dropout(rel_embeddings)[: 2 · span]``. HF builds and keeps sever
 heads, seq, seq) tensors per layer (the c2p and p2c products, their gathers, the scores,
 the probabilities, the dropout mask); the fused layer keeps q, k, v, o, the log-sum-exp
 and the (2 · span, hidden) projections of e, and nothing (seq, seq)-sized exists in
-forward or backward. The rest is the BERT-family layer's (``slimformer.integrations.hf.bert``):
+forward or backward. ``DebertaV2ForMaskedLM``'s loss is fused with its decoder
+(``slimformer.integrations.hf.masked_lm``, either head: ``config.legacy`` or not). The
+rest is the BERT-family layer's (``slimformer.integrations.hf.bert``):
 the same kernels, recompute policies (``qkv`` recomputes the projections and the attention,
 also those of e), quantized Linears and memory modes.
 
@@ -38,7 +40,7 @@ from einops import rearrange
 from torch import nn
 
 from slimformer.integrations import ModelFamily
-from slimformer.integrations.hf.bert import FusedBertFamilyLayer, LayerLayout, fuse_layer, layer_problem
+from slimformer.integrations.hf.bert import FusedBertFamilyLayer, LayerLayout, fuse_layer, fused_loss, layer_problem
 from slimformer.integrations.hf.classes import RuntimeMixin
 from slimformer.kernels.attention.disentangled import disentangled_attention
 
@@ -108,8 +110,8 @@ class DisentangledDebertaV2Encoder(RuntimeMixin):
         return super().get_attention_mask(attention_mask)
 
     def get_rel_pos(self, hidden_states, query_states=None, relative_pos=None):
-        if self.relative_attention and query_states is None and relative_pos is None:
-            return RelativePositions(self, hidden_states)
+        if query_states is None and relative_pos is None:
+            return RelativePositions(self, hidden_states) if self.relative_attention else None
         return super().get_rel_pos(hidden_states, query_states, relative_pos)
 
 
@@ -233,9 +235,17 @@ def _encoder_class(module: nn.Module) -> tuple[type | None, str | None] | None:
     return None, "its layers are not all fused: the mask and relative positions stay HF's (seq, seq) tensors"
 
 
+def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
+    if _class_name(model) != (_MODULE, "DebertaV2Model"):
+        return None
+    return None, "unpad: no varlen disentangled attention kernel yet, so DeBERTa-v2 runs padded"
+
+
 FAMILY = ModelFamily(
     "DeBERTa-v2",
     _replacement,
+    fuse_loss=lambda model: fused_loss(model, frozenset({"deberta"})),
+    unpad=_unpadded,
     change_class=_encoder_class,
     class_change="padding mask and relative positions handed to the fused disentangled attention",
 )

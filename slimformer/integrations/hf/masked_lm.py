@@ -1,4 +1,5 @@
-"""The fused masked-LM loss of HuggingFace BERT-family, DistilBERT, ALBERT, MPNet and ModernBERT ``*ForMaskedLM`` models.
+"""The fused masked-LM loss of HuggingFace BERT-family, DistilBERT, ALBERT, MPNet, ModernBERT and DeBERTa-v2
+``*ForMaskedLM`` models.
 
 ``slimformer.patch`` changes the class of such a model, in place and reversibly, to
 ``Fused<Model>(FusedMaskedLM, <Model>)``: the same object, Parameters, ``state_dict``
@@ -31,8 +32,10 @@ from slimformer.layers.mlm_head import masked_token_loss
 # next-sentence prediction), "lm_head" (RoBERTa: lm_head with dense, gelu,
 # layer_norm, decoder), "distilbert" (the model's own vocab_transform, activation,
 # vocab_layer_norm, vocab_projector), "albert" (predictions with dense, activation,
-# LayerNorm, decoder: the transform maps hidden to the embedding size) or "modernbert" (the
-# model's head, a dense-activation-norm module, and decoder).
+# LayerNorm, decoder: the transform maps hidden to the embedding size), "modernbert" (the
+# model's head, a dense-activation-norm module, and decoder) or "deberta" (with
+# ``config.legacy`` BERT's cls.predictions, else lm_predictions.lm_head's dense,
+# transform_act_fn and LayerNorm, then the word embeddings' weight and the head's bias).
 _MASKED_LM_MODELS = {
     ("transformers.models.bert.modeling_bert", "BertForMaskedLM"): "predictions",
     ("transformers.models.bert.modeling_bert", "BertForPreTraining"): "pretraining",
@@ -45,6 +48,7 @@ _MASKED_LM_MODELS = {
     ("transformers.models.albert.modeling_albert", "AlbertForMaskedLM"): "albert",
     ("transformers.models.mpnet.modeling_mpnet", "MPNetForMaskedLM"): "lm_head",
     ("transformers.models.modernbert.modeling_modernbert", "ModernBertForMaskedLM"): "modernbert",
+    ("transformers.models.deberta_v2.modeling_deberta_v2", "DebertaV2ForMaskedLM"): "deberta",
 }
 # The head layouts of BERT-family models (``slimformer.integrations.hf.bert``'s).
 BERT_HEADS = frozenset({"predictions", "pretraining", "lm_head"})
@@ -62,8 +66,16 @@ def is_masked_lm(model: torch.nn.Module, heads: frozenset[str]) -> bool:
 
 
 def _head(model):
-    """(transform: (rows, H) -> (rows, E), decoder Linear (V, E)) of the model's MLM head."""
+    """(transform: (rows, H) -> (rows, E), the decoder: a Linear (V, E), or DeBERTa-v2's word
+    embeddings (V, E), whose head adds a bias of its own) of the model's MLM head."""
     layout = _layout(model)
+    if layout == "deberta" and not model.legacy:
+        head = model.lm_predictions.lm_head
+
+        def transform(rows):
+            return head.LayerNorm(head.transform_act_fn(head.dense(rows)))
+
+        return transform, model.deberta.embeddings.word_embeddings
     if layout == "distilbert":
 
         def transform(rows):
@@ -79,7 +91,7 @@ def _head(model):
             return head.LayerNorm(head.activation(head.dense(rows)))
 
         return transform, head.decoder
-    head = model.lm_head if layout == "lm_head" else model.cls.predictions
+    head = model.lm_head if layout == "lm_head" else model.cls.predictions  # BERT's, DeBERTa-v2's legacy
     if layout != "lm_head":
         return head.transform, head.decoder
     gelu = sys.modules[type(head).__module__].gelu  # the function the head's own forward calls
@@ -90,11 +102,19 @@ def _head(model):
     return transform, head.decoder
 
 
+def _decoder_weight_and_bias(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    decoder = _head(model)[1]
+    if type(decoder) is torch.nn.Embedding:  # DeBERTa-v2's lm_predictions
+        return decoder.weight, model.lm_predictions.lm_head.bias
+    return decoder.weight, decoder.bias
+
+
 def masked_lm_problem(model: torch.nn.Module) -> str | None:
     """Why the MLM loss of ``model`` (an allow-listed class) cannot be fused, or None."""
     decoder = _head(model)[1]
-    if type(decoder) is not torch.nn.Linear:
-        return f"the head's decoder is a {type(decoder).__name__}, not torch.nn.Linear"
+    expected = torch.nn.Embedding if _layout(model) == "deberta" and not model.legacy else torch.nn.Linear
+    if type(decoder) is not expected:
+        return f"the head's decoder is a {type(decoder).__name__}, not torch.nn.{expected.__name__}"
     return None
 
 
@@ -122,8 +142,8 @@ class FusedMaskedLM(RuntimeMixin):
             return super().forward(*args, **kwargs)
         arguments.pop("self")
         outputs = getattr(self, self.base_model_prefix)(**arguments, **extra, return_dict=True)
-        transform, decoder = _head(self)
-        loss = masked_token_loss(outputs[0], labels, transform, decoder.weight, decoder.bias)
+        transform = _head(self)[0]
+        loss = masked_token_loss(outputs[0], labels, transform, *_decoder_weight_and_bias(self))
         common = dict(hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         if not pretraining:
             return self._output_class(loss=loss, logits=None, **common)
