@@ -215,6 +215,99 @@ def varlen_attention_cases() -> list[Case]:
     return cases
 
 
+def disentangled_attention_case(
+    dtype="bf16",
+    *,
+    head_dim=64,
+    heads=12,
+    seq=512,
+    batch=8,
+    dropout=0.0,
+    padding=True,
+    position_buckets=256,
+    max_relative_positions=512,
+    ci=False,
+) -> Case:
+    """DeBERTa(-v2/-v3)'s disentangled attention (``disentangled_attention``) with both position
+    terms (c2p and p2c), called as slimformer's fused DeBERTa layer calls it
+    (``slimformer.integrations.hf.deberta``): q, k, v head views of three (batch, seq, hidden)
+    projections, the position keys and queries (heads, 2 · span, head_dim) head views of a
+    (2 · span, hidden) projection of the relative embeddings, and the batch's padding as both
+    the key and the query padding mask. Named without "attn", so ``-k attn`` keeps selecting
+    plain attention; the estimates count plain attention's GEMMs, so the position GEMMs show
+    in FLOPs ×min."""
+    from slimformer.kernels.attention.disentangled import disentangled_attention
+
+    span_rows = 2 * position_buckets if position_buckets > 0 else 2 * max_relative_positions
+    flags = [
+        f"d{head_dim}", dtype, f"s{seq}", f"h{heads}", "bshd", "c2p+p2c", f"dropout{dropout:g}" if dropout else "",
+        "key-padding query-padding" if padding else "",
+    ]  # fmt: skip
+    name = "disentangled " + " ".join(f for f in flags if f)
+
+    def run():
+        torch_dtype = DTYPES[dtype]
+        q, k, v = _attention_inputs(batch, heads, heads, seq, seq, head_dim, torch_dtype, "bshd")
+        pos_key, pos_query = (
+            rearrange(
+                torch.zeros(span_rows, heads * head_dim, dtype=torch_dtype, requires_grad=True),
+                "p (h d) -> h p d",
+                h=heads,
+            )
+            for _ in range(2)
+        )
+        mask = torch.zeros(batch, seq, dtype=torch.bool) if padding else None
+        out = disentangled_attention(
+            q,
+            k,
+            v,
+            pos_key,
+            pos_query,
+            position_buckets=position_buckets,
+            max_relative_positions=max_relative_positions,
+            key_padding_mask=mask,
+            query_padding_mask=mask,
+            dropout_p=dropout,
+        )
+        return lambda: out.backward(torch.zeros_like(out))
+
+    params = dict(
+        head_dim=head_dim,
+        dtype=dtype,
+        batch=batch,
+        heads=heads,
+        kv_heads=heads,
+        seq_q=seq,
+        seq_k=seq,
+        causal=False,
+        dropout=dropout,
+        mask=None,
+        key_padding=padding,
+        query_padding=padding,
+        layout="bshd",
+        deterministic=True,
+        window=None,
+        terms="c2p+p2c",
+        position_rows=span_rows,
+        position_buckets=position_buckets,
+        max_relative_positions=max_relative_positions,
+    )
+    return Case(name, "attention", run, params, ci)
+
+
+def disentangled_attention_cases() -> list[Case]:
+    """DeBERTa-v3-base (12 heads of 64, 256 position buckets, 512 relative positions) at
+    batch 8 × 512 tokens, bf16 and fp16 with and without dropout; fp32; and -large's 16
+    heads. The CI compiles bf16 with dropout (the most per-element state) for sm_90."""
+    cases = []
+    for dtype in ("bf16", "fp16"):
+        for dropout in (0.0, 0.1):
+            cases.append(disentangled_attention_case(dtype, dropout=dropout, ci=(dtype, dropout) == ("bf16", 0.1)))
+    cases.append(disentangled_attention_case("fp32"))
+    cases.append(disentangled_attention_case("bf16", heads=16, dropout=0.1))
+    return cases
+
+
 # ----------------------------------------------------------------------------- norms
 
 
@@ -402,7 +495,7 @@ def gemm_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    attention = attention_cases() + varlen_attention_cases()
+    attention = attention_cases() + varlen_attention_cases() + disentangled_attention_cases()
     return attention + norm_cases() + elementwise_cases() + loss_cases() + gemm_cases()
 
 

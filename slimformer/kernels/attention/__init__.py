@@ -56,10 +56,13 @@ The package, in the order a reader follows a call:
 - ``forward``, ``backward``: the kernels and their launchers;
 - ``tiles``: the jit helpers the kernels share; ``launch``: what the launchers share;
 - ``configs``: the block configs, one table per architecture;
-- ``reference``: the PyTorch references (the CPU path).
+- ``reference``: the PyTorch references (the CPU path);
+- ``disentangled``: DeBERTa's disentangled attention (c2p and p2c position terms), its
+  kernels, reference and ops in one file, on the shared tiles.
 """
 
+from slimformer.kernels.attention.disentangled import disentangled_attention
 from slimformer.kernels.attention.interface import MAX_HEAD_DIM, attention, self_attention, varlen_attention
 from slimformer.kernels.attention.tiles import MASKED_BIAS
 
-__all__ = ["MASKED_BIAS", "MAX_HEAD_DIM", "attention", "self_attention", "varlen_attention"]
+__all__ = ["MASKED_BIAS", "MAX_HEAD_DIM", "attention", "disentangled_attention", "self_attention", "varlen_attention"]

@@ -46,12 +46,13 @@ import torch
 import triton
 import triton.language as tl
 
+from slimformer.kernels import dispatch
 from slimformer.kernels.attention.launch import empty_forward, empty_output, reference_dtype
 from slimformer.kernels.attention.ops import last_dim_contiguous, runs_kernels
-from slimformer.kernels.attention.reference import _dropout_keep_block
 from slimformer.kernels.attention.tiles import LN2, LOG2E, dot, dropout_words, load_rows, store_rows, tile_ids
 from slimformer.kernels.dispatch import eager_autograd, reference_row_blocks
 from slimformer.kernels.philox import (
+    dropout_keep_mma_block,
     dropout_mma_apply,
     dropout_threshold,
     dropout_threshold_and_scale,
@@ -79,7 +80,7 @@ def relative_position_index(
     logarithmic beyond, up to ``max_relative_positions`` (the same float ops in the same order
     as transformers' ``make_log_bucket_position``, so the same buckets bit for bit). The
     bucket is odd in i − j, so c2p (``bucket(i − j)``) and p2c (``−bucket(j − i)``) read one index."""
-    distance = torch.arange(-(seq_k - 1), seq_q, device=device)
+    distance = torch.arange(-(seq_k - 1), max(seq_q, 1 - seq_k), device=device)
     if position_buckets > 0 and max_relative_positions > 0:
         distance = _log_bucket(distance, position_buckets, max_relative_positions).to(torch.long)
     return (distance + span).clamp_(0, 2 * span - 1).to(torch.int32)
@@ -277,10 +278,11 @@ def _disentangled_fwd_kernel(
     keep_scale = 1.0
     if HAS_DROPOUT:
         keep_scale = dropout_threshold_and_scale(dropout_p)[1]
-    acc = acc * tl.where(no_key, 0.0, keep_scale / l_i)[:, None]
+    l_safe = tl.where(no_key, 1.0, l_i)  # no 0 / 0 in the branch tl.where drops
+    acc = acc * tl.where(no_key, 0.0, keep_scale / l_safe)[:, None]
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
     store_rows(o_ptrs, acc.to(O.dtype.element_ty), offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)
-    lse = tl.where(no_key, float("inf"), (m_i + tl.log2(l_i)) * LN2)
+    lse = tl.where(no_key, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
     tl.store(LSE + (off_b * heads + off_h) * seq_q + offs_m, lse, mask=offs_m < seq_q)
 
 
@@ -587,15 +589,15 @@ def _disentangled_bwd_dq_kernel(
 # ----------------------------------------------------------------------------- launchers
 
 
-def _blocks(q: torch.Tensor) -> tuple[int, int, int]:
-    """(BLOCK_M = BLOCK_N, num_warps, num_stages): a tile holds two (tile × 2 · tile) position
-    products besides plain attention's, so tiles are half FlashAttention-2's (compile report)."""
-    head_dim = q.shape[-1]
-    if head_dim > 128:
+def _blocks(q: torch.Tensor, backward: bool) -> tuple[int, int, int]:
+    """(BLOCK_M = BLOCK_N, num_warps, num_stages). A tile also holds the two (tile × 2 · tile)
+    position products and their skews, so tiles are a quarter of FlashAttention-2's: the
+    largest that compile without spills on sm_90 and sm_80 (compile report)."""
+    if q.dtype == torch.float32 or q.shape[-1] > 64:
         return 16, 4, 1
-    if head_dim > 64 or q.dtype == torch.float32:
-        return 32, 4, 1
-    return 64, 8, 1
+    if backward and dispatch.device_target(q).arch < 90:
+        return 16, 4, 1
+    return 32, 8 if backward else 4, 1
 
 
 def _flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p) -> dict:
@@ -632,7 +634,7 @@ def disentangled_forward(
         return empty_forward(q)
     out = empty_output(q)
     lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
-    block, warps, stages = _blocks(q)
+    block, warps, stages = _blocks(q, backward=False)
     (pk, pq, kpm, qpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask)
     grid = (triton.cdiv(seq_q, block) * heads * batch,)
     _disentangled_fwd_kernel[grid](
@@ -654,11 +656,12 @@ def disentangled_backward(
     seq_k = k.shape[2]
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     n_index = seq_q + seq_k - 1
-    by_distance = lambda: torch.zeros((batch, heads, n_index, head_dim), dtype=torch.float32, device=q.device)  # noqa: E731
-    dpk = None if pos_key is None else by_distance()
-    dpq = None if pos_query is None else by_distance()
+    dpk, dpq = (
+        None if pos is None else torch.zeros((batch, heads, n_index, head_dim), dtype=torch.float32, device=q.device)
+        for pos in (pos_key, pos_query)
+    )
     delta = torch.linalg.vecdot(grad_out.float(), out.float())
-    block, warps, stages = _blocks(q)
+    block, warps, stages = _blocks(q, backward=True)
     (pk, pq, kpm, qpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask)
     common = (
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *strides,
@@ -761,9 +764,8 @@ class _Group:
     def keep(self, seed, heads, dropout_p, start, stop):
         """The kernels' dropout keep mask of these heads' query rows start:stop (heads, rows, seq_k)."""
         streams = self.h1 - self.h0
-        return _dropout_keep_block(
-            seed, self.b * heads + self.h0, streams, self.seq_k, start, stop, self.seq_k, dropout_p
-        )
+        first = self.b * heads + self.h0
+        return dropout_keep_mma_block(seed, streams, start, stop, self.seq_k, self.seq_k, dropout_p, first)
 
 
 def disentangled_forward_reference(
@@ -911,7 +913,7 @@ def disentangled_attention_backward_op(
         scale,
         seed,
     )
-    if runs_kernels(q):
+    if runs_kernels(q) and q.numel() and k.numel():  # the reference gives empty inputs' zeros
         dq, dk, dv, dpk, dpq = disentangled_backward(*args)
         long_index = index.long()
         dpk, dpq = (
@@ -1088,8 +1090,10 @@ def disentangled_attention(
             raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
         if mask.shape != (batch, seq):
             raise ValueError(f"{name} must be (batch, {seq_name}) = {(batch, seq)}, got {tuple(mask.shape)}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p}")
     terms = (pos_key is not None) + (pos_query is not None)
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim * (1 + terms))
