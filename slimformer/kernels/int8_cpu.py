@@ -27,10 +27,7 @@ BERT's sizes. These functions compute exactly the same values in one pass each:
   first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
   ``matmul.MAX_SPLIT_IN_FEATURES``.
 
-The loops are plain C over raw pointers (no torch headers, so a build takes seconds, not
-the minutes of a torch C++ extension), compiled once per machine with the C compiler
-(``$CC``, else ``cc``) for the vector ISA torch uses on this CPU, cached under
-``$SLIMFORMER_CACHE_DIR`` (default ``~/.cache/slimformer``) and called through ctypes.
+The loops are plain C (``c_loops``: compiled once per machine, called through ctypes).
 They run on torch's own OpenMP runtime with ``torch.get_num_threads()`` threads. Allocation,
 argument checks and the GEMMs stay in torch. ``Linear8bit.from_float`` builds the library
 when it makes a CPU layer, so the time is spent at quantize / load time, not in the first
@@ -40,20 +37,11 @@ PyTorch statement, which gives the same bits, only slower.
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
-from pathlib import Path
 
 import torch
 
-_log = logging.getLogger(__name__)
+from slimformer.kernels import c_loops
 
 _SOURCE = r"""
 #include <math.h>
@@ -196,14 +184,6 @@ void scale_bias(float* restrict out, const float* restrict w_scale, const float*
 }
 """
 
-# -ffp-contract=off: no multiply-add is fused but the one written as fmaf.
-_CFLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math"]
-# Vector ISA flags per torch's CPU capability (not -march=native: the cached library
-# must run on every machine of that capability that shares the cache directory).
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
 # Elements below which a loop runs on the calling thread (at::parallel_for's grain).
 _GRAIN = 32768
 
@@ -246,59 +226,20 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("SLIMFORMER_CACHE_DIR"):
-        return Path(os.environ["SLIMFORMER_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slimformer"
-
-
-def _build(compiler: str, flags: list[str], target: Path) -> None:
-    """Compile ``_SOURCE`` into ``target``, with OpenMP where the compiler has it. The
-    library is written under a temporary name and renamed, so processes building at
-    once (pytest-xdist workers, DDP ranks) never load a half-written file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source, library = Path(tmp) / "int8_cpu.c", Path(tmp) / target.name
-        source.write_text(_SOURCE)
-        command = [compiler, *flags, str(source), "-o", str(library)]
-        build = subprocess.run([*command[:1], "-fopenmp", *command[1:]], capture_output=True, text=True)
-        if build.returncode:  # no OpenMP (e.g. Apple clang): the same loops on one thread
-            build = subprocess.run(command, capture_output=True, text=True)
-        if build.returncode:
-            raise RuntimeError(f"{' '.join(command)} failed: {build.stderr.strip()}")
-        os.replace(library, target)
-
-
 @functools.cache
 def extension():
     """The fused loops as a namespace of ``quantize_rows``, ``int8_gemm``,
     ``weight_only_gemm``, ``quantize_rows_split`` and ``split_gemm`` (torch tensors in and
     out), or None where they cannot be built (no C compiler): the callers then run the
     PyTorch statement."""
-    flags = _CFLAGS + _ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    compiler = os.environ.get("CC") or "cc"
-    key = "\n".join([_SOURCE, compiler, *flags, platform.machine(), platform.system()])
-    target = _cache_dir() / f"int8_cpu_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
-    try:
-        if not target.exists():
-            if shutil.which(compiler) is None:
-                raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-            _log.info("slimformer: compiling the CPU int8 loops into %s (once per machine)", target)
-            _build(compiler, flags, target)
-        library = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError) as error:
-        warnings.warn(
-            f"slimformer: the fused CPU int8 path could not be built ({type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}); "
-            "W8A8 runs on plain PyTorch ops (slower, same results)",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    for name, argtypes in _SIGNATURES.items():
-        getattr(library, name).argtypes = argtypes
-        getattr(library, name).restype = None
-    return _FusedLoops(library)
+    library = c_loops.load(
+        "int8_cpu",
+        _SOURCE,
+        _SIGNATURES,
+        "the fused CPU int8 path",
+        "W8A8 runs on plain PyTorch ops (slower, same results)",
+    )
+    return None if library is None else _FusedLoops(library)
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

@@ -80,6 +80,8 @@ sm_90: about 26 instructions of Philox-4x32-7, made once instead of twice, plus 
 shuffles, and ~2 per element to decide and apply.
 """
 
+import ctypes
+import functools
 import math
 
 import torch
@@ -87,6 +89,7 @@ import triton
 import triton.language as tl
 from einops import rearrange
 
+from slimformer.kernels import c_loops
 from slimformer.kernels.dispatch import plain_eager
 
 DECISIONS_PER_CALL = 16  # G: bytes of one Philox-4x32 output
@@ -480,13 +483,122 @@ def dropout_threshold(p: float) -> tuple[int, float]:
     return threshold, THRESHOLD_LEVELS / (THRESHOLD_LEVELS - threshold)
 
 
+_C_SOURCE = r"""
+#include <stdint.h>
+
+/* Philox4x32 of the counter (c0, c1) = (low, high word of counter), c2 = c3 = 0, into
+   words[0 .. 3], as tl.randint4x draws them. */
+static inline void philox_one(uint64_t seed, uint64_t counter, int rounds, uint32_t* words) {
+  uint32_t c0 = (uint32_t)counter, c1 = (uint32_t)(counter >> 32), c2 = 0, c3 = 0;
+  uint32_t key0 = (uint32_t)seed, key1 = (uint32_t)(seed >> 32);
+  for (int r = 0; r < rounds; ++r) {
+    uint64_t product_a = (uint64_t)0xD2511F53u * c0, product_b = (uint64_t)0xCD9E8D57u * c2;
+    c0 = (uint32_t)(product_b >> 32) ^ c1 ^ key0;
+    c2 = (uint32_t)(product_a >> 32) ^ c3 ^ key1;
+    c1 = (uint32_t)product_b;
+    c3 = (uint32_t)product_a;
+    key0 += 0x9E3779B9u;
+    key1 += 0xBB67AE85u;
+  }
+  words[0] = c0;
+  words[1] = c1;
+  words[2] = c2;
+  words[3] = c3;
+}
+
+/* The words of counters[0 .. n - 1] into out[4i .. 4i + 3]. */
+void philox4x32(uint64_t seed, const int64_t* counters, int64_t n, int rounds, uint32_t* out, int threads) {
+  #pragma omp parallel for num_threads(threads) if(threads > 1)
+  for (int64_t i = 0; i < n; ++i) philox_one(seed, (uint64_t)counters[i], rounds, out + 4 * i);
+}
+
+/* Keep decisions (streams, row_stop - row_start, n_block_cols) of the attention scheme
+   (dropout_keep_mma_block): one Philox call per (stream, 16-row block ib, row pair a,
+   16-column block jb, column pair b), whose 16 bytes decide rows ib·16 + 8·ih + 2·a + io
+   and columns jb·16 + 8·jh + 2·b + jo by byte 2·jo + jh of word 2·(io ^ jb % 2) + ih. */
+void attention_keep(uint64_t seed, int64_t first_stream, int64_t streams, int64_t row_start, int64_t row_stop,
+                    int64_t n_block_cols, int64_t n_cols, int threshold, int rounds, uint8_t* out, int threads) {
+  int64_t rows = row_stop - row_start, col_blocks = (n_cols + 15) / 16, used_col_blocks = (n_block_cols + 15) / 16;
+  int64_t first_block = row_start / 16, end_block = (row_stop + 15) / 16;
+  int64_t tasks = streams * (end_block - first_block);
+  #pragma omp parallel for num_threads(threads) if(threads > 1)
+  for (int64_t task = 0; task < tasks; ++task) {
+    int64_t s = task / (end_block - first_block), ib = first_block + task % (end_block - first_block);
+    uint8_t* plane = out + s * rows * n_block_cols;
+    for (int64_t jb = 0; jb < used_col_blocks; ++jb) {
+      for (int a = 0; a < 4; ++a) {
+        for (int b = 0; b < 4; ++b) {
+          uint64_t counter = ((uint64_t)(first_stream + s) << 32) + (uint64_t)((ib * col_blocks + jb) * 16 + 4 * a + b);
+          uint32_t words[4];
+          philox_one(seed, counter, rounds, words);
+          for (int ih = 0; ih < 2; ++ih) {
+            for (int io = 0; io < 2; ++io) {
+              int64_t i = ib * 16 + 8 * ih + 2 * a + io;
+              if (i < row_start || i >= row_stop) continue;
+              uint32_t word = words[2 * (io ^ (int)(jb & 1)) + ih];
+              for (int jh = 0; jh < 2; ++jh) {
+                for (int jo = 0; jo < 2; ++jo) {
+                  int64_t j = jb * 16 + 8 * jh + 2 * b + jo;
+                  if (j >= n_block_cols) continue;
+                  plane[(i - row_start) * n_block_cols + j] = ((word >> (8 * (2 * jo + jh))) & 0xFF) >= (uint32_t)threshold;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+"""
+# Counters below which the rounds run on the calling thread.
+_C_GRAIN = 16384
+
+
+@functools.cache
+def _c_philox():
+    """The C loop of ``_philox4x32`` (``c_loops``), or None without a C compiler."""
+    i64, pointer, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    signatures = {
+        "philox4x32": [ctypes.c_uint64, pointer, i64, c_int, pointer, c_int],
+        "attention_keep": [ctypes.c_uint64, i64, i64, i64, i64, i64, i64, c_int, c_int, pointer, c_int],
+    }
+    return c_loops.load(
+        "philox",
+        _C_SOURCE,
+        signatures,
+        "the CPU Philox loop",
+        "dropout masks on the CPU path are drawn by PyTorch ops (slower, same bits)",
+    )
+
+
+def _runs_c_loops(tensor: torch.Tensor) -> bool:
+    """Whether a CPU draw on ``tensor`` may take the C loops: a plain CPU tensor (not a fake
+    or traced one), outside torch.compile's tracing."""
+    return tensor.device.type == "cpu" and type(tensor) is torch.Tensor and not torch.compiler.is_compiling()
+
+
+def _seed_bits(seed: torch.Tensor) -> int:
+    """The seed's 64 bits as an unsigned int (a CPU tensor: no device sync)."""
+    return int(seed) & 0xFFFFFFFFFFFFFFFF
+
+
 def _philox4x32(seed: torch.Tensor, counters: torch.Tensor, rounds: int = _PHILOX_ROUNDS) -> torch.Tensor:
     """``tl.randint4x(seed, counters, rounds)`` for int64 counters >= 0: int32 (*counters.shape, 4).
+    On the CPU, outside torch.compile's tracing, one C loop (``_C_SOURCE``) when it builds;
+    else the PyTorch statement below, which gives the same bits.
 
     Words are held in int64 with only their low 32 bits meaningful ("dirty" high bits),
     and cleaned only where a product needs them: a uint32 · uint32 product fits 64 bits,
     int64 wraps with the same bit pattern, and its high word is (product >> 32)'s low half.
     """
+    library = _c_philox() if _runs_c_loops(counters) else None
+    if library is not None:
+        counters = counters.contiguous()
+        words = torch.empty((*counters.shape, 4), dtype=torch.int32)
+        threads = 1 if counters.numel() < _C_GRAIN else torch.get_num_threads()
+        library.philox4x32(_seed_bits(seed), counters.data_ptr(), counters.numel(), rounds, words.data_ptr(), threads)
+        return words
     # the keys stay tensors (no host sync, and torch.compile traces them)
     seed = seed.to(torch.int64)
     key0 = seed & _LOW32
@@ -560,6 +672,15 @@ def dropout_keep_mma_block(
             (streams, max(row_stop - row_start, 0), max(n_block_cols, 0)), dtype=torch.bool, device=device
         )
     threshold, _ = dropout_threshold(p)
+    library = _c_philox() if _runs_c_loops(seed) else None
+    if library is not None:
+        keep = torch.empty((streams, row_stop - row_start, n_block_cols), dtype=torch.bool)
+        threads = 1 if keep.numel() < 16 * _C_GRAIN else torch.get_num_threads()
+        library.attention_keep(
+            _seed_bits(seed), first_stream, streams, row_start, row_stop, n_block_cols, n_cols, threshold,
+            ATTENTION_PHILOX_ROUNDS, keep.data_ptr(), threads,
+        )  # fmt: skip
+        return keep
     first_block, end_block = row_start // 16, -(-row_stop // 16)
     col_blocks = -(-n_block_cols // 16)
     row_blocks = torch.arange(first_block, end_block, device=device)[:, None, None, None]

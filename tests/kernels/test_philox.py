@@ -295,3 +295,44 @@ def test_compiled_dropout_math_is_the_interpreted_math():
     ]:
         regs = _run_ptx(asm, [None, None, a])
         assert torch.equal(regs["$0"] * 2**32 + regs["$1"], a * multiplier)
+
+
+def _without_c_loops(monkeypatch, draw):
+    """draw() with the C loops, then with the PyTorch statement alone."""
+    if philox._c_philox() is None:
+        pytest.skip("no C compiler here: the CPU Philox loops are not built (the PyTorch statement runs)")
+    fast = draw()
+    monkeypatch.setattr(philox, "_c_philox", lambda: None)
+    return fast, draw()
+
+
+@pytest.mark.parametrize("rounds", [philox.ATTENTION_PHILOX_ROUNDS, 10])
+def test_the_c_philox_loop_gives_the_pytorch_statements_words(monkeypatch, rounds):
+    counters = torch.randint(0, 2**62, (70001,), generator=torch.Generator().manual_seed(0))
+    for seed in (torch.tensor(0), torch.tensor(-1), torch.tensor(0x123456789ABCDEF)):
+        fast, slow = _without_c_loops(monkeypatch, lambda s=seed: philox._philox4x32(s, counters, rounds))
+        monkeypatch.undo()
+        assert torch.equal(fast, slow)
+
+
+@pytest.mark.parametrize(
+    "streams, first_stream, row_start, row_stop, n_block_cols, n_cols, p",
+    [
+        (1, 0, 0, 1, 1, 1, 0.1),
+        (3, 5, 7, 61, 33, 40, 0.25),
+        (2, 0, 16, 48, 512, 512, 0.5),
+        (4, 9, 100, 117, 3, 301, 0.9),
+    ],
+)
+def test_the_c_attention_keep_loop_gives_the_pytorch_statements_mask(
+    monkeypatch, streams, first_stream, row_start, row_stop, n_block_cols, n_cols, p
+):
+    seed = torch.tensor(-0x123456789ABCDEF)
+    fast, slow = _without_c_loops(
+        monkeypatch,
+        lambda: philox.dropout_keep_mma_block(
+            seed, streams, row_start, row_stop, n_block_cols, n_cols, p, first_stream
+        ),
+    )
+    assert fast.shape == slow.shape == (streams, row_stop - row_start, n_block_cols)
+    assert torch.equal(fast, slow)
