@@ -303,12 +303,13 @@ def test_gradients_match_on_the_kernels_too(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["DebertaV2ForSequenceClassification", "DebertaV2ForMaskedLM"])
-def test_gradients_match_on_gpu(name):
+def test_gradients_match_on_gpu(name, monkeypatch):
     # fp32 on the compiled kernels: HF's loss and gradients, every output position included
     reference = _model(name, dropout=0.0, position_buckets=64, max_relative_positions=256).cuda().train()
     model = patch(copy.deepcopy(reference), recompute="qkv")
     ids, mask = (t.cuda() for t in _batch(model.config, batch=3, seq=200))
-    torch.backends.cuda.matmul.allow_tf32 = False  # HF's fp32 bmm in full fp32, as the kernels' ieee dots
+    # HF's fp32 bmm in full fp32, as the kernels' ieee dots
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     expected_loss, expected = _loss_and_grads(reference, ids, mask)
     loss, grads = _loss_and_grads(model, ids, mask)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-4)
