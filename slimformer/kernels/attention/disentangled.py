@@ -45,11 +45,21 @@ import numbers
 import torch
 import triton
 import triton.language as tl
+from einops import rearrange
 
 from slimformer.kernels import dispatch
 from slimformer.kernels.attention.launch import empty_forward, empty_output, reference_dtype
-from slimformer.kernels.attention.ops import last_dim_contiguous, runs_kernels
-from slimformer.kernels.attention.tiles import LN2, LOG2E, dot, dropout_words, load_rows, store_rows, tile_ids
+from slimformer.kernels.attention.ops import check_cu_seqlens, last_dim_contiguous, runs_kernels
+from slimformer.kernels.attention.tiles import (
+    LN2,
+    LOG2E,
+    dot,
+    dropout_words,
+    load_rows,
+    sequence,
+    store_rows,
+    tile_ids,
+)
 from slimformer.kernels.dispatch import eager_autograd, reference_row_blocks
 from slimformer.kernels.philox import (
     dropout_keep_mma_block,
@@ -59,7 +69,7 @@ from slimformer.kernels.philox import (
     new_dropout_seed,
 )
 
-__all__ = ["disentangled_attention", "relative_position_index"]
+__all__ = ["disentangled_attention", "relative_position_index", "varlen_disentangled_attention"]
 
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -184,6 +194,7 @@ def _disentangled_fwd_kernel(
     KPM,  # (batch, seq_k) uint8, nonzero = padding
     QPM,  # (batch, seq_q) uint8, nonzero = a row weighing every key alike
     SEED,  # () int64 dropout seed
+    CU,  # varlen: (batch + 1,) int32 first packed row of each sequence, then the total
     stride_qb,
     stride_qh,
     stride_qs,
@@ -203,8 +214,11 @@ def _disentangled_fwd_kernel(
     stride_kpb,
     stride_qpb,
     heads,
-    seq_q,
-    seq_k,
+    seq_q,  # varlen: the longest sequence
+    seq_k,  # likewise
+    index_center,  # IDX's entry of i − j = 0
+    n_index,
+    total,  # varlen: packed rows
     qk_scale,  # scale · log2(e)
     dropout_p,
     HAS_C2P: tl.constexpr,
@@ -218,9 +232,22 @@ def _disentangled_fwd_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences found by CU instead of a batch dim
 ):
     block, off_h, off_b = tile_ids(heads, seq_q, BLOCK_M, False)
     start_m = block * BLOCK_M
+    if VARLEN:
+        first_row, seq_q = sequence(CU, off_b)
+        seq_k = seq_q
+        if start_m >= seq_q:  # a block past the end of a shorter sequence
+            return
+        Q += first_row * stride_qs
+        K += first_row * stride_ks
+        V += first_row * stride_vs
+        O += first_row * stride_os
+        LSE += off_h * total + first_row
+    else:
+        LSE += (off_b * heads + off_h) * seq_q
     offs_m = start_m + tl.arange(0, BLOCK_M)
     tile_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -230,7 +257,6 @@ def _disentangled_fwd_kernel(
     q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
     q = load_rows(q_ptrs, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
     uniform = _uniform_rows(QPM + off_b * stride_qpb, offs_m, seq_q, HAS_QPM)
-    n_index = seq_q + seq_k - 1
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -242,7 +268,7 @@ def _disentangled_fwd_kernel(
         k = load_rows(
             K_bh + offs_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
         )
-        first = start_m - start_n - (BLOCK_N - 1) + (seq_k - 1)
+        first = start_m - start_n - (BLOCK_N - 1) + index_center
         gk = k
         gq = k
         if HAS_C2P:
@@ -283,7 +309,7 @@ def _disentangled_fwd_kernel(
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
     store_rows(o_ptrs, acc.to(O.dtype.element_ty), offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)
     lse = tl.where(no_key, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
-    tl.store(LSE + (off_b * heads + off_h) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    tl.store(LSE + offs_m, lse, mask=offs_m < seq_q)
 
 
 @triton.jit
@@ -360,7 +386,8 @@ def _disentangled_bwd_dkdv_kernel(
     KPM,
     QPM,
     SEED,
-    DK,  # (batch, heads, seq_k, head_dim) contiguous, output
+    CU,
+    DK,  # like K, output, strided as stride_g*
     DV,  # likewise
     DPQ,  # (batch, heads, seq_q + seq_k − 1, head_dim) fp32, zeroed: p2c gradient by distance
     stride_qb,
@@ -375,6 +402,9 @@ def _disentangled_bwd_dkdv_kernel(
     stride_dob,
     stride_doh,
     stride_dos,
+    stride_gb,  # the output gradients' (dk and dv, or dq) strides
+    stride_gh,
+    stride_gs,
     stride_pkh,
     stride_pkp,
     stride_pqh,
@@ -384,6 +414,9 @@ def _disentangled_bwd_dkdv_kernel(
     heads,
     seq_q,
     seq_k,
+    index_center,
+    n_index,
+    total,
     qk_scale,
     scale,
     dropout_p,
@@ -398,15 +431,31 @@ def _disentangled_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences found by CU instead of a batch dim
 ):
     block, off_h, off_b = tile_ids(heads, seq_k, BLOCK_N, False)
     start_n = block * BLOCK_N
+    off_bh = off_b * heads + off_h
+    if VARLEN:
+        first_row, seq_k = sequence(CU, off_b)
+        seq_q = seq_k
+        if start_n >= seq_k:
+            return
+        Q += first_row * stride_qs
+        K += first_row * stride_ks
+        V += first_row * stride_vs
+        DO += first_row * stride_dos
+        DK += first_row * stride_gs
+        DV += first_row * stride_gs
+        LSE += off_h * total + first_row
+        DELTA += off_h * total + first_row
+    else:
+        LSE += off_bh * seq_q
+        DELTA += off_bh * seq_q
     offs_n = start_n + tl.arange(0, BLOCK_N)
     tile_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = tl.arange(0, BLOCK_M + BLOCK_N)
-    off_bh = off_b * heads + off_h
-    n_index = seq_q + seq_k - 1
     k_rows = offs_n[:, None] * stride_ks + offs_d[None, :]
     k = load_rows(K + off_b * stride_kb + off_h * stride_kh + k_rows, offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v_rows = offs_n[:, None] * stride_vs + offs_d[None, :]
@@ -431,9 +480,9 @@ def _disentangled_bwd_dkdv_kernel(
         do = load_rows(
             DO_bh + offs_m[:, None] * stride_dos + offs_d[None, :], offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True
         )
-        lse = tl.load(LSE + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=float("inf"))
-        delta = tl.load(DELTA + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
-        first = start_m - start_n - (BLOCK_N - 1) + (seq_k - 1)
+        lse = tl.load(LSE + offs_m, mask=offs_m < seq_q, other=float("inf"))
+        delta = tl.load(DELTA + offs_m, mask=offs_m < seq_q, other=0.0)
+        first = start_m - start_n - (BLOCK_N - 1) + index_center
         gk = k
         gq = k
         if HAS_C2P:
@@ -462,9 +511,9 @@ def _disentangled_bwd_dkdv_kernel(
             _add_position_grad(
                 DPQ + off_bh * n_index * HEAD_DIM, grad, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N
             )
-    dk_ptrs = DK + off_bh * seq_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    store_rows(dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)
-    dv_ptrs = DV + off_bh * seq_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    g_rows = off_b * stride_gb + off_h * stride_gh + offs_n[:, None] * stride_gs + offs_d[None, :]
+    store_rows(DK + g_rows, dk.to(DK.dtype.element_ty), offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)
+    dv_ptrs = DV + g_rows
     store_rows(dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D)
 
 
@@ -482,7 +531,8 @@ def _disentangled_bwd_dq_kernel(
     KPM,
     QPM,
     SEED,
-    DQ,  # (batch, heads, seq_q, head_dim) contiguous, output
+    CU,
+    DQ,  # like Q, output, strided as stride_g*
     DPK,  # (batch, heads, seq_q + seq_k − 1, head_dim) fp32, zeroed: c2p gradient by distance
     stride_qb,
     stride_qh,
@@ -496,6 +546,9 @@ def _disentangled_bwd_dq_kernel(
     stride_dob,
     stride_doh,
     stride_dos,
+    stride_gb,  # the output gradients' (dk and dv, or dq) strides
+    stride_gh,
+    stride_gs,
     stride_pkh,
     stride_pkp,
     stride_pqh,
@@ -505,6 +558,9 @@ def _disentangled_bwd_dq_kernel(
     heads,
     seq_q,
     seq_k,
+    index_center,
+    n_index,
+    total,
     qk_scale,
     scale,
     dropout_p,
@@ -519,23 +575,38 @@ def _disentangled_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    VARLEN: tl.constexpr,  # packed sequences found by CU instead of a batch dim
 ):
     block, off_h, off_b = tile_ids(heads, seq_q, BLOCK_M, False)
     start_m = block * BLOCK_M
+    off_bh = off_b * heads + off_h
+    if VARLEN:
+        first_row, seq_q = sequence(CU, off_b)
+        seq_k = seq_q
+        if start_m >= seq_q:
+            return
+        Q += first_row * stride_qs
+        K += first_row * stride_ks
+        V += first_row * stride_vs
+        DO += first_row * stride_dos
+        DQ += first_row * stride_gs
+        LSE += off_h * total + first_row
+        DELTA += off_h * total + first_row
+    else:
+        LSE += off_bh * seq_q
+        DELTA += off_bh * seq_q
     offs_m = start_m + tl.arange(0, BLOCK_M)
     tile_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_r = tl.arange(0, BLOCK_M + BLOCK_N)
-    off_bh = off_b * heads + off_h
-    n_index = seq_q + seq_k - 1
     q_rows = offs_m[:, None] * stride_qs + offs_d[None, :]
     q = load_rows(Q + off_b * stride_qb + off_h * stride_qh + q_rows, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True)
     do_rows = offs_m[:, None] * stride_dos + offs_d[None, :]
     do = load_rows(
         DO + off_b * stride_dob + off_h * stride_doh + do_rows, offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D, True
     )
-    lse = tl.load(LSE + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=float("inf"))
-    delta = tl.load(DELTA + off_bh * seq_q + offs_m, mask=offs_m < seq_q, other=0.0)
+    lse = tl.load(LSE + offs_m, mask=offs_m < seq_q, other=float("inf"))
+    delta = tl.load(DELTA + offs_m, mask=offs_m < seq_q, other=0.0)
     uniform = _uniform_rows(QPM + off_b * stride_qpb, offs_m, seq_q, HAS_QPM)
     K_bh = K + off_b * stride_kb + off_h * stride_kh
     V_bh = V + off_b * stride_vb + off_h * stride_vh
@@ -555,7 +626,7 @@ def _disentangled_bwd_dq_kernel(
         v = load_rows(
             V_bh + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
         )
-        first = start_m - start_n - (BLOCK_N - 1) + (seq_k - 1)
+        first = start_m - start_n - (BLOCK_N - 1) + index_center
         gk = k
         gq = k
         if HAS_C2P:
@@ -582,7 +653,7 @@ def _disentangled_bwd_dq_kernel(
             _add_position_grad(
                 DPK + off_bh * n_index * HEAD_DIM, grad, first, n_index, offs_r, offs_d, HEAD_DIM, BLOCK_M, BLOCK_N
             )
-    dq_ptrs = DQ + off_bh * seq_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    dq_ptrs = DQ + off_b * stride_gb + off_h * stride_gh + offs_m[:, None] * stride_gs + offs_d[None, :]
     store_rows(dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, seq_q, offs_d, HEAD_DIM, BLOCK_D)
 
 
@@ -623,92 +694,85 @@ def _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask) -
     return [pk, pq, kpm, qpm], [pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), *masks]
 
 
+def _head_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a (batch, heads, seq, head_dim) tensor, or (0, head, row) of a
+    packed (total, heads, head_dim) one, whose sequences the kernels find by CU."""
+    return (0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]
+
+
+def _geometry(q, k, cu_seqlens, max_seqlen) -> tuple[int, int, int, int, int]:
+    """(batch, heads, seq_q, seq_k, total) of a launch: varlen's seq_q and seq_k are the
+    longest sequence's, its total the packed rows."""
+    if cu_seqlens is not None:
+        return cu_seqlens.numel() - 1, q.shape[1], max_seqlen, max_seqlen, q.shape[0]
+    return q.shape[0], q.shape[1], q.shape[2], k.shape[2], 0
+
+
 def disentangled_forward(
-    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed
-):
-    """(out (batch, heads, seq_q, head_dim) in ``empty_output``'s layout, lse (batch, heads,
-    seq_q) fp32) by the Triton kernel."""
-    batch, heads, seq_q, _ = q.shape
-    seq_k = k.shape[2]
+    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed,
+    cu_seqlens=None, max_seqlen=0,
+):  # fmt: skip
+    """(out, lse) by the Triton kernel: out (batch, heads, seq_q, head_dim) in ``empty_output``'s
+    layout and lse (batch, heads, seq_q) fp32; varlen (``cu_seqlens``): out (total, heads,
+    head_dim) and lse (heads, total)."""
+    varlen = cu_seqlens is not None
+    batch, heads, seq_q, seq_k, total = _geometry(q, k, cu_seqlens, max_seqlen)
     if q.numel() == 0 or k.numel() == 0:
-        return empty_forward(q)
-    out = empty_output(q)
-    lse = torch.empty((batch, heads, seq_q), dtype=torch.float32, device=q.device)
+        return (
+            (torch.zeros_like(q), q.new_full((heads, total), math.inf, dtype=torch.float32))
+            if varlen
+            else empty_forward(q)
+        )
+    out = torch.empty_like(q) if varlen else empty_output(q)
+    lse_shape = (heads, total) if varlen else (batch, heads, seq_q)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     block, warps, stages = _blocks(q, backward=False)
     (pk, pq, kpm, qpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask)
     grid = (triton.cdiv(seq_q, block) * heads * batch,)
     _disentangled_fwd_kernel[grid](
-        q, k, v, pk, pq, index, out, lse, kpm, qpm, q if seed is None else seed,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *strides,
-        heads, seq_q, seq_k, scale * math.log2(math.e), dropout_p,
+        q, k, v, pk, pq, index, out, lse, kpm, qpm, q if seed is None else seed, q if cu_seqlens is None else cu_seqlens,
+        *(stride for x in (q, k, v, out) for stride in _head_strides(x, varlen)), *strides,
+        heads, seq_q, seq_k, seq_k - 1, index.numel(), total, scale * math.log2(math.e), dropout_p,
         **_flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p),
-        BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages,
+        BLOCK_M=block, BLOCK_N=block, VARLEN=varlen, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out, lse
 
 
 def disentangled_backward(
-    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, dropout_p, scale, seed
-):
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, dropout_p, scale, seed,
+    cu_seqlens=None, max_seqlen=0,
+):  # fmt: skip
     """(dq, dk, dv, d pos_key by distance, d pos_query by distance) by the Triton kernels; the
-    position gradients (batch, heads, seq_q + seq_k − 1, head_dim) fp32, or None."""
-    batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
+    position gradients (batch, heads, len(index), head_dim) fp32, or None."""
+    varlen = cu_seqlens is not None
+    batch, heads, seq_q, seq_k, total = _geometry(q, k, cu_seqlens, max_seqlen)
+    head_dim = q.shape[-1]
     dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
-    n_index = seq_q + seq_k - 1
     dpk, dpq = (
-        None if pos is None else torch.zeros((batch, heads, n_index, head_dim), dtype=torch.float32, device=q.device)
+        None
+        if pos is None
+        else torch.zeros((batch, heads, index.numel(), head_dim), dtype=torch.float32, device=q.device)
         for pos in (pos_key, pos_query)
     )
     delta = torch.linalg.vecdot(grad_out.float(), out.float())
+    delta = delta.T.contiguous() if varlen else delta  # lse's layout: (heads, total) or (batch, heads, seq_q)
     block, warps, stages = _blocks(q, backward=True)
     (pk, pq, kpm, qpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask)
-    common = (
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3], *strides,
-        heads, seq_q, seq_k, scale * math.log2(math.e), scale, dropout_p,
-    )  # fmt: skip
-    flags = dict(
-        **_flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p),
-        BLOCK_M=block, BLOCK_N=block, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    seed_arg = q if seed is None else seed
-    _disentangled_bwd_dkdv_kernel[(triton.cdiv(seq_k, block) * heads * batch,)](
-        q,
-        k,
-        v,
-        pk,
-        pq,
-        index,
-        grad_out,
-        lse,
-        delta,
-        kpm,
-        qpm,
-        seed_arg,
-        dk,
-        dv,
-        q if dpq is None else dpq,
-        *common,
-        **flags,
-    )
-    _disentangled_bwd_dq_kernel[(triton.cdiv(seq_q, block) * heads * batch,)](
-        q,
-        k,
-        v,
-        pk,
-        pq,
-        index,
-        grad_out,
-        lse,
-        delta,
-        kpm,
-        qpm,
-        seed_arg,
-        dq,
-        q if dpk is None else dpk,
-        *common,
-        **flags,
-    )
+    inputs = (q, k, v, grad_out)
+
+    def launch(kernel, rows, grads, position_grad):
+        kernel[(triton.cdiv(rows, block) * heads * batch,)](
+            q, k, v, pk, pq, index, grad_out, lse, delta, kpm, qpm, q if seed is None else seed,
+            q if cu_seqlens is None else cu_seqlens, *grads, q if position_grad is None else position_grad,
+            *(stride for x in inputs for stride in _head_strides(x, varlen)), *_head_strides(grads[0], varlen),
+            *strides, heads, seq_q, seq_k, seq_k - 1, index.numel(), total, scale * math.log2(math.e), scale,
+            dropout_p, **_flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p),
+            BLOCK_M=block, BLOCK_N=block, VARLEN=varlen, num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+
+    launch(_disentangled_bwd_dkdv_kernel, seq_k, (dk, dv), dpq)
+    launch(_disentangled_bwd_dq_kernel, seq_q, (dq,), dpk)
     return dq, dk, dv, dpk, dpq
 
 
@@ -726,15 +790,17 @@ class _Group:
     """One batch entry's heads h0:h1 in the reference's dtype: their keys, values, position rows
     and the keys' p2c table ``pq Kᵀ`` (heads, 2 · span, seq_k), and the scores of any query rows."""
 
-    def __init__(self, q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, scale, b, h0, h1):
+    def __init__(self, q, k, v, pos_key, pos_query, index, masks, scale, b, h0, h1, first_stream):
         dtype = reference_dtype(q)
         self.q_all, self.b, self.h0, self.h1, self.scale = q, b, h0, h1, scale
         self.k, self.v = k[b, h0:h1].to(dtype), v[b, h0:h1].to(dtype)
         self.pk = None if pos_key is None else pos_key[h0:h1].to(dtype)
         self.pq = None if pos_query is None else pos_query[h0:h1].to(dtype)
         self.kpq = None if pos_query is None else torch.bmm(self.pq, self.k.mT)
+        key_padding_mask, query_padding_mask = masks
         self.padding = None if key_padding_mask is None else key_padding_mask[b]
         self.uniform = None if query_padding_mask is None else query_padding_mask[b]
+        self.first_stream = first_stream + b * q.shape[1] + h0
         self.index, self.seq_k = index.long(), k.shape[2]
 
     def rows(self, x, start, stop):
@@ -761,18 +827,20 @@ class _Group:
             s.masked_fill_(self.uniform[start:stop, None], 0.0)
         return s
 
-    def keep(self, seed, heads, dropout_p, start, stop):
+    def keep(self, seed, dropout_p, start, stop):
         """The kernels' dropout keep mask of these heads' query rows start:stop (heads, rows, seq_k)."""
         streams = self.h1 - self.h0
-        first = self.b * heads + self.h0
+        first = self.first_stream
         return dropout_keep_mma_block(seed, streams, start, stop, self.seq_k, self.seq_k, dropout_p, first)
 
 
 def disentangled_forward_reference(
-    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed
+    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed, first_stream=0
 ):
-    """What ``disentangled_forward`` computes, in fp32 PyTorch (fp64 for fp64 inputs)."""
+    """What ``disentangled_forward`` computes, in fp32 PyTorch (fp64 for fp64 inputs); the dropout
+    streams of batch entry b start at first_stream + b · heads."""
     batch, heads, seq_q, _ = q.shape
+    masks = key_padding_mask, query_padding_mask
     if q.numel() == 0 or k.numel() == 0:
         return empty_forward(q)
     out = empty_output(q)
@@ -780,7 +848,7 @@ def disentangled_forward_reference(
     span_rows = 0 if pos_query is None else pos_query.shape[1]
     with torch.autocast(q.device.type, enabled=False):
         for b, h0, h1 in _head_groups(batch, heads, span_rows, k.shape[2]):
-            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, scale, b, h0, h1)
+            group = _Group(q, k, v, pos_key, pos_query, index, masks, scale, b, h0, h1, first_stream)
             for start, stop in reference_row_blocks(seq_q, (h1 - h0) * k.shape[2]):
                 p = group.scores(group.rows(q, start, stop), group.positions(start, stop), start, stop)
                 best = p.amax(-1, keepdim=True)
@@ -789,7 +857,7 @@ def disentangled_forward_reference(
                 total = p.sum(-1, keepdim=True)
                 row_scale = total.reciprocal().masked_fill_(no_key, 0.0)
                 if seed is not None:
-                    p.mul_(group.keep(seed, heads, dropout_p, start, stop))
+                    p.mul_(group.keep(seed, dropout_p, start, stop))
                     row_scale.mul_(dropout_threshold(dropout_p)[1])
                 out[b, h0:h1, start:stop] = torch.bmm(p.mul_(row_scale), group.v)
                 lse[b, h0:h1, start:stop] = best.add_(total.log_()).masked_fill_(no_key, math.inf).squeeze(-1)
@@ -797,11 +865,13 @@ def disentangled_forward_reference(
 
 
 def disentangled_backward_reference(
-    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, dropout_p, scale, seed
-):
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, dropout_p, scale, seed,
+    first_stream=0,
+):  # fmt: skip
     """What ``disentangled_backward`` computes, with the position gradients already in buckets:
     (dq, dk, dv, d pos_key, d pos_query) in the reference's dtype (None for an absent position)."""
     batch, heads, seq_q, _ = q.shape
+    masks = key_padding_mask, query_padding_mask
     dtype = reference_dtype(q)
     dq, dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
     dpk = None if pos_key is None else torch.zeros(pos_key.shape, dtype=dtype, device=q.device)
@@ -812,7 +882,7 @@ def disentangled_backward_reference(
     keep_scale = dropout_threshold(dropout_p)[1] if seed is not None else 1.0
     with torch.autocast(q.device.type, enabled=False):
         for b, h0, h1 in _head_groups(batch, heads, span_rows, k.shape[2]):
-            group = _Group(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, scale, b, h0, h1)
+            group = _Group(q, k, v, pos_key, pos_query, index, masks, scale, b, h0, h1, first_stream)
             dk_g, dv_g = dk[b, h0:h1], dv[b, h0:h1]
             dkpq = None if pos_query is None else torch.zeros_like(group.kpq)
             for start, stop in reference_row_blocks(seq_q, (h1 - h0) * k.shape[2]):
@@ -824,7 +894,7 @@ def disentangled_backward_reference(
                 if seed is None:
                     dv_g.baddbmm_(p.mT, do_rows)
                 else:
-                    keep = group.keep(seed, heads, dropout_p, start, stop)
+                    keep = group.keep(seed, dropout_p, start, stop)
                     dv_g.baddbmm_((p * keep).mT, do_rows, alpha=keep_scale)
                     dp.mul_(keep).mul_(keep_scale)
                 # Σ_j P dP over whole rows: each row of dS sums to ~0, as torch's softmax backward
@@ -847,11 +917,74 @@ def disentangled_backward_reference(
     return dq, dk, dv, dpk, dpq
 
 
+def _packed_sequences(cu_seqlens: torch.Tensor):
+    """(sequence b, its packed rows) of every non-empty sequence (on the host)."""
+    starts = cu_seqlens.tolist()
+    return [(b, slice(starts[b], starts[b + 1])) for b in range(len(starts) - 1) if starts[b + 1] > starts[b]]
+
+
+def _sequence_index(index: torch.Tensor, max_seqlen: int, length: int) -> torch.Tensor:
+    """The dense index of a sequence of ``length`` tokens, a slice of varlen's (2 · max_seqlen − 1)."""
+    return index[max_seqlen - length : max_seqlen + length - 1]
+
+
+def _one(x: torch.Tensor) -> torch.Tensor:
+    """Packed (rows, heads, head_dim) -> a (1, heads, rows, head_dim) view."""
+    return rearrange(x, "l h d -> 1 h l d")
+
+
+def varlen_forward_reference(q, k, v, pos_key, pos_query, index, dropout_p, scale, seed, cu_seqlens, max_seqlen):
+    """What ``disentangled_forward`` computes on packed sequences: the dense reference on each
+    as a batch of one, its dropout streams b · heads + h; out (total, heads, head_dim), lse
+    (heads, total), a sequence's rows zero / +inf where it has no keys."""
+    heads = q.shape[1]
+    out = torch.zeros_like(q)
+    lse = torch.full((heads, q.shape[0]), math.inf, dtype=reference_dtype(q), device=q.device)
+    for b, rows in _packed_sequences(cu_seqlens):
+        index_b = _sequence_index(index, max_seqlen, rows.stop - rows.start)
+        out_b, lse_b = disentangled_forward_reference(
+            _one(q[rows]), _one(k[rows]), _one(v[rows]), pos_key, pos_query, index_b, None, None, dropout_p, scale,
+            seed, b * heads,
+        )  # fmt: skip
+        out[rows] = rearrange(out_b, "1 h l d -> l h d")
+        lse[:, rows] = lse_b[0]
+    return out, lse
+
+
+def varlen_backward_reference(
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, dropout_p, scale, seed, cu_seqlens, max_seqlen
+):
+    """What ``disentangled_backward`` computes on packed sequences, sequence by sequence, with the
+    position gradients summed over them and already in buckets."""
+    heads, dtype = q.shape[1], reference_dtype(q)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
+    dpk, dpq = (
+        None if pos is None else torch.zeros(pos.shape, dtype=dtype, device=q.device) for pos in (pos_key, pos_query)
+    )
+    for b, rows in _packed_sequences(cu_seqlens):
+        index_b = _sequence_index(index, max_seqlen, rows.stop - rows.start)
+        grads = disentangled_backward_reference(
+            _one(grad_out[rows]), _one(q[rows]), _one(k[rows]), _one(v[rows]), pos_key, pos_query, index_b, None,
+            lse[None, :, rows], None, None, dropout_p, scale, seed, b * heads,
+        )  # fmt: skip
+        for total, grad in zip((dq, dk, dv), grads[:3]):
+            total[rows] = rearrange(grad, "1 h l d -> l h d")
+        for total, grad in zip((dpk, dpq), grads[3:]):
+            if total is not None:
+                total += grad
+    return dq, dk, dv, dpk, dpq
+
+
 # ----------------------------------------------------------------------------- ops
 
 
 def _optional(x: torch.Tensor | None, device) -> torch.Tensor:
     return torch.empty(0, device=device) if x is None else x
+
+
+def _fake_lse(q: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    shape = q.shape[:3] if cu_seqlens is None else (q.shape[1], q.shape[0])
+    return q.new_empty(shape, dtype=reference_dtype(q))
 
 
 @torch.library.custom_op("slimformer::disentangled_attention", mutates_args=())
@@ -867,15 +1000,42 @@ def disentangled_attention_op(
     seed: torch.Tensor | None,
     dropout_p: float,
     scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of checked inputs (``disentangled_attention``)."""
-    fwd = disentangled_forward if runs_kernels(q) else disentangled_forward_reference
-    return fwd(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, dropout_p, scale, seed)
+    """(out, lse) of checked inputs (``disentangled_attention``; with ``cu_seqlens``, packed
+    (total, heads, head_dim) sequences of ``varlen_disentangled_attention``)."""
+    masks = key_padding_mask, query_padding_mask
+    if cu_seqlens is not None:  # inside the op, so that torch.compile keeps the check
+        check_cu_seqlens("cu_seqlens", cu_seqlens, q.shape[0], max_seqlen, "query")
+    if runs_kernels(q):
+        return disentangled_forward(
+            q, k, v, pos_key, pos_query, index, *masks, dropout_p, scale, seed, cu_seqlens, max_seqlen
+        )
+    if cu_seqlens is not None:
+        return varlen_forward_reference(
+            q, k, v, pos_key, pos_query, index, dropout_p, scale, seed, cu_seqlens, max_seqlen
+        )
+    return disentangled_forward_reference(q, k, v, pos_key, pos_query, index, *masks, dropout_p, scale, seed)
 
 
 @disentangled_attention_op.register_fake
-def _(q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, seed, dropout_p, scale):
-    return empty_output(q), q.new_empty(q.shape[:3], dtype=reference_dtype(q))
+def _(
+    q,
+    k,
+    v,
+    pos_key,
+    pos_query,
+    index,
+    key_padding_mask,
+    query_padding_mask,
+    seed,
+    dropout_p,
+    scale,
+    cu_seqlens=None,
+    max_seqlen=0,
+):
+    return (empty_output(q) if cu_seqlens is None else torch.empty_like(q)), _fake_lse(q, cu_seqlens)
 
 
 @torch.library.custom_op("slimformer::disentangled_attention_backward", mutates_args=())
@@ -894,34 +1054,27 @@ def disentangled_attention_backward_op(
     seed: torch.Tensor | None,
     dropout_p: float,
     scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d pos_key, d pos_query) in the inputs' dtypes; an absent position's is empty."""
     grad_out = last_dim_contiguous(grad_out)
-    args = (
-        grad_out,
-        q,
-        k,
-        v,
-        pos_key,
-        pos_query,
-        index,
-        out,
-        lse,
-        key_padding_mask,
-        query_padding_mask,
-        dropout_p,
-        scale,
-        seed,
-    )
+    positions = pos_key, pos_query
+    common = (grad_out, q, k, v, *positions, index, out, lse)
+    masks = key_padding_mask, query_padding_mask
     if runs_kernels(q) and q.numel() and k.numel():  # the reference gives empty inputs' zeros
-        dq, dk, dv, dpk, dpq = disentangled_backward(*args)
+        dq, dk, dv, *by_distance = disentangled_backward(
+            *common, *masks, dropout_p, scale, seed, cu_seqlens, max_seqlen
+        )
         long_index = index.long()
         dpk, dpq = (
             None if grad is None else grad.new_zeros(pos.shape).index_add_(1, long_index, grad.sum(0))
-            for grad, pos in ((dpk, pos_key), (dpq, pos_query))
+            for grad, pos in zip(by_distance, positions)
         )
+    elif cu_seqlens is not None:
+        dq, dk, dv, dpk, dpq = varlen_backward_reference(*common, dropout_p, scale, seed, cu_seqlens, max_seqlen)
     else:
-        dq, dk, dv, dpk, dpq = disentangled_backward_reference(*args)
+        dq, dk, dv, dpk, dpq = disentangled_backward_reference(*common, *masks, dropout_p, scale, seed)
     dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
     dpk = _optional(None if dpk is None else dpk.to(pos_key.dtype), q.device)
     dpq = _optional(None if dpq is None else dpq.to(pos_query.dtype), q.device)
@@ -930,8 +1083,9 @@ def disentangled_attention_backward_op(
 
 @disentangled_attention_backward_op.register_fake
 def _(
-    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed, dropout_p, scale
-):
+    grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed, dropout_p, scale,
+    cu_seqlens=None, max_seqlen=0,
+):  # fmt: skip
     positions = (
         torch.empty(0, device=q.device) if pos is None else torch.empty_like(pos) for pos in (pos_key, pos_query)
     )
@@ -939,42 +1093,28 @@ def _(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, seed, dropout_p, scale = inputs
+    q, k, v, pos_key, pos_query, index, key_padding_mask, query_padding_mask, seed, dropout_p, scale, *varlen = inputs
+    cu_seqlens, max_seqlen = (*varlen, None, 0)[:2]
     out, lse = output
-    ctx.save_for_backward(q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed)
+    ctx.save_for_backward(
+        q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed, cu_seqlens
+    )
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
-    ctx.dropout_p, ctx.scale = dropout_p, scale
+    ctx.dropout_p, ctx.scale, ctx.max_seqlen = dropout_p, scale, max_seqlen
 
 
 def _grad(ctx, grad_out, _grad_lse):
     if grad_out is None:
-        return (None,) * 11
-    q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed = ctx.saved_tensors
+        return (None,) * 13
+    q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed, cu_seqlens = (
+        ctx.saved_tensors
+    )
     dq, dk, dv, dpk, dpq = disentangled_attention_backward_op(
-        grad_out,
-        q,
-        k,
-        v,
-        pos_key,
-        pos_query,
-        index,
-        out,
-        lse,
-        key_padding_mask,
-        query_padding_mask,
-        seed,
-        ctx.dropout_p,
-        ctx.scale,
-    )
-    return (
-        dq,
-        dk,
-        dv,
-        None if pos_key is None else dpk,
-        None if pos_query is None else dpq,
-        *(None,) * 6,
-    )
+        grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed,
+        ctx.dropout_p, ctx.scale, cu_seqlens, ctx.max_seqlen,
+    )  # fmt: skip
+    return dq, dk, dv, None if pos_key is None else dpk, None if pos_query is None else dpq, *(None,) * 8
 
 
 _run = eager_autograd(disentangled_attention_op, _grad, _setup_context)
@@ -1062,8 +1202,33 @@ def disentangled_attention(
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     seq_k = key.shape[2]
+    masks = (
+        ("key_padding_mask", key_padding_mask, "seq_k", seq_k),
+        ("query_padding_mask", query_padding_mask, "seq_q", seq_q),
+    )
+    for name, mask, seq_name, seq in masks:
+        if mask is None:
+            continue
+        _check_tensor(name, mask, 2, None, query.device)
+        if mask.dtype != torch.bool:
+            raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
+        if mask.shape != (batch, seq):
+            raise ValueError(f"{name} must be (batch, {seq_name}) = {(batch, seq)}, got {tuple(mask.shape)}")
+    span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
+    scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
     position_buckets = _check_int("position_buckets", position_buckets)
     max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
+    index = relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, query.device)
+    query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
+    seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
+    masks = key_padding_mask, query_padding_mask
+    out, _ = _run(query, key, value, pos_key, pos_query, index, *masks, seed, float(dropout_p), scale, None, 0)
+    return out
+
+
+def _check_positions(pos_key, pos_query, query, heads: int, head_dim: int, position_buckets) -> int:
+    """The span (rows / 2) of the position tensors, checked; 1 without them."""
+    position_buckets = _check_int("position_buckets", position_buckets)
     rows = None
     for name, pos in (("pos_key", pos_key), ("pos_query", pos_query)):
         if pos is None:
@@ -1078,43 +1243,74 @@ def disentangled_attention(
         rows = pos.shape[1]
     if rows is not None and position_buckets > 0 and rows != 2 * position_buckets:
         raise ValueError(f"position tensors must have 2 · position_buckets = {2 * position_buckets} rows, got {rows}")
-    masks = (
-        ("key_padding_mask", key_padding_mask, "seq_k", seq_k),
-        ("query_padding_mask", query_padding_mask, "seq_q", seq_q),
-    )
-    for name, mask, seq_name, seq in masks:
-        if mask is None:
-            continue
-        _check_tensor(name, mask, 2, None, query.device)
-        if mask.dtype != torch.bool:
-            raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
-        if mask.shape != (batch, seq):
-            raise ValueError(f"{name} must be (batch, {seq_name}) = {(batch, seq)}, got {tuple(mask.shape)}")
+    return (rows or 2) // 2
+
+
+def _check_dropout_and_scale(dropout_p, scale, head_dim: int, pos_key, pos_query) -> float:
+    """The scale, DeBERTa's by default (one term per position tensor given), checked with dropout_p."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__} {dropout_p!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p}")
-    terms = (pos_key is not None) + (pos_query is not None)
     if scale is None:
-        scale = 1.0 / math.sqrt(head_dim * (1 + terms))
-    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        return 1.0 / math.sqrt(head_dim * (1 + (pos_key is not None) + (pos_query is not None)))
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    span = (rows or 2) // 2
-    index = relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, query.device)
-    query, key, value = (last_dim_contiguous(x) for x in (query, key, value))
-    pos_key, pos_query = (None if pos is None else last_dim_contiguous(pos) for pos in (pos_key, pos_query))
-    seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
-    out, _ = _run(
-        query,
-        key,
-        value,
-        pos_key,
-        pos_query,
-        index,
-        key_padding_mask,
-        query_padding_mask,
-        seed,
-        float(dropout_p),
-        float(scale),
+    return float(scale)
+
+
+def _last_dims_contiguous(*tensors):
+    return tuple(None if x is None else last_dim_contiguous(x) for x in tensors)
+
+
+def varlen_disentangled_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    pos_key: torch.Tensor | None = None,
+    pos_query: torch.Tensor | None = None,
+    *,
+    position_buckets: int = -1,
+    max_relative_positions: int = -1,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``disentangled_attention`` of packed sequences (self-attention, as ``sf.varlen_attention``
+    packs them): query, key, value (total, heads, head_dim), sequence b owning rows
+    ``cu_seqlens[b] : cu_seqlens[b + 1]`` (int32, (batch + 1,)), each attending to its own
+    tokens at its own relative positions; ``max_seqlen`` at least the longest sequence. The
+    position tensors and the other arguments as ``disentangled_attention``'s; dropout streams
+    b · heads + h, as the padded call's. Returns (total, heads, head_dim) in query's dtype.
+
+    Raises TypeError / ValueError as ``disentangled_attention``, and for a ``cu_seqlens`` that is
+    not a 1-d int32 tensor on query's device starting at 0 and ending at total, or a
+    ``max_seqlen`` below 1.
+    """
+    _check_tensor("query", query, 3, None, getattr(query, "device", None))
+    if query.dtype not in _DTYPES:
+        raise TypeError(f"query must be float16, bfloat16, float32 or float64, got {query.dtype}")
+    total, heads, head_dim = query.shape
+    for name, tensor in (("key", key), ("value", value)):
+        _check_tensor(name, tensor, 3, query.dtype, query.device)
+        if tensor.shape != query.shape:
+            raise ValueError(f"{name} must have query's shape {tuple(query.shape)}, got {tuple(tensor.shape)}")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    _check_tensor("cu_seqlens", cu_seqlens, 1, torch.int32, query.device)
+    max_seqlen = _check_int("max_seqlen", max_seqlen)
+    if max_seqlen < 1:
+        raise ValueError(f"max_seqlen must be >= 1, got {max_seqlen}")
+    span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
+    scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
+    position_buckets = _check_int("position_buckets", position_buckets)
+    max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
+    index = relative_position_index(
+        max_seqlen, max_seqlen, span, position_buckets, max_relative_positions, query.device
     )
+    query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
+    seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
+    args = (query, key, value, pos_key, pos_query, index, None, None, seed, float(dropout_p), scale)
+    out, _ = _run(*args, cu_seqlens, max_seqlen)
     return out
