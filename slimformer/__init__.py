@@ -20,7 +20,13 @@ from slimformer import memory
 from slimformer._version import __version__
 from slimformer.integrations.hf.attention import register_transformers_attention
 from slimformer.kernels.activation import fused_mlp
-from slimformer.kernels.attention import attention, disentangled_attention, self_attention, varlen_attention
+from slimformer.kernels.attention import (
+    attention,
+    disentangled_attention,
+    self_attention,
+    varlen_attention,
+    varlen_disentangled_attention,
+)
 from slimformer.kernels.dropout import dropout_add
 from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
 from slimformer.kernels.norm import layer_norm, rms_norm
@@ -69,6 +75,7 @@ __all__ = [
     "self_attention",
     "unpatch",
     "varlen_attention",
+    "varlen_disentangled_attention",
 ]
 
 _REGISTRY_MODULE = "transformers.modeling_utils"

@@ -238,13 +238,53 @@ def test_summary_unpatch_and_pickle():
     assert type(model.deberta.encoder.layer[0]).__name__ == "DebertaV2Layer"
 
 
-def test_unpad_leaves_the_model_padded_with_the_reason():
-    model = _model("DebertaV2ForSequenceClassification")
-    with pytest.warns(UserWarning, match="no varlen disentangled attention kernel"):
-        patch(model, unpad=True)
-    assert all(isinstance(layer, FusedDebertaV2LayerMixin) for layer in model.deberta.encoder.layer)
-    left = {item.name: item.reason for item in patch_summary(model).left}
-    assert "no varlen disentangled attention kernel" in left["deberta"]
+def _unpadded_gradients_match(name, ids, mask, refuse=lambda: None, **config):
+    # every real token's output and every parameter's gradient, as the padded HF model gives them
+    reference = _model(name, dropout=0.0, **config).train()
+    model = patch(copy.deepcopy(reference), unpad=True)
+    assert type(model.base_model).__name__ == "UnpaddedDebertaV2Model"
+    real = mask.bool()
+    results = []
+    for m in (reference, model):
+        if m is model:
+            refuse()
+        m.zero_grad()
+        out = m(ids, attention_mask=mask, output_hidden_states=True)
+        hidden = out.hidden_states[-1]
+        grad = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3)) * real[..., None]
+        (hidden * grad).sum().backward()
+        results.append((hidden[real], [h[real] for h in out.hidden_states], dict(m.named_parameters())))
+    (want, want_states, expected), (got, got_states, params) = results
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_states, want_states, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    grads = {k: p.grad for k, p in params.items() if expected[k].grad is not None}
+    _assert_grads_close(grads, {k: p.grad for k, p in expected.items() if p.grad is not None})
+
+
+@pytest.mark.parametrize("variant", ["v3", "c2p-only", "unbucketed"])
+def test_unpadded_model_matches_hfs_at_the_real_tokens(variant, original_refused):
+    ids, mask = _batch(_config())
+    _unpadded_gradients_match("DebertaV2ForTokenClassification", ids, mask, original_refused, **VARIANTS[variant])
+
+
+def test_unpadded_model_on_the_kernels_too(backend):
+    _unpadded_gradients_match("DebertaV2Model", *_batch(_config()))
+
+
+def test_unpad_runs_padded_where_positions_would_move():
+    # padding between two tokens (the padded model's relative positions count it), and v2-xlarge's conv layer
+    for config, mask_row in ((dict(), [1, 1, 0, 1, 1, 1, 0, 0]), (dict(conv_kernel_size=3), [1] * 5 + [0] * 3)):
+        reference = _model("DebertaV2Model", dropout=0.0, **config).eval()
+        model = patch(copy.deepcopy(reference), unpad=True)
+        ids = torch.randint(5, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+        mask = torch.tensor([mask_row, [1] * 8])
+        with torch.no_grad():
+            got, want = (
+                model(ids, attention_mask=mask).last_hidden_state,
+                reference(ids, attention_mask=mask).last_hidden_state,
+            )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # the padded forward: every position
 
 
 def test_unsupported_attention_is_left_with_the_reason():

@@ -1,4 +1,4 @@
-"""What transformers' own model tests check of a model, on patched DistilBERT, ALBERT and MPNet:
+"""What transformers' own model tests check of a model, on patched DistilBERT, ALBERT, MPNet and DeBERTa-v2:
 every class patch made keeps the original forward signature, ``inputs_embeds`` gives the
 ``input_ids`` result (padded and unpadded), and the attention implementation can change
 after patching while the layers stay fused.
@@ -15,6 +15,9 @@ from transformers import (
     AlbertConfig,
     AlbertForMaskedLM,
     AlbertModel,
+    DebertaV2Config,
+    DebertaV2ForMaskedLM,
+    DebertaV2Model,
     DistilBertConfig,
     DistilBertForMaskedLM,
     DistilBertModel,
@@ -44,12 +47,23 @@ MPNET = MPNetConfig(
     vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
 )  # fmt: skip
+DEBERTA = DebertaV2Config(
+    vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+    relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"], share_att_key=True,
+    norm_rel_ebd="layer_norm", position_biased_input=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+)  # fmt: skip
 BASE_MODELS = {
     "ALBERT": (ALBERT, AlbertModel),
     "DistilBERT": (DISTILBERT, DistilBertModel),
     "MPNet": (MPNET, MPNetModel),
+    "DeBERTa-v2": (DEBERTA, DebertaV2Model),
 }
-MASKED_LM = {"ALBERT": AlbertForMaskedLM, "DistilBERT": DistilBertForMaskedLM, "MPNet": MPNetForMaskedLM}
+MASKED_LM = {
+    "ALBERT": AlbertForMaskedLM,
+    "DistilBERT": DistilBertForMaskedLM,
+    "MPNet": MPNetForMaskedLM,
+    "DeBERTa-v2": DebertaV2ForMaskedLM,
+}
 # the families transformers runs on more than one attention implementation (MPNet: eager only)
 SWITCHABLE = ["ALBERT", "DistilBERT"]
 

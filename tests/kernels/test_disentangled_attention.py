@@ -10,6 +10,7 @@ oracle that buckets the relative positions with transformers' ``build_relative_p
 """
 
 import functools
+import itertools
 import math
 import os
 import re
@@ -28,7 +29,11 @@ from transformers.models.deberta_v2.modeling_deberta_v2 import (
 )
 
 from slimformer.kernels.attention import attention
-from slimformer.kernels.attention.disentangled import disentangled_attention, relative_position_index
+from slimformer.kernels.attention.disentangled import (
+    disentangled_attention,
+    relative_position_index,
+    varlen_disentangled_attention,
+)
 from slimformer.kernels.philox import dropout_threshold, new_dropout_seed
 from slimformer.memory import measure_activation_memory
 from tests.helpers import assert_within_reference_error
@@ -921,6 +926,83 @@ def test_ops_pass_opcheck(monkeypatch, problem, dtype, dropout_p):
     torch.library.opcheck(torch.ops.slimformer.disentangled_attention_backward.default, backward_args)
 
 
+# ----------------------------------------------------------------------------- varlen
+
+# lengths with an empty sequence, one past the 32-row tiles and one of a single token
+VARLEN_LENGTHS = [5, 0, 37, 1, 20]
+
+
+def _packed(lengths, heads=2, head_dim=16, rows=16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+    q, k, v = (torch.randn(total, heads, head_dim, generator=gen).to(dtype) for _ in range(3))
+    pk, pq = (torch.randn(heads, rows, head_dim, generator=gen).to(dtype) for _ in range(2))
+    return dict(
+        q=q, k=k, v=v, pos_key=pk, pos_query=pq, grad=torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    ), cu
+
+
+def _varlen(inputs, cu, max_seqlen, dropout_p=0.0):
+    return _with_grads(
+        lambda q, k, v, pk, pq: varlen_disentangled_attention(
+            q, k, v, cu, max_seqlen, pk, pq, position_buckets=8, max_relative_positions=32, dropout_p=dropout_p
+        ),
+        inputs,
+    )
+
+
+def test_varlen_is_the_dense_call_on_each_sequence(backend):
+    inputs, cu = _packed(VARLEN_LENGTHS)
+    got = _varlen(inputs, cu, max(VARLEN_LENGTHS) + 3)  # max_seqlen above the longest: the same result
+    expected = {name: torch.zeros_like(x) for name, x in got.items()}
+    for start, stop in itertools.pairwise(cu.tolist()):
+        if start == stop:
+            continue
+        rows = slice(start, stop)
+        one = {name: rearrange(inputs[name][rows], "l h d -> 1 h l d") for name in ("q", "k", "v", "grad")}
+        dense = _with_grads(
+            lambda q, k, v, pk, pq: disentangled_attention(
+                q, k, v, pk, pq, position_buckets=8, max_relative_positions=32
+            ),
+            {**one, "pos_key": inputs["pos_key"], "pos_query": inputs["pos_query"]},
+        )
+        for name in ("out", "dq", "dk", "dv"):
+            expected[name][rows] = rearrange(dense[name], "1 h l d -> l h d")
+        for name in ("dpos_key", "dpos_query"):
+            expected[name] += dense[name]
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_varlen_interpreted_kernels_agree_with_the_reference_with_dropout(monkeypatch):
+    inputs, cu = _packed(VARLEN_LENGTHS, head_dim=32)
+
+    def run():
+        torch.manual_seed(7)
+        return _varlen(inputs, cu, max(VARLEN_LENGTHS), dropout_p=0.2)
+
+    kernels, reference = _on_both_paths(monkeypatch, run)
+    for name in reference:
+        torch.testing.assert_close(kernels[name], reference[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(
+    "cu, max_seqlen, error, message",
+    [
+        (torch.tensor([0, 5, 60], dtype=torch.int32), 63, ValueError, r"cu_seqlens\[-1\] must equal query's"),
+        (torch.tensor([1, 63], dtype=torch.int32), 63, ValueError, "cu_seqlens must start at 0"),
+        (torch.tensor([0, 40, 63], dtype=torch.int32), 30, ValueError, "must be at least its longest sequence 40"),
+        (torch.tensor([0, 63]), 63, TypeError, "cu_seqlens must have query's dtype torch.int32"),
+        (torch.tensor([0, 63], dtype=torch.int32), 0, ValueError, "max_seqlen must be >= 1, got 0"),
+    ],
+)
+def test_varlen_bad_cu_seqlens_raise(cu, max_seqlen, error, message):
+    inputs, _ = _packed(VARLEN_LENGTHS)
+    with pytest.raises(error, match=message):
+        varlen_disentangled_attention(inputs["q"], inputs["k"], inputs["v"], cu, max_seqlen)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 # DeBERTa-v3-base's attention (256 buckets, both terms, padded keys and queries), odd
@@ -959,3 +1041,19 @@ def test_compiled_kernels_match_the_dense_oracle_on_gpu(problem, dtype, ulps, dr
         assert_within_reference_error(
             name, got[name], same_dtype[name], exact[name], ulps if name == "out" else grad_ulps
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_varlen_kernels_match_the_reference_on_gpu(monkeypatch, dtype):
+    # DeBERTa-v3-base's heads at unequal lengths past the tiles, against the PyTorch reference on the CPU
+    lengths = [300, 0, 17, 512, 1]
+    inputs, cu = _packed(lengths, heads=12, head_dim=64, rows=512, dtype=dtype)
+    on_gpu = {name: x.cuda() for name, x in inputs.items()}
+    got = {name: x.cpu().float() for name, x in _varlen(on_gpu, cu.cuda(), 512).items()}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expected = _varlen({name: x.float() for name, x in inputs.items()}, cu, 512)
+    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name in expected:
+        scale = expected[name].abs().max().item()
+        torch.testing.assert_close(got[name] / scale, expected[name] / scale, **tolerance, msg=name)

@@ -28,11 +28,16 @@ padded query rows attend to every key with equal weight (all their scores are
 ``finfo.min``); the kernel gives them that too (``query_padding_mask``), so every output
 position equals HF's.
 
+With ``unpad=True``, ``DebertaV2Model`` becomes ``UnpaddedDebertaV2Model``
+(``DebertaV2Unpadding``): the real tokens only, every sequence at its own relative positions
+through ``varlen_disentangled_attention``. A batch with padding between two tokens of a row
+runs padded (the padded model's relative positions count that padding), as does a model
+with v2-xlarge's conv layer.
+
 Left, with the reason in the summary: ``DebertaV2Embeddings`` (its mask multiply sits
 between the LayerNorm and the dropout), DeBERTa-v1 (``DebertaLayer``: a fused in_proj and
-another position layout), ``unpad=True`` (no varlen disentangled kernel yet: the model
-runs padded), activations other than gelu / gelu_new / gelu_pytorch_tanh / relu, head
-dims above 256, and classes that only look like a DeBERTa-v2 layer or encoder.
+another position layout), activations other than gelu / gelu_new / gelu_pytorch_tanh /
+relu, head dims above 256, and classes that only look like a DeBERTa-v2 layer or encoder.
 """
 
 import torch
@@ -40,9 +45,17 @@ from einops import rearrange
 from torch import nn
 
 from slimformer.integrations import ModelFamily
-from slimformer.integrations.hf.bert import FusedBertFamilyLayer, LayerLayout, fuse_layer, fused_loss, layer_problem
+from slimformer.integrations.hf.bert import (
+    FusedBertFamilyLayer,
+    LayerLayout,
+    fuse_layer,
+    fused_loss,
+    layer_problem,
+    refuse_packed,
+)
 from slimformer.integrations.hf.classes import RuntimeMixin
-from slimformer.kernels.attention.disentangled import disentangled_attention
+from slimformer.integrations.hf.unpad import PackedSequences, UnpaddedEncoderModel, has_padding_between_tokens
+from slimformer.kernels.attention.disentangled import disentangled_attention, varlen_disentangled_attention
 
 __all__ = ["FAMILY", "FusedDebertaV2LayerMixin", "PaddingMask", "RelativePositions"]
 
@@ -101,8 +114,22 @@ class DisentangledDebertaV2Encoder(RuntimeMixin):
 
     prefix = "Disentangled"
 
-    def forward(self, *args, **kwargs):
-        return super().forward(*args, **kwargs)
+    def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        if isinstance(attention_mask, PackedSequences):
+            return self._packed_forward(hidden_states, attention_mask)
+        return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+    def _packed_forward(self, hidden_states, packing: PackedSequences):
+        """HF's encoder loop on packed (1, total, hidden) tokens: every layer's output, as
+        ``output_hidden_states=True`` gives them (DebertaV2Model asks for them always)."""
+        from transformers.modeling_outputs import BaseModelOutput
+
+        rel_embeddings = self.get_rel_embedding()
+        positions = RelativePositions(self, hidden_states) if self.relative_attention else None
+        states = [hidden_states]
+        for layer in self.layer:
+            states.append(layer(states[-1], packing, relative_pos=positions, rel_embeddings=rel_embeddings)[0])
+        return BaseModelOutput(last_hidden_state=states[-1], hidden_states=tuple(states))
 
     def get_attention_mask(self, attention_mask):
         if attention_mask.dim() == 2:
@@ -134,6 +161,7 @@ class FusedDebertaV2LayerMixin(FusedBertFamilyLayer):
         reason = self._deberta_call_reason(attention_mask, query_states, relative_pos, output_attentions)
         reason = reason or self._unfused_reason()
         if reason is not None:
+            refuse_packed(attention_mask, reason)
             return super(FusedBertFamilyLayer, self).forward(
                 hidden_states,
                 _materialized(attention_mask),
@@ -142,7 +170,7 @@ class FusedDebertaV2LayerMixin(FusedBertFamilyLayer):
                 rel_embeddings=rel_embeddings,
                 output_attentions=output_attentions,
             )
-        mask = None if attention_mask is None else attention_mask.mask
+        mask = attention_mask.mask if isinstance(attention_mask, PaddingMask) else attention_mask
         return self._fused(hidden_states, mask, rel_embeddings), None
 
     def _deberta_call_reason(self, attention_mask, query_states, relative_pos, output_attentions) -> str | None:
@@ -151,7 +179,7 @@ class FusedDebertaV2LayerMixin(FusedBertFamilyLayer):
             return "attentions were asked for"
         if query_states is not None:
             return "query_states were passed (the enhanced mask decoder)"
-        if not (attention_mask is None or isinstance(attention_mask, PaddingMask)):
+        if not (attention_mask is None or isinstance(attention_mask, (PaddingMask, PackedSequences))):
             return "its attention_mask is not the encoder's padding mask"
         if self.attention.self.relative_attention and not isinstance(relative_pos, RelativePositions):
             return "its relative positions are not the encoder's"
@@ -160,22 +188,22 @@ class FusedDebertaV2LayerMixin(FusedBertFamilyLayer):
     def _self_attention(self, x, attn_mask, padding, rel_embeddings=None):
         """(batch, seq, hidden) context, before the output projection."""
         attn = self.attention.self
-        dropout_p = attn.dropout.p if attn.training else 0.0
-        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=attn.attention_head_size) for t in self._qkv(x))
-        pos_key, pos_query = self._positions(attn, rel_embeddings)
         terms = sum(term in attn.pos_att_type for term in _POSITION_TERMS)
-        out = disentangled_attention(
-            q,
-            k,
-            v,
-            pos_key,
-            pos_query,
+        kwargs = dict(
             position_buckets=attn.position_buckets if attn.relative_attention else -1,
             max_relative_positions=attn.max_relative_positions if attn.relative_attention else -1,
-            key_padding_mask=padding,
-            query_padding_mask=padding,
-            dropout_p=dropout_p,
+            dropout_p=attn.dropout.p if attn.training else 0.0,
             scale=1.0 / (attn.attention_head_size * (1 + terms)) ** 0.5,
+        )
+        positions = self._positions(attn, rel_embeddings)
+        if isinstance(attn_mask, PackedSequences):  # x is (1, total, hidden): every real token, packed
+            q, k, v = (rearrange(t, "1 t (h d) -> t h d", d=attn.attention_head_size) for t in self._qkv(x))
+            cu, longest = attn_mask.cu_seqlens, attn_mask.max_seqlen
+            out = varlen_disentangled_attention(q, k, v, cu, longest, *positions, **kwargs)
+            return rearrange(out, "t h d -> 1 t (h d)")
+        q, k, v = (rearrange(t, "b s (h d) -> b h s d", d=attn.attention_head_size) for t in self._qkv(x))
+        out = disentangled_attention(
+            q, k, v, *positions, key_padding_mask=padding, query_padding_mask=padding, **kwargs
         )
         return rearrange(out, "b h s d -> b s (h d)")
 
@@ -235,10 +263,45 @@ def _encoder_class(module: nn.Module) -> tuple[type | None, str | None] | None:
     return None, "its layers are not all fused: the mask and relative positions stay HF's (seq, seq) tensors"
 
 
+class DebertaV2Unpadding(UnpaddedEncoderModel):
+    """``UnpaddedEncoderModel`` over ``DebertaV2Model``: the packed call runs the embeddings on
+    the real tokens (their mask multiply is by 1 there) and the encoder given the packing, whose
+    layers run ``varlen_disentangled_attention``, each sequence at its own relative positions.
+    A batch with padding between two tokens of a row runs padded (the padded model's relative
+    positions count that padding), as does a model with v2-xlarge's conv layer, which reads the
+    padded layout."""
+
+    def padded_reason(self, arguments: dict, extra: dict) -> str | None:
+        reason = super().padded_reason(arguments, extra)
+        if reason is None and self.encoder.conv is not None:
+            reason = "its encoder's conv layer reads the padded layout"
+        if reason is None and has_padding_between_tokens(arguments["attention_mask"]):
+            reason = "padding between tokens (DeBERTa's relative positions count it)"
+        return reason
+
+    def packed_forward(self, arguments: dict, extra: dict, packing: PackedSequences):
+        from transformers.modeling_outputs import BaseModelOutput
+
+        embeddings = self.embeddings(
+            input_ids=arguments.get("input_ids"),
+            token_type_ids=arguments.get("token_type_ids"),
+            position_ids=arguments.get("position_ids"),
+            inputs_embeds=arguments.get("inputs_embeds"),
+        )
+        encoded = self.encoder(embeddings, packing)
+        wanted = extra.get("output_hidden_states", arguments.get("output_hidden_states"))
+        wanted = self.config.output_hidden_states if wanted is None else wanted
+        return BaseModelOutput(
+            last_hidden_state=encoded.last_hidden_state, hidden_states=encoded.hidden_states if wanted else None
+        )
+
+
 def _unpadded(model: nn.Module) -> tuple[type | None, str | None] | None:
     if _class_name(model) != (_MODULE, "DebertaV2Model"):
         return None
-    return None, "unpad: no varlen disentangled attention kernel yet, so DeBERTa-v2 runs padded"
+    if not all(isinstance(layer, FusedDebertaV2LayerMixin) for layer in model.encoder.layer):
+        return None, "unpad: its layers are not all fused"
+    return DebertaV2Unpadding.over(type(model)), None
 
 
 FAMILY = ModelFamily(

@@ -61,8 +61,16 @@ The package, in the order a reader follows a call:
   kernels, reference and ops in one file, on the shared tiles.
 """
 
-from slimformer.kernels.attention.disentangled import disentangled_attention
+from slimformer.kernels.attention.disentangled import disentangled_attention, varlen_disentangled_attention
 from slimformer.kernels.attention.interface import MAX_HEAD_DIM, attention, self_attention, varlen_attention
 from slimformer.kernels.attention.tiles import MASKED_BIAS
 
-__all__ = ["MASKED_BIAS", "MAX_HEAD_DIM", "attention", "disentangled_attention", "self_attention", "varlen_attention"]
+__all__ = [
+    "MASKED_BIAS",
+    "MAX_HEAD_DIM",
+    "attention",
+    "disentangled_attention",
+    "self_attention",
+    "varlen_attention",
+    "varlen_disentangled_attention",
+]
