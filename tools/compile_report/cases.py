@@ -6,6 +6,7 @@ name no kernel and no kernel argument, so the report follows the kernels as they
 ``ci=True`` marks the small representative set the CI test compiles.
 """
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -295,6 +296,46 @@ def disentangled_attention_case(
     return Case(name, "attention", run, params, ci)
 
 
+def varlen_disentangled_attention_case(dtype="bf16", *, heads=12, head_dim=64, batch=8, seq=512, dropout=0.1) -> Case:
+    """``varlen_disentangled_attention`` as the unpadded DeBERTa layer calls it: q, k, v head
+    views of three packed (total, hidden) projections, half the tokens real (lengths spread
+    over (0, seq]), 256 position buckets."""
+    from slimformer.kernels.attention.disentangled import varlen_disentangled_attention
+
+    name = f"disentangled varlen d{head_dim} {dtype} s{seq} h{heads} c2p+p2c" + (
+        f" dropout{dropout:g}" if dropout else ""
+    )
+    lengths = [max(1, round(seq * (i + 0.5) / batch)) for i in range(batch)]
+
+    def run():
+        torch_dtype = DTYPES[dtype]
+        total = sum(lengths)
+        q, k, v = (
+            rearrange(
+                torch.zeros(total, heads * head_dim, dtype=torch_dtype, requires_grad=True), "t (h d) -> t h d", h=heads
+            )
+            for _ in range(3)
+        )
+        pos_key, pos_query = (
+            rearrange(
+                torch.zeros(512, heads * head_dim, dtype=torch_dtype, requires_grad=True), "p (h d) -> h p d", h=heads
+            )
+            for _ in range(2)
+        )
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        out = varlen_disentangled_attention(
+            q, k, v, cu, seq, pos_key, pos_query, position_buckets=256, max_relative_positions=512, dropout_p=dropout
+        )
+        return lambda: out.backward(torch.zeros_like(out))
+
+    params = dict(
+        head_dim=head_dim, dtype=dtype, batch=batch, heads=heads, kv_heads=heads, seq_q=seq, seq_k=seq, causal=False,
+        dropout=dropout, mask=None, key_padding=False, layout="varlen", deterministic=True, window=None,
+        terms="c2p+p2c", position_rows=512, position_buckets=256, max_relative_positions=512, real_tokens=sum(lengths),
+    )  # fmt: skip
+    return Case(name, "attention", run, params)
+
+
 def disentangled_attention_cases() -> list[Case]:
     """DeBERTa-v3-base (12 heads of 64, 256 position buckets, 512 relative positions) at
     batch 8 × 512 tokens, bf16 and fp16 with and without dropout; fp32; and -large's 16
@@ -305,6 +346,7 @@ def disentangled_attention_cases() -> list[Case]:
             cases.append(disentangled_attention_case(dtype, dropout=dropout, ci=(dtype, dropout) == ("bf16", 0.1)))
     cases.append(disentangled_attention_case("fp32"))
     cases.append(disentangled_attention_case("bf16", heads=16, dropout=0.1))
+    cases.append(varlen_disentangled_attention_case())
     return cases
 
 
