@@ -330,6 +330,22 @@ def test_bf16_autocast_training_matches_hfs():
         assert ours <= 2 * theirs + 1e-2 * value.abs().max() + 1e-6, name
 
 
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpad"])
+def test_torch_compile_of_the_patched_model_gives_hfs_gradients(unpad):
+    # the ops' fake kernels must give the real ops' strides: q, k, v arrive as head views
+    reference = _model("DebertaV2ForSequenceClassification", dropout=0.0).train()
+    model = patch(copy.deepcopy(reference), unpad=unpad)
+    ids, mask = _batch(model.config)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled.zero_grad()
+    loss = compiled(ids, attention_mask=mask).logits.sum()
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    reference.zero_grad()
+    reference(ids, attention_mask=mask).logits.sum().backward()
+    _assert_grads_close(grads, {name: p.grad for name, p in reference.named_parameters()})
+
+
 def test_gradients_match_on_the_kernels_too(backend):
     # the interpreted kernels gather the tiles' position rows and read them off the skews
     reference = _model("DebertaV2Model", dropout=0.0).train()

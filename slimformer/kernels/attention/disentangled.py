@@ -1092,10 +1092,11 @@ def _(
     grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed, dropout_p, scale,
     cu_seqlens=None, max_seqlen=0,
 ):  # fmt: skip
+    # contiguous, as the real op allocates them, whatever the inputs' strides (head views)
     positions = (
-        torch.empty(0, device=q.device) if pos is None else torch.empty_like(pos) for pos in (pos_key, pos_query)
+        torch.empty(0, device=q.device) if pos is None else pos.new_empty(pos.shape) for pos in (pos_key, pos_query)
     )
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *positions
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), *positions
 
 
 def _setup_context(ctx, inputs, output):
