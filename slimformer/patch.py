@@ -18,7 +18,9 @@ the patch keep working):
     layer's own class running attention, the two add + LayerNorms and the MLP on fused
     kernels; their embeddings' LayerNorm and dropout -> one fused norm kernel
     (``slimformer.integrations.hf.bert``); the same for DistilBERT's blocks and ALBERT's
-    (shared) layers and their embeddings (``...hf.distilbert``, ``...hf.albert``);
+    (shared) layers and their embeddings (``...hf.distilbert``, ``...hf.albert``), MPNet's and
+    ModernBERT's (``...hf.mpnet``, ``...hf.modernbert``), and DeBERTa-v2/-v3's layers, their
+    disentangled attention in one kernel (``...hf.deberta``);
   - HuggingFace BERT-family ``*ForMaskedLM`` models (BERT, ERNIE, RoBERTa, XLM-RoBERTa,
     CamemBERT, Data2VecText), ``BertForPreTraining``, ``DistilBertForMaskedLM`` and
     ``AlbertForMaskedLM`` change class in place to
@@ -144,7 +146,8 @@ def _left_role_reason(module: nn.Module) -> str | None:
     if _ROLES["attention"].search(name):
         reason = (
             "attention of a model family slimformer does not fuse layer by layer (it fuses BERT-family, DistilBERT, "
-            "ALBERT and MPNet encoder layers, torch.nn.TransformerEncoderLayer and torch.nn.MultiheadAttention)"
+            "ALBERT, MPNet, ModernBERT and DeBERTa-v2 encoder layers, torch.nn.TransformerEncoderLayer and "
+            "torch.nn.MultiheadAttention)"
         )
         if from_transformers:
             reason += "; run it on slimformer's kernel with model.set_attn_implementation('slimformer')"

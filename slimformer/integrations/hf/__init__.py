@@ -2,6 +2,8 @@
 
 - ``bert``: BERT-family encoder layers (``FusedBertFamilyLayer``) and embeddings, and
   the family's entry in ``slimformer.patch``'s registry;
+- ``distilbert``, ``albert``, ``mpnet``, ``modernbert``, ``deberta``: the other encoder
+  families' layers (DeBERTa-v2/-v3: the disentangled attention in one kernel);
 - ``llama``: HF RMSNorms whose forward is LlamaRMSNorm's (``FusedLlamaStyleRMSNorm``);
 - ``masked_lm``: the fused masked-LM loss of BERT-family ``*ForMaskedLM`` models;
 - ``unpad``: unpadded BERT-family base models, and the packing of a padded batch;
