@@ -48,8 +48,9 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels import dispatch
-from slimformer.kernels.attention.launch import empty_forward, empty_output, reference_dtype
+from slimformer.kernels.attention.launch import empty_forward, empty_output, head_strides, reference_dtype
 from slimformer.kernels.attention.ops import check_cu_seqlens, last_dim_contiguous, runs_kernels
+from slimformer.kernels.attention.reference import as_batch_of_one, sequences
 from slimformer.kernels.attention.tiles import (
     LN2,
     LOG2E,
@@ -694,12 +695,6 @@ def _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask) -
     return [pk, pq, kpm, qpm], [pk.stride(0), pk.stride(1), pq.stride(0), pq.stride(1), *masks]
 
 
-def _head_strides(x: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, head, row) strides of a (batch, heads, seq, head_dim) tensor, or (0, head, row) of a
-    packed (total, heads, head_dim) one, whose sequences the kernels find by CU."""
-    return (0, x.stride(1), x.stride(0)) if varlen else x.stride()[:3]
-
-
 def _geometry(q, k, cu_seqlens, max_seqlen) -> tuple[int, int, int, int, int]:
     """(batch, heads, seq_q, seq_k, total) of a launch: varlen's seq_q and seq_k are the
     longest sequence's, its total the packed rows."""
@@ -731,7 +726,7 @@ def disentangled_forward(
     grid = (triton.cdiv(seq_q, block) * heads * batch,)
     _disentangled_fwd_kernel[grid](
         q, k, v, pk, pq, index, out, lse, kpm, qpm, q if seed is None else seed, q if cu_seqlens is None else cu_seqlens,
-        *(stride for x in (q, k, v, out) for stride in _head_strides(x, varlen)), *strides,
+        *head_strides(1, q, k, v, out), *strides,
         heads, seq_q, seq_k, seq_k - 1, index.numel(), total, scale * math.log2(math.e), dropout_p,
         **_flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p),
         BLOCK_M=block, BLOCK_N=block, VARLEN=varlen, num_warps=warps, num_stages=stages,
@@ -765,7 +760,7 @@ def disentangled_backward(
         kernel[(triton.cdiv(rows, block) * heads * batch,)](
             q, k, v, pk, pq, index, grad_out, lse, delta, kpm, qpm, q if seed is None else seed,
             q if cu_seqlens is None else cu_seqlens, *grads, q if position_grad is None else position_grad,
-            *(stride for x in inputs for stride in _head_strides(x, varlen)), *_head_strides(grads[0], varlen),
+            *head_strides(1, *inputs, grads[0]),
             *strides, heads, seq_q, seq_k, seq_k - 1, index.numel(), total, scale * math.log2(math.e), scale,
             dropout_p, **_flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_p),
             BLOCK_M=block, BLOCK_N=block, VARLEN=varlen, num_warps=warps, num_stages=stages,
@@ -923,20 +918,9 @@ def disentangled_backward_reference(
     return dq, dk, dv, dpk, dpq
 
 
-def _packed_sequences(cu_seqlens: torch.Tensor):
-    """(sequence b, its packed rows) of every non-empty sequence (on the host)."""
-    starts = cu_seqlens.tolist()
-    return [(b, slice(starts[b], starts[b + 1])) for b in range(len(starts) - 1) if starts[b + 1] > starts[b]]
-
-
 def _sequence_index(index: torch.Tensor, max_seqlen: int, length: int) -> torch.Tensor:
     """The dense index of a sequence of ``length`` tokens, a slice of varlen's (2 · max_seqlen − 1)."""
     return index[max_seqlen - length : max_seqlen + length - 1]
-
-
-def _one(x: torch.Tensor) -> torch.Tensor:
-    """Packed (rows, heads, head_dim) -> a (1, heads, rows, head_dim) view."""
-    return rearrange(x, "l h d -> 1 h l d")
 
 
 def varlen_forward_reference(q, k, v, pos_key, pos_query, index, dropout_p, scale, seed, cu_seqlens, max_seqlen):
@@ -946,10 +930,10 @@ def varlen_forward_reference(q, k, v, pos_key, pos_query, index, dropout_p, scal
     heads = q.shape[1]
     out = torch.zeros_like(q)
     lse = torch.full((heads, q.shape[0]), math.inf, dtype=reference_dtype(q), device=q.device)
-    for b, rows in _packed_sequences(cu_seqlens):
+    for b, rows, _ in sequences(cu_seqlens, cu_seqlens):
         index_b = _sequence_index(index, max_seqlen, rows.stop - rows.start)
         out_b, lse_b = disentangled_forward_reference(
-            _one(q[rows]), _one(k[rows]), _one(v[rows]), pos_key, pos_query, index_b, None, None, dropout_p, scale,
+            as_batch_of_one(q[rows]), as_batch_of_one(k[rows]), as_batch_of_one(v[rows]), pos_key, pos_query, index_b, None, None, dropout_p, scale,
             seed, b * heads,
         )  # fmt: skip
         out[rows] = rearrange(out_b, "1 h l d -> l h d")
@@ -967,10 +951,10 @@ def varlen_backward_reference(
     dpk, dpq = (
         None if pos is None else torch.zeros(pos.shape, dtype=dtype, device=q.device) for pos in (pos_key, pos_query)
     )
-    for b, rows in _packed_sequences(cu_seqlens):
+    for b, rows, _ in sequences(cu_seqlens, cu_seqlens):
         index_b = _sequence_index(index, max_seqlen, rows.stop - rows.start)
         grads = disentangled_backward_reference(
-            _one(grad_out[rows]), _one(q[rows]), _one(k[rows]), _one(v[rows]), pos_key, pos_query, index_b, None,
+            as_batch_of_one(grad_out[rows]), as_batch_of_one(q[rows]), as_batch_of_one(k[rows]), as_batch_of_one(v[rows]), pos_key, pos_query, index_b, None,
             lse[None, :, rows], None, None, dropout_p, scale, seed, b * heads,
         )  # fmt: skip
         for total, grad in zip((dq, dk, dv), grads[:3]):
@@ -1221,9 +1205,9 @@ def disentangled_attention(
             raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
         if mask.shape != (batch, seq):
             raise ValueError(f"{name} must be (batch, {seq_name}) = {(batch, seq)}, got {tuple(mask.shape)}")
+    position_buckets = _check_int("position_buckets", position_buckets)
     span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
     scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
-    position_buckets = _check_int("position_buckets", position_buckets)
     max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
     index = relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, query.device)
     query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
@@ -1233,9 +1217,8 @@ def disentangled_attention(
     return out
 
 
-def _check_positions(pos_key, pos_query, query, heads: int, head_dim: int, position_buckets) -> int:
+def _check_positions(pos_key, pos_query, query, heads: int, head_dim: int, position_buckets: int) -> int:
     """The span (rows / 2) of the position tensors, checked; 1 without them."""
-    position_buckets = _check_int("position_buckets", position_buckets)
     rows = None
     for name, pos in (("pos_key", pos_key), ("pos_query", pos_query)):
         if pos is None:
@@ -1309,9 +1292,9 @@ def varlen_disentangled_attention(
     max_seqlen = _check_int("max_seqlen", max_seqlen)
     if max_seqlen < 1:
         raise ValueError(f"max_seqlen must be >= 1, got {max_seqlen}")
+    position_buckets = _check_int("position_buckets", position_buckets)
     span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
     scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
-    position_buckets = _check_int("position_buckets", position_buckets)
     max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
     index = relative_position_index(
         max_seqlen, max_seqlen, span, position_buckets, max_relative_positions, query.device

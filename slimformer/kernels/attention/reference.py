@@ -304,7 +304,7 @@ def _attention_bwd_blocks(
     dv.copy_(dv_all.view(batch, kv_heads, seq_k, head_dim))
 
 
-def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor):
+def sequences(cu_q: torch.Tensor, cu_k: torch.Tensor):
     """(b, q rows, k rows) of each varlen sequence with queries and keys, as slices (on the host)."""
     starts_q, starts_k = cu_q.tolist(), cu_k.tolist()
     for b in range(len(starts_q) - 1):
@@ -312,7 +312,7 @@ def _sequences(cu_q: torch.Tensor, cu_k: torch.Tensor):
             yield b, slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
 
 
-def _as_batch_of_one(x: torch.Tensor) -> torch.Tensor:
+def as_batch_of_one(x: torch.Tensor) -> torch.Tensor:
     """Packed (rows, heads, head_dim) -> a (1, heads, rows, head_dim) view."""
     return rearrange(x, "l h d -> 1 h l d")
 
@@ -337,18 +337,18 @@ def varlen_forward_reference(
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     lse = torch.full((heads, q.shape[0]), math.inf, dtype=reference_dtype(q), device=q.device)
     with torch.autocast(q.device.type, enabled=False):
-        for b, rows, keys in _sequences(cu_q, cu_k):
+        for b, rows, keys in sequences(cu_q, cu_k):
             _attention_fwd_blocks(
-                _as_batch_of_one(q[rows]),
-                _as_batch_of_one(k[keys]),
-                _as_batch_of_one(v[keys]),
+                as_batch_of_one(q[rows]),
+                as_batch_of_one(k[keys]),
+                as_batch_of_one(v[keys]),
                 None,
                 None,
                 dropout_p,
                 is_causal,
                 scale,
                 seed,
-                _as_batch_of_one(out[rows]),
+                as_batch_of_one(out[rows]),
                 lse[None, :, rows],
                 b * heads,
                 _sequence_bias(relative_bias, max_q, rows, keys),
@@ -382,12 +382,12 @@ def varlen_backward_reference(
     heads = q.shape[1]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     with torch.autocast(q.device.type, enabled=False):
-        for b, rows, keys in _sequences(cu_q, cu_k):
+        for b, rows, keys in sequences(cu_q, cu_k):
             _attention_bwd_blocks(
-                _as_batch_of_one(grad_out[rows]),
-                _as_batch_of_one(q[rows]),
-                _as_batch_of_one(k[keys]),
-                _as_batch_of_one(v[keys]),
+                as_batch_of_one(grad_out[rows]),
+                as_batch_of_one(q[rows]),
+                as_batch_of_one(k[keys]),
+                as_batch_of_one(v[keys]),
                 lse[None, :, rows],
                 seed,
                 None,
@@ -395,9 +395,9 @@ def varlen_backward_reference(
                 dropout_p,
                 is_causal,
                 scale,
-                _as_batch_of_one(dq[rows]),
-                _as_batch_of_one(dk[keys]),
-                _as_batch_of_one(dv[keys]),
+                as_batch_of_one(dq[rows]),
+                as_batch_of_one(dk[keys]),
+                as_batch_of_one(dv[keys]),
                 b * heads,
                 _sequence_bias(relative_bias, max_q, rows, keys),
                 _sequence_bias(dbias, max_q, rows, keys),
