@@ -86,7 +86,7 @@ def _loss_and_grads(model, ids, mask):
     model.zero_grad()
     outputs = _outputs(model, ids, mask)
     g = torch.Generator().manual_seed(7)
-    loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outputs)
+    loss = sum((o * torch.randn(o.shape, generator=g).to(o.device)).sum() for o in outputs)
     loss.backward()
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
 

@@ -943,11 +943,21 @@ def _packed(lengths, heads=2, head_dim=16, rows=16, dtype=torch.float32):
     ), cu
 
 
-def _varlen(inputs, cu, max_seqlen, dropout_p=0.0):
+def _varlen(inputs, cu, max_seqlen, dropout_p=0.0, position_buckets=8, max_relative_positions=32):
+    """``_packed``'s position tensors have 2 · position_buckets rows."""
     return _with_grads(
         lambda q, k, v, pk, pq: varlen_disentangled_attention(
-            q, k, v, cu, max_seqlen, pk, pq, position_buckets=8, max_relative_positions=32, dropout_p=dropout_p
-        ),
+            q,
+            k,
+            v,
+            cu,
+            max_seqlen,
+            pk,
+            pq,
+            position_buckets=position_buckets,
+            max_relative_positions=max_relative_positions,
+            dropout_p=dropout_p,
+        ),  # fmt: skip
         inputs,
     )
 
@@ -1050,9 +1060,10 @@ def test_compiled_varlen_kernels_match_the_reference_on_gpu(monkeypatch, dtype):
     lengths = [300, 0, 17, 512, 1]
     inputs, cu = _packed(lengths, heads=12, head_dim=64, rows=512, dtype=dtype)
     on_gpu = {name: x.cuda() for name, x in inputs.items()}
-    got = {name: x.cpu().float() for name, x in _varlen(on_gpu, cu.cuda(), 512).items()}
+    positions = dict(position_buckets=256, max_relative_positions=512)
+    got = {name: x.cpu().float() for name, x in _varlen(on_gpu, cu.cuda(), 512, **positions).items()}
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    expected = _varlen({name: x.float() for name, x in inputs.items()}, cu, 512)
+    expected = _varlen({name: x.float() for name, x in inputs.items()}, cu, 512, **positions)
     tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for name in expected:
         scale = expected[name].abs().max().item()

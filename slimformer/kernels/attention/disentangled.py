@@ -293,13 +293,15 @@ def _disentangled_fwd_kernel(
         v = load_rows(
             V_bh + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
         )
-        p = p.to(v.dtype)
         if HAS_DROPOUT:
+            # on fp32 p: the 16-bit apply decides a register's two elements as columns 2c,
+            # 2c + 1 of one row, which holds only in an MMA layout, and the skews' gathers
+            # leave p in another (an H200 gave 16-row fp16 tiles the wrong mask)
             words0, words1, byte = dropout_words(
                 seed, off_b * heads + off_h, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, False, 1
             )
             p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
-        acc = dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
         m_i = m_new
     no_key = m_i == float("-inf")
     keep_scale = 1.0
