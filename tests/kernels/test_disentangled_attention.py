@@ -9,6 +9,7 @@ transformers module (cross lengths, dropout, edge cases) are held to an explicit
 oracle that buckets the relative positions with transformers' ``build_relative_position``.
 """
 
+import contextlib
 import functools
 import itertools
 import math
@@ -20,6 +21,8 @@ import pytest
 import torch
 from einops import rearrange
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import DebertaV2Config
 from transformers.models.deberta_v2.modeling_deberta_v2 import (
     DebertaV2Encoder,
@@ -28,7 +31,7 @@ from transformers.models.deberta_v2.modeling_deberta_v2 import (
     scaled_size_sqrt,
 )
 
-from slimformer.kernels.attention import attention
+from slimformer.kernels.attention import attention, disentangled as disentangled_module
 from slimformer.kernels.attention.disentangled import (
     disentangled_attention,
     relative_position_index,
@@ -287,6 +290,41 @@ def test_relative_position_index_is_transformers_buckets(seq_q, seq_k, buckets, 
     expected = (_transformers_buckets(seq_q, seq_k, buckets, max_position) + span).clamp(0, 2 * span - 1)
     assert index.dtype == torch.int32 and index.shape == (seq_q + seq_k - 1,)
     assert torch.equal(index.long()[_distances(seq_q, seq_k)], expected)
+
+
+class _HostToDeviceCopies(TorchDispatchMode):
+    """Records the ops that copy a host tensor to another device."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        copies = func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        outputs = [x for x in tree_leaves(out) if isinstance(x, torch.Tensor)]
+        if copies and any(x.is_cpu for x in inputs) and any(not x.is_cpu for x in outputs):
+            self.copies.append(str(func))
+        return out
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_a_call_copies_nothing_from_the_host(varlen):
+    # a pageable host-to-device copy waits for the GPU: one per call (the log buckets' constant)
+    # stalled every DeBERTa layer's forward until the device drained (an H200's profile)
+    shape = (128, 4, 32) if varlen else (2, 4, 64, 32)
+    q, k, v = (torch.randn(shape, device="meta", requires_grad=True) for _ in range(3))
+    pk, pq = (torch.randn(4, 32, 32, device="meta", requires_grad=True) for _ in range(2))
+    positions = dict(position_buckets=16, max_relative_positions=64)
+    with _HostToDeviceCopies() as mode:
+        if varlen:
+            cu = torch.tensor([0, 50, 128], dtype=torch.int32, device="meta")
+            out = varlen_disentangled_attention(q, k, v, cu, 78, pk, pq, **positions)
+        else:
+            out = disentangled_attention(q, k, v, pk, pq, **positions)
+        out.sum().backward()
+    assert mode.copies == []
 
 
 # ----------------------------------------------------------------------------- a dense oracle
@@ -1036,6 +1074,12 @@ def _on_gpu(inputs: dict) -> dict:
 def test_compiled_kernels_match_the_dense_oracle_on_gpu(problem, dtype, ulps, dropout_p):
     # the compiled kernels (tl.gather's shuffles, wgmma, the position gradients' atomics)
     # against fp64 on the CPU, with the mask the kernels drew from torch's CUDA seed
+    in_fp32 = dropout_p and dtype != torch.float32 and problem.head_dim > 64  # its 16-bit kernels gave wrong outputs
+    with pytest.warns(UserWarning, match="runs in float32") if in_fp32 else contextlib.nullcontext():
+        _check_compiled_against_the_oracle(problem, dtype, ulps, dropout_p)
+
+
+def _check_compiled_against_the_oracle(problem: Problem, dtype: torch.dtype, ulps: float, dropout_p: float) -> None:
     inputs = problem.inputs(dtype)
     torch.manual_seed(1234)
     got = {name: x.cpu() for name, x in _ours(problem, _on_gpu(inputs), dropout_p).items()}
@@ -1051,6 +1095,34 @@ def test_compiled_kernels_match_the_dense_oracle_on_gpu(problem, dtype, ulps, dr
         assert_within_reference_error(
             name, got[name], same_dtype[name], exact[name], ulps if name == "out" else grad_ulps
         )
+
+
+# The 16-bit kernels with dropout at head_dim 128 (16-row tiles) gave outputs far off the
+# oracle on an H200, where fp32 at the same tiles, 16-bit without dropout and 16-bit at 32-row
+# tiles agreed; the public functions run such calls in fp32. These run the 16-bit kernels past
+# that fallback, one factor changed each, to find the cause; the H200's case is a strict xfail
+# (an XPASS says the fallback can go).
+_D128 = dict(batch=2, heads=2, seq_q=129, seq_k=129, head_dim=128, terms=("p2c",), position_buckets=-1)
+SIXTEEN_ROW_CASES = [
+    pytest.param(
+        Problem(**_D128, max_relative_positions=48), None, id="h200-case", marks=pytest.mark.xfail(strict=True)
+    ),
+    pytest.param(Problem(**_D128, max_relative_positions=48), (32, 4, 1), id="d128-32-row-tiles"),
+    pytest.param(Problem(**{**_D128, "head_dim": 64}, max_relative_positions=48), (16, 4, 1), id="d64-16-row-tiles"),
+    pytest.param(Problem(**{**_D128, "terms": ()}, max_relative_positions=48), None, id="d128-no-positions"),
+    pytest.param(Problem(**{**_D128, "terms": ("c2p",)}, max_relative_positions=48), None, id="d128-c2p"),
+    pytest.param(Problem(**_D128, max_relative_positions=48, padding=False), None, id="d128-no-padding"),
+    pytest.param(Problem(**_D128, max_relative_positions=48), (16, 8, 1), id="d128-8-warps"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem, blocks", SIXTEEN_ROW_CASES)
+def test_16bit_kernels_with_dropout_past_the_fp32_fallback(monkeypatch, problem, blocks):
+    monkeypatch.setattr(disentangled_module, "_in_verified_dtype", lambda dropout_p, *tensors: list(tensors))
+    if blocks is not None:
+        monkeypatch.setattr(disentangled_module, "_blocks", lambda q, backward: blocks)
+    _check_compiled_against_the_oracle(problem, torch.float16, 1.0, 0.1)  # fp16 at DTYPES' 1 ulp
 
 
 @pytest.mark.gpu

@@ -41,6 +41,7 @@ largest temporaries are (heads, rows, seq_k) and the keys' p2c table (heads, 2 Â
 
 import math
 import numbers
+import warnings
 
 import torch
 import triton
@@ -100,7 +101,7 @@ def relative_position_index(
 def _log_bucket(distance: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
     mid = buckets // 2
     near = (distance < mid) & (distance > -mid)
-    magnitude = torch.where(near, torch.tensor(mid - 1).type_as(distance), distance.abs())
+    magnitude = torch.where(near, mid - 1, distance.abs())  # a scalar: no copy to the device, no host sync
     ratio = torch.log(magnitude / mid) / torch.log(torch.tensor((max_position - 1) / mid)) * (mid - 1)
     log_position = torch.ceil(ratio) + mid
     return torch.where(magnitude <= mid, distance.type_as(log_position), log_position * distance.sign())
@@ -293,15 +294,13 @@ def _disentangled_fwd_kernel(
         v = load_rows(
             V_bh + offs_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True
         )
+        p = p.to(v.dtype)
         if HAS_DROPOUT:
-            # on fp32 p: the 16-bit apply decides a register's two elements as columns 2c,
-            # 2c + 1 of one row, which holds only in an MMA layout, and the skews' gathers
-            # leave p in another (an H200 gave 16-row fp16 tiles the wrong mask)
             words0, words1, byte = dropout_words(
                 seed, off_b * heads + off_h, start_m, start_n, seq_k, BLOCK_M, BLOCK_N, False, 1
             )
             p = dropout_mma_apply(p, words0, words1, byte, dropout_threshold_and_scale(dropout_p)[0])
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+        acc = dot(p, v, acc * alpha[:, None], PRECISION, UPCAST)
         m_i = m_new
     no_key = m_i == float("-inf")
     keep_scale = 1.0
@@ -1215,8 +1214,27 @@ def disentangled_attention(
     query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
     masks = key_padding_mask, query_padding_mask
+    dtype = query.dtype
+    query, key, value, pos_key, pos_query = _in_verified_dtype(dropout_p, query, key, value, pos_key, pos_query)
     out, _ = _run(query, key, value, pos_key, pos_query, index, *masks, seed, float(dropout_p), scale, None, 0)
-    return out
+    return out.to(dtype)
+
+
+def _in_verified_dtype(dropout_p: float, query, *tensors) -> list:
+    """The tensors, in fp32 where the compiled kernels are known wrong: with dropout, 16-bit
+    inputs of head_dim > 64 (16-row 16-bit tiles) gave outputs far off the oracle on an H200
+    (GPU check bench/results/gpu/2026-11-28-h200-gpu-check-2159db4) while fp32 tiles of the same
+    size, 16-bit ones without dropout and 32-row 16-bit ones with it agreed."""
+    if not (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and dropout_p > 0.0):
+        return [query, *tensors]
+    if _blocks(query, backward=False)[0] >= 32:
+        return [query, *tensors]
+    warnings.warn(
+        f"disentangled attention with dropout at head_dim {query.shape[-1]} runs in float32: its "
+        f"{query.dtype} kernels gave wrong outputs there on an H200 (docs/deberta.md)",
+        stacklevel=3,
+    )
+    return [None if x is None else x.float() for x in (query, *tensors)]
 
 
 def _check_positions(pos_key, pos_query, query, heads: int, head_dim: int, position_buckets: int) -> int:
@@ -1303,6 +1321,8 @@ def varlen_disentangled_attention(
     )
     query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
+    dtype = query.dtype
+    query, key, value, pos_key, pos_query = _in_verified_dtype(dropout_p, query, key, value, pos_key, pos_query)
     args = (query, key, value, pos_key, pos_query, index, None, None, seed, float(dropout_p), scale)
     out, _ = _run(*args, cu_seqlens, max_seqlen)
-    return out
+    return out.to(dtype)
