@@ -106,9 +106,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.disentangled_tiles", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for disentangled-tiles.{md,json}")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds before no new configuration starts")
+    parser.add_argument("--overwrite", action="store_true", help="replace a report already in --out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.disentangled_tiles times the compiled kernels: it needs a CUDA GPU")
+    if (args.out / "disentangled-tiles.json").exists() and not args.overwrite:
+        raise SystemExit(f"{args.out} already holds a report: choose another --out or pass --overwrite")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     report = {"device": torch.cuda.get_device_name(), "profile": _profile(_inputs(True)), "configs": []}

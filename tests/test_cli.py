@@ -44,6 +44,7 @@ KNOWN = {
 REQUIRED_ARGUMENTS = {
     "tools.compile_report.tutorial": ["06-fused-attention.py"],
     "slimformer.plan.cli": ["--budget", "1GiB"],
+    "bench.disentangled_tiles": ["--out", "unused"],
 }
 CPU_SLUG = report.device_slug(device_name(torch.device("cpu")), "cpu")  # the INT8 benchmarks' files
 
