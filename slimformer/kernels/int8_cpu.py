@@ -40,6 +40,7 @@ import functools
 import threading
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from slimformer.kernels import c_loops
 
@@ -104,21 +105,25 @@ void quantize_rows(const float* restrict x, const float* restrict smooth, int64_
   }
 }
 
-/* out[i, j] = fma(fp32(acc[i, j]) * x_scale[i], w_scale[j], bias[j]), over acc's memory. */
-void int8_epilogue(const int32_t* acc, float* out, const float* x_scale, const float* w_scale,
-                   const float* bias, int64_t m, int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t i = 0; i < m; ++i) {
-    const int32_t* a = acc + i * n;
-    float* o = out + i * n;
-    const float s = x_scale[i];
-    if (bias) {
-      for (int64_t j = 0; j < n; ++j) o[j] = fmaf((float)a[j] * s, w_scale[j], bias[j]);
-    } else {
-      for (int64_t j = 0; j < n; ++j) o[j] = (float)a[j] * s * w_scale[j];
-    }
+/* out[i, j] = fma(fp32(acc[i, j]) * x_scale[i], w_scale[j], bias[j]), over acc's memory:
+   ACC int32 (int8_epilogue) or float, already fp32(acc) (int8_epilogue_f32). */
+#define INT8_EPILOGUE(NAME, ACC)                                                                  \
+  void NAME(const ACC* acc, float* out, const float* x_scale, const float* w_scale, const float* bias, \
+            int64_t m, int64_t n, int threads) {                                                  \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")            \
+    for (int64_t i = 0; i < m; ++i) {                                                             \
+      const ACC* a = acc + i * n;                                                                 \
+      float* o = out + i * n;                                                                     \
+      const float s = x_scale[i];                                                                 \
+      if (bias) {                                                                                 \
+        for (int64_t j = 0; j < n; ++j) o[j] = fmaf((float)a[j] * s, w_scale[j], bias[j]);        \
+      } else {                                                                                    \
+        for (int64_t j = 0; j < n; ++j) o[j] = (float)a[j] * s * w_scale[j];                      \
+      }                                                                                           \
+    }                                                                                             \
   }
-}
+INT8_EPILOGUE(int8_epilogue, int32_t)
+INT8_EPILOGUE(int8_epilogue_f32, float)
 
 /* Per row v = round(x / s), s = absmax / 32639 (a 16-bit value, |v| <= 32639), split
    v = 256 * hi + lo with hi in [-127, 127] and lo in [-128, 127]; rows [hi; lo] stacked as
@@ -148,22 +153,26 @@ void quantize_rows_split(const float* restrict x, int64_t m, int64_t k, float lo
 }
 
 /* out[i, j] = fma((256 * fp32(acc[i, j]) + fp32(acc[M + i, j])) * x_scale[i], w_scale[j], bias[j])
-   for acc (2M, N), written over acc's first M rows. */
-void split_epilogue(const int32_t* acc, float* out, const float* x_scale, const float* w_scale,
-                    const float* bias, int64_t m, int64_t n, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-  for (int64_t i = 0; i < m; ++i) {
-    const int32_t* ah = acc + i * n;
-    const int32_t* al = acc + (m + i) * n;
-    float* o = out + i * n;
-    const float s = x_scale[i];
-    if (bias) {
-      for (int64_t j = 0; j < n; ++j) o[j] = fmaf((256.0f * (float)ah[j] + (float)al[j]) * s, w_scale[j], bias[j]);
-    } else {
-      for (int64_t j = 0; j < n; ++j) o[j] = (256.0f * (float)ah[j] + (float)al[j]) * s * w_scale[j];
-    }
+   for acc (2M, N), written over acc's first M rows; ACC as for INT8_EPILOGUE. */
+#define SPLIT_EPILOGUE(NAME, ACC)                                                                 \
+  void NAME(const ACC* acc, float* out, const float* x_scale, const float* w_scale, const float* bias, \
+            int64_t m, int64_t n, int threads) {                                                  \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")            \
+    for (int64_t i = 0; i < m; ++i) {                                                             \
+      const ACC* ah = acc + i * n;                                                                \
+      const ACC* al = acc + (m + i) * n;                                                          \
+      float* o = out + i * n;                                                                     \
+      const float s = x_scale[i];                                                                 \
+      if (bias) {                                                                                 \
+        for (int64_t j = 0; j < n; ++j)                                                           \
+          o[j] = fmaf((256.0f * (float)ah[j] + (float)al[j]) * s, w_scale[j], bias[j]);           \
+      } else {                                                                                    \
+        for (int64_t j = 0; j < n; ++j) o[j] = (256.0f * (float)ah[j] + (float)al[j]) * s * w_scale[j]; \
+      }                                                                                           \
+    }                                                                                             \
   }
-}
+SPLIT_EPILOGUE(split_epilogue, int32_t)
+SPLIT_EPILOGUE(split_epilogue_f32, float)
 
 void int8_to_float(const int8_t* restrict w, float* restrict out, int64_t count, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -193,6 +202,8 @@ _SIGNATURES = {
     "int8_epilogue": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
     "quantize_rows_split": [_P, _I64, _I64, _F32, _P, _P, _INT],
     "split_epilogue": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "int8_epilogue_f32": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
+    "split_epilogue_f32": [_P, _P, _P, _P, _P, _I64, _I64, _INT],
     "int8_to_float": [_P, _P, _I64, _INT],
     "scale_bias": [_P, _P, _P, _I64, _I64, _INT],
 }
@@ -202,6 +213,15 @@ _SIGNATURES = {
 # machines: AMD Zen 1-3, most Intel client CPUs) it is a scalar loop, an order of magnitude
 # slower than fp32 sgemm, so sgemm over exact slices of K stands in for it there.
 _INT_MM_IS_FAST = torch.cpu._is_vnni_supported()
+# oneDNN's int8 GEMM sums u8·s8 / s8·s8 products straight into int32 with VNNI (vpdpbusd) or
+# AMX: exact, and with AMX several times faster than torch._int_mm (which does not use it).
+# Without them it pairs products into saturating 16-bit sums (vpmaddubsw): 2 · 128 · 127
+# exceeds 2^15 - 1, so those CPUs keep int8_mm's exact path.
+ONEDNN_INT8 = (
+    (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
+    and torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.onednn, "qlinear_pointwise")
+)
 # |a·b| <= 128·128 = 2^14 for int8 a, b: every partial sum of at most 2^10 such products
 # is an integer below 2^24, which fp32 holds exactly, whatever order the GEMM adds in.
 _EXACT_FP32_TERMS = 1024
@@ -272,6 +292,7 @@ class _FusedLoops:
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.scratch = threading.local()
+        self.packed = WeakIdKeyDictionary()  # int8 weight -> (its _version, oneDNN's packing, ones, zeros)
 
     def quantize_rows(self, x, smooth, min_absmax):
         """fp32 x (M, K), smooth (K,) or None -> (q (M, K) int8, scale (M,) fp32)."""
@@ -284,13 +305,13 @@ class _FusedLoops:
         )
         return q, scale
 
-    def int8_gemm(self, q, weight_t, x_scale, w_scale, bias):
-        """int8 q (M, K) @ weight_t (K, N), then the W8A8 epilogue -> fp32 (M, N)."""
-        acc = int8_mm(q, weight_t)
+    def int8_gemm(self, q, weight, x_scale, w_scale, bias):
+        """int8 q (M, K) @ int8 weight (N, K)ᵀ, then the W8A8 epilogue -> fp32 (M, N)."""
+        acc, epilogue = self._product(q, weight, self.library.int8_epilogue, self.library.int8_epilogue_f32)
         m, n = acc.shape
         self._check_epilogue(x_scale, m, w_scale, n, bias)
-        out = acc.view(torch.float32)  # fp32 written over the int32 it is read from
-        self.library.int8_epilogue(
+        out = acc.view(torch.float32)  # fp32 written over the accumulator it is read from
+        epilogue(
             acc.data_ptr(),
             out.data_ptr(),
             x_scale.data_ptr(),
@@ -311,16 +332,16 @@ class _FusedLoops:
         )
         return q, scale
 
-    def split_gemm(self, q, weight_t, x_scale, w_scale, bias):
-        """int8 q (2M, K) @ weight_t (K, N), the halves recombined -> fp32 (M, N), a view of
-        the accumulator's first M rows."""
+    def split_gemm(self, q, weight, x_scale, w_scale, bias):
+        """int8 q (2M, K) @ int8 weight (N, K)ᵀ, the halves recombined -> fp32 (M, N), a view
+        of the accumulator's first M rows."""
         if q.shape[0] % 2:
             raise ValueError(f"q must have an even number of rows (2M), got {q.shape[0]}")
-        acc = int8_mm(q, weight_t)
+        acc, epilogue = self._product(q, weight, self.library.split_epilogue, self.library.split_epilogue_f32)
         m, n = acc.shape[0] // 2, acc.shape[1]
         self._check_epilogue(x_scale, m, w_scale, n, bias)
         out = acc.view(torch.float32)
-        self.library.split_epilogue(
+        epilogue(
             acc.data_ptr(),
             out.data_ptr(),
             x_scale.data_ptr(),
@@ -331,6 +352,32 @@ class _FusedLoops:
             _threads(m * n),
         )
         return out[:m]
+
+    def _product(self, q, weight, int32_epilogue, float_epilogue):
+        """(q @ weightᵀ exactly, the epilogue that reads it): int32 from ``int8_mm``, or
+        fp32(acc) from oneDNN's int8 GEMM with the weight packed once (``onednn_int8``)."""
+        if weight.dtype != torch.int8 or weight.dim() != 2 or q.shape[1] != weight.shape[1]:
+            raise ValueError(
+                f"weight must be an (N, {q.shape[1]}) int8 tensor, got {weight.dtype} {tuple(weight.shape)}"
+            )
+        if not ONEDNN_INT8 or 0 in (*q.shape, weight.shape[0]):  # oneDNN does not take empty matrices
+            return int8_mm(q, weight.t()), int32_epilogue
+        packed, ones, zeros = self._packed(weight)
+        acc = torch.ops.onednn.qlinear_pointwise.default(
+            q, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return acc, float_epilogue
+
+    def _packed(self, weight):
+        """oneDNN's packing of ``weight`` and its unit scales and zero points, made once per
+        weight (again after an in-place change of it)."""
+        entry = self.packed.get(weight)
+        if entry is None or entry[0] != weight._version:
+            n = weight.shape[0]
+            packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+            entry = (weight._version, packed, torch.ones(n), torch.zeros(n, dtype=torch.long))
+            self.packed[weight] = entry
+        return entry[1:]
 
     def weight_only_gemm(self, x, weight, w_scale, bias):
         """fp32 x (M, K) @ fp32(int8 weight (N, K))ᵀ, then ``fma(·, w_scale, bias)`` -> fp32 (M, N)."""

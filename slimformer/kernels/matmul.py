@@ -504,7 +504,7 @@ def _weight_only_cpu(x, weight, w_scale, bias, fused):
     if fused is not None:
         bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
         q, scale = fused.quantize_rows_split(x, MIN_ROW_ABSMAX)
-        return fused.split_gemm(q, weight.t(), scale, w_scale, bias)
+        return fused.split_gemm(q, weight, scale, w_scale, bias)
     q, scale = _quantize_rows_split_reference(x)
     return _split_gemm_reference(q, weight, scale, w_scale, bias)
 
@@ -522,7 +522,7 @@ def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
         if x_scale is None:
             out = fused.weight_only_gemm(x.float(), weight, w_scale, bias)
         else:
-            out = fused.int8_gemm(x, weight.t(), x_scale, w_scale, bias)
+            out = fused.int8_gemm(x, weight, x_scale, w_scale, bias)
         return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
     if use_triton(x):
         return _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype)

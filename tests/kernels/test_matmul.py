@@ -170,8 +170,18 @@ def cpu_threads(request):
     torch.set_num_threads(before)
 
 
+@pytest.fixture(params=["int8_mm", "onednn"])
+def int8_product(request, monkeypatch):
+    """The fused path's int8 GEMM: ``int8_mm`` (torch._int_mm or exact sgemm slices) or
+    oneDNN's packed int8 GEMM, which is exact only on a CPU with VNNI or AMX."""
+    if request.param == "onednn" and not int8_cpu.ONEDNN_INT8:
+        pytest.skip("oneDNN's int8 GEMM is exact only with VNNI or AMX, which this CPU lacks")
+    monkeypatch.setattr(int8_cpu, "ONEDNN_INT8", request.param == "onednn")
+    return request.param
+
+
 @pytest.mark.parametrize("shape", [(0, 5, 3), (1, 0, 3), *SHAPES, (130, 384, 97)], ids=str)
-def test_fused_cpu_int8_is_bit_exact_with_reference(shape, cpu_threads):
+def test_fused_cpu_int8_is_bit_exact_with_reference(shape, cpu_threads, int8_product):
     # The compiled CPU loops are the reference's arithmetic in fewer passes: the same bits
     # for zero, tiny (below MIN_ROW_ABSMAX), NaN and infinite rows, with and without smooth
     # and bias, at the adversarial half-way quotients, and at sizes off every vector width.
@@ -193,7 +203,7 @@ def test_fused_cpu_int8_is_bit_exact_with_reference(shape, cpu_threads):
     wq = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     x_scale, w_scale = torch.rand(m, generator=gen), torch.rand(n, generator=gen)
     for bias in (None, torch.randn(n, generator=gen)):
-        ours = fused.int8_gemm(q, wq.t(), x_scale, w_scale, bias)
+        ours = fused.int8_gemm(q, wq, x_scale, w_scale, bias)
         assert torch.equal(ours, matmul._gemm_reference(q, wq, x_scale, w_scale, bias, None, torch.float32))
         # W8A16, twice: the second call reuses the converted-weight buffer
         for _ in range(2):
@@ -219,7 +229,7 @@ def _split_adversarial_rows(seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("shape", [(0, 5, 3), (1, 0, 3), *SHAPES, (130, 384, 97), (9, 1536, 384)], ids=str)
-def test_fused_cpu_weight_only_split_is_bit_exact_with_reference(shape, cpu_threads):
+def test_fused_cpu_weight_only_split_is_bit_exact_with_reference(shape, cpu_threads, int8_product):
     # CPU W8A16 multiplies the 16-bit fixed point v = round(x / s), s = max|row| / 32639, as
     # v = 256·hi + lo in one int8 GEMM: the compiled loops and the PyTorch statement give the
     # same bits for zero, tiny, NaN and infinite rows, adversarial half-way quotients, K = 1536.
@@ -251,10 +261,24 @@ def test_fused_cpu_weight_only_split_is_bit_exact_with_reference(shape, cpu_thre
         w_scale = torch.rand(n, generator=gen)
         for bias in (None, torch.randn(n, generator=gen)):
             for _ in range(2):
-                ours = fused.split_gemm(q, wq.t(), scale, w_scale, bias)
+                ours = fused.split_gemm(q, wq, scale, w_scale, bias)
                 expected_y = matmul._split_gemm_reference(q_ref, wq, scale_ref, w_scale, bias)
                 torch.testing.assert_close(ours, expected_y, rtol=0, atol=0, equal_nan=True)
                 assert torch.isnan(ours[~finite]).all()
+
+
+def test_onednn_packing_follows_an_in_place_change_of_the_weight(int8_product):
+    # the packed weight is made once per weight and again after an in-place change of it
+    fused = _fused_cpu_int8()
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (40, 64), generator=gen, dtype=torch.int8)
+    wq = torch.randint(-100, 100, (24, 64), generator=gen, dtype=torch.int8)
+    x_scale, w_scale = torch.rand(40, generator=gen), torch.rand(24, generator=gen)
+    for _ in range(2):
+        fused.int8_gemm(q, wq, x_scale, w_scale, None)
+        wq.add_(1)
+        ours = fused.int8_gemm(q, wq, x_scale, w_scale, None)
+        assert torch.equal(ours, matmul._gemm_reference(q, wq, x_scale, w_scale, None, None, torch.float32))
 
 
 def test_weight_only_beyond_the_split_depth_runs_the_fp32_gemm(monkeypatch):
@@ -282,7 +306,7 @@ def test_fused_cpu_int8_builds_into_its_cache_or_warns_without_a_compiler(monkey
         built.quantize_rows(x.half(), None, matmul.MIN_ROW_ABSMAX)
     with pytest.raises(ValueError, match="w_scale must have 5 elements, got 4"):
         built.int8_gemm(
-            torch.zeros(3, 8, dtype=torch.int8), torch.zeros(8, 5, dtype=torch.int8), torch.ones(3), torch.ones(4), None
+            torch.zeros(3, 8, dtype=torch.int8), torch.zeros(5, 8, dtype=torch.int8), torch.ones(3), torch.ones(4), None
         )
     monkeypatch.setenv("SLIMFORMER_CACHE_DIR", str(tmp_path / "empty"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
