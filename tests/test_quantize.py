@@ -349,3 +349,23 @@ def test_arguments_of_the_wrong_type_raise_type_errors_naming_them(tmp_path):
     with pytest.raises(TypeError, match="exact must be a torch.Tensor, got float"):
         sqnr_db(torch.ones(2), 1.0)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("calibrated", [False, True], ids=["plain", "smoothed"])
+@pytest.mark.parametrize("mode", ["int8", "int8-weight-only"])
+def test_torch_compile_of_a_quantized_model_runs_the_fused_ops_in_one_graph(monkeypatch, mode, calibrated):
+    # torch.compile traces the quantized layers without a graph break (no host read of the
+    # smoothing buffer, no inference-mode test) and calls the CPU loops as ops: the eager bits
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    kwargs = dict(calibration=batches(1), smooth_alpha=0.5) if calibrated and mode == "int8" else {}
+    model = quantize(tiny_bert(), mode, **kwargs)
+    batch = batches(1)[0]
+    with torch.no_grad():
+        x = model.embeddings(input_ids=batch["input_ids"])
+    layer = model.encoder.layer[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)  # raises at a graph break
+    with torch.no_grad():
+        eager, ours = layer(x), compiled(x)
+    eager, ours = (out[0] if isinstance(out, tuple) else out for out in (eager, ours))
+    torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)

@@ -445,12 +445,71 @@ def _activate(out, activation):
 def _fused_cpu_int8(t: torch.Tensor):
     """The compiled CPU int8 loops (``int8_cpu``) where ``t``'s op runs the PyTorch path
     (where ``use_triton(t)`` is False on a CPU tensor), or None: on other devices (or a
-    CPU tensor emulating CUDA for the compile report), while torch.compile
-    traces (it cannot trace into them), or without a compiler. The cheap tests come first:
-    each Linear calls this twice, on a small Linear's critical path."""
-    if t.is_cuda or not t.is_cpu or os.environ.get("TRITON_INTERPRET") == "1" or torch.compiler.is_compiling():
+    CPU tensor emulating CUDA for the compile report) or without a compiler. While
+    torch.compile traces, the ``slimformer::cpu_int8_*`` ops that call them (it cannot
+    trace into ctypes; the ops run them, or the same bits in PyTorch). The cheap tests come
+    first: each Linear calls this twice, on a small Linear's critical path."""
+    if t.is_cuda or not t.is_cpu or os.environ.get("TRITON_INTERPRET") == "1":
         return None
+    if torch.compiler.is_compiling():
+        return _CompiledCpuInt8
     return int8_cpu.extension()
+
+
+@torch.library.custom_op("slimformer::cpu_int8_quantize_rows", mutates_args=())
+def _cpu_quantize_rows_op(x: torch.Tensor, smooth: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    fused = int8_cpu.extension()
+    if fused is None:
+        return _quantize_rows_reference(x, smooth)
+    return fused.quantize_rows(x, smooth, MIN_ROW_ABSMAX)
+
+
+@_cpu_quantize_rows_op.register_fake
+def _(x, smooth):
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[0])
+
+
+@torch.library.custom_op("slimformer::cpu_int8_gemm", mutates_args=())
+def _cpu_int8_gemm_op(
+    q: torch.Tensor, weight: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    fused = int8_cpu.extension()
+    if fused is None:
+        return _gemm_reference(q, weight, x_scale, w_scale, bias, None, torch.float32)
+    return fused.int8_gemm(q, weight, x_scale, w_scale, bias)
+
+
+@_cpu_int8_gemm_op.register_fake
+def _(q, weight, x_scale, w_scale, bias):
+    return q.new_empty(q.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("slimformer::cpu_int8_weight_only_split", mutates_args=())
+def _cpu_weight_only_split_op(
+    x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _weight_only_cpu(x, weight, w_scale, bias, int8_cpu.extension())
+
+
+@_cpu_weight_only_split_op.register_fake
+def _(x, weight, w_scale, bias):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+class _CompiledCpuInt8:
+    """``int8_cpu``'s loops as torch.compile sees them: ops it calls, opaque to it."""
+
+    @staticmethod
+    def quantize_rows(x, smooth, min_absmax):
+        return torch.ops.slimformer.cpu_int8_quantize_rows(x, smooth)
+
+    @staticmethod
+    def int8_gemm(q, weight, x_scale, w_scale, bias):
+        return torch.ops.slimformer.cpu_int8_gemm(q, weight, x_scale, w_scale, bias)
+
+    @staticmethod
+    def weight_only_gemm(x, weight, w_scale, bias):
+        return _gemm_reference(x, weight, None, w_scale, bias, None, torch.float32)
 
 
 # The activation's 16-bit fixed point on CPU W8A16: |v| = |round(x / s)| <= 32639 splits
@@ -512,7 +571,11 @@ def _weight_only_cpu(x, weight, w_scale, bias, fused):
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     if x_scale is None and w_scale is not None and x.shape[1] <= MAX_SPLIT_IN_FEATURES and not use_triton(x):
         if x.is_cpu and not x.is_cuda:
-            out = _weight_only_cpu(x, weight, w_scale, bias, _fused_cpu_int8(x))
+            fused = _fused_cpu_int8(x)
+            if fused is _CompiledCpuInt8:
+                out = torch.ops.slimformer.cpu_int8_weight_only_split(x.float(), weight, w_scale, bias)
+            else:
+                out = _weight_only_cpu(x, weight, w_scale, bias, fused)
             if activation is None and out_dtype == torch.float32:
                 return out
             return _activate(out, activation).to(out_dtype)
@@ -768,7 +831,7 @@ def _shared_quantization(input: torch.Tensor, rows: torch.Tensor) -> tuple[torch
     write bumps it; an inference-mode tensor has none, so it is never reused; nor under
     torch.compile)."""
     global _last_quantized
-    if input.is_inference() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or input.is_inference():
         # torch.compile traces this once: object identity and versions are not guarded.
         return _run_quantize_rows(rows, None)
     last = _last_quantized

@@ -270,7 +270,11 @@ class Linear8bit(_InferenceLinear):
     def _applied_smooth(self, smooth: torch.Tensor) -> torch.Tensor | None:
         """``smooth`` (the buffer), or None while it is empty or all ones (no calibration):
         multiplying by ones is an extra pass over the input for nothing. The check reruns
-        only when the buffer is replaced or written in place (``load_state_dict``, ``.to``)."""
+        only when the buffer is replaced or written in place (``load_state_dict``, ``.to``);
+        under torch.compile the buffer whenever it is not empty."""
+        if torch.compiler.is_compiling():
+            # no host read of the buffer in a graph: multiplying by ones changes no bit
+            return smooth if smooth.numel() else None
         key = (smooth.data_ptr(), smooth.is_cpu, smooth._version, smooth.numel())
         if self._smooth_key != key:
             self._smooth_is_one = bool((smooth == 1).all())
