@@ -32,6 +32,7 @@ inputs to that layer, and the agreement of the two models' outputs.
 import json
 import math
 import sys
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,8 +233,10 @@ def quantize(
 ) -> nn.Module:
     """Replace ``model``'s nn.Linear modules by quantized inference layers, in place.
 
-    mode: "int8" (W8A8, dynamic per-token activation scales), "int8-weight-only" (W8A16;
-        on CPU the activation is rounded per token to 16-bit fixed point, ``Linear8bit``),
+    mode: "int8" (W8A8, dynamic per-token activation scales; on a CPU without VNNI or AMX
+        it is slower than fp32 and warns once), "int8-weight-only" (W8A16; on a CPU with
+        VNNI or AMX the activation is rounded per token to 16-bit fixed point, elsewhere the
+        fp32 GEMM multiplies it, ``Linear8bit``),
         "fp16" or "bf16" (16-bit weights, fp32 accumulation).
     skip: Linears to leave float: names (a Linear is skipped if its name equals one,
         starts with one plus ".", or has one as a dotted part) or a callable
@@ -271,7 +274,30 @@ def quantize(
     replacements = {name: _convert(name, linear, mode, smooth.get(name)) for name, linear in linears.items()}
     swap_modules(model, {alias: replacements[name] for name in replacements for alias in aliases[name]})
     _record_in_transformers(model)
+    if mode == "int8" and any(layer.weight.is_cpu for layer in replacements.values()):
+        _warn_once_if_int8_is_slow_here()
     return model
+
+
+_warned_int8_is_slow = False
+
+
+def _warn_once_if_int8_is_slow_here() -> None:
+    """Once per process: W8A8 on a CPU without VNNI or AMX is no faster than fp32."""
+    global _warned_int8_is_slow
+    from slimformer.kernels import int8_cpu
+
+    if _warned_int8_is_slow or int8_cpu.int8_gemm_is_fast():
+        return
+    _warned_int8_is_slow = True
+    warnings.warn(
+        f"slimformer 'int8' on this CPU ({int8_cpu.cpu_isa()}) is slower than fp32: without VNNI or AMX "
+        "an int8 GEMM that sums exactly is no faster than an fp32 one, and W8A8 adds the per-token "
+        "quantization (1.1-1.2x fp32's latency on an AMD EPYC with AVX2). Faster here: the fp32 model, "
+        "or 'int8-weight-only' (int8 weights, the fp32 GEMM on such CPUs); docs/quantization.md",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _check_not_quantized_by_transformers(model: nn.Module) -> None:

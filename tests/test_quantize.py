@@ -1,6 +1,8 @@
 """slimformer.quantize on a small HF BERT built from a config (no download) and on toy models."""
 
 import copy
+import importlib
+import warnings
 
 import pytest
 import torch
@@ -369,3 +371,25 @@ def test_torch_compile_of_a_quantized_model_runs_the_fused_ops_in_one_graph(monk
         eager, ours = layer(x), compiled(x)
     eager, ours = (out[0] if isinstance(out, tuple) else out for out in (eager, ours))
     torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_warns_once_where_it_is_slower_than_fp32(monkeypatch):
+    # without VNNI or AMX an exact int8 GEMM is no faster than fp32: one warning per process,
+    # naming the CPU's ISA and what is faster
+    from slimformer.kernels import int8_cpu
+
+    quantize_module = importlib.import_module("slimformer.quantize")
+
+    monkeypatch.setattr(quantize_module, "_warned_int8_is_slow", False)
+    monkeypatch.setattr(int8_cpu, "int8_gemm_is_fast", lambda: False)
+    with pytest.warns(UserWarning, match=r"'int8' on this CPU \(.+\) is slower than fp32.*'int8-weight-only'"):
+        quantize(tiny_bert(), "int8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize(tiny_bert(), "int8")  # once
+        quantize(tiny_bert(), "int8-weight-only")
+    monkeypatch.setattr(quantize_module, "_warned_int8_is_slow", False)
+    monkeypatch.setattr(int8_cpu, "int8_gemm_is_fast", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize(tiny_bert(), "int8")

@@ -213,6 +213,14 @@ _SIGNATURES = {
 # machines: AMD Zen 1-3, most Intel client CPUs) it is a scalar loop, an order of magnitude
 # slower than fp32 sgemm, so sgemm over exact slices of K stands in for it there.
 _INT_MM_IS_FAST = torch.cpu._is_vnni_supported()
+
+
+def int8_gemm_is_fast() -> bool:
+    """Whether this CPU multiplies int8 faster than fp32 (VNNI or AMX): where it does not,
+    W8A8 still runs (exactly, no faster than fp32) and W8A16 runs as an fp32 GEMM."""
+    return ONEDNN_INT8 or _INT_MM_IS_FAST
+
+
 # oneDNN's int8 GEMM sums u8·s8 / s8·s8 products straight into int32 with VNNI (vpdpbusd) or
 # AMX: exact, and with AMX several times faster than torch._int_mm (which does not use it).
 # Without them it pairs products into saturating 16-bit sums (vpmaddubsw): 2 · 128 · 127
@@ -222,6 +230,22 @@ ONEDNN_INT8 = (
     and torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.onednn, "qlinear_pointwise")
 )
+
+
+def cpu_isa() -> str:
+    """The CPU's vector ISA as the int8 paths see it: "AVX512-VNNI + AMX", "AVX512-VNNI", "AVX512 (no VNNI)",
+    "AVX2 (no VNNI)" or torch's capability name (e.g. "DEFAULT" on ARM)."""
+    if torch.cpu._is_amx_tile_supported():
+        return "AVX512-VNNI + AMX" if torch.cpu._is_vnni_supported() else "AMX"
+    if torch.cpu._is_vnni_supported():
+        return "AVX512-VNNI"
+    if torch.cpu._is_avx512_supported():
+        return "AVX512 (no VNNI)"
+    if torch.cpu._is_avx2_supported():
+        return "AVX2 (no VNNI)"
+    return torch.backends.cpu.get_cpu_capability()
+
+
 # |a·b| <= 128·128 = 2^14 for int8 a, b: every partial sum of at most 2^10 such products
 # is an integer below 2^24, which fp32 holds exactly, whatever order the GEMM adds in.
 _EXACT_FP32_TERMS = 1024

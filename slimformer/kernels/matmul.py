@@ -570,7 +570,8 @@ def _weight_only_cpu(x, weight, w_scale, bias, fused):
 
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
     if x_scale is None and w_scale is not None and x.shape[1] <= MAX_SPLIT_IN_FEATURES and not use_triton(x):
-        if x.is_cpu and not x.is_cuda:
+        # the 16-bit split pays where int8 GEMMs are fast; elsewhere the fp32 GEMM below is faster
+        if x.is_cpu and not x.is_cuda and int8_cpu.int8_gemm_is_fast():
             fused = _fused_cpu_int8(x)
             if fused is _CompiledCpuInt8:
                 out = torch.ops.slimformer.cpu_int8_weight_only_split(x.float(), weight, w_scale, bias)

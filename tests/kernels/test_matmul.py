@@ -281,10 +281,15 @@ def test_onednn_packing_follows_an_in_place_change_of_the_weight(int8_product):
         assert torch.equal(ours, matmul._gemm_reference(q, wq, x_scale, w_scale, None, None, torch.float32))
 
 
-def test_weight_only_beyond_the_split_depth_runs_the_fp32_gemm(monkeypatch):
-    # Past MAX_SPLIT_IN_FEATURES the int32 sums of lo · w could overflow: fp32 GEMM there.
+@pytest.mark.parametrize("reason", ["past-the-split-depth", "no-fast-int8"])
+def test_weight_only_runs_the_fp32_gemm_past_the_split_depth_or_without_fast_int8(monkeypatch, reason):
+    # Past MAX_SPLIT_IN_FEATURES the int32 sums of lo · w could overflow; without VNNI or AMX
+    # the split's int8 GEMM is no faster than two fp32 ones: the fp32 GEMM there.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(matmul, "MAX_SPLIT_IN_FEATURES", 50)
+    if reason == "no-fast-int8":
+        monkeypatch.setattr(int8_cpu, "int8_gemm_is_fast", lambda: False)
+    else:
+        monkeypatch.setattr(matmul, "MAX_SPLIT_IN_FEATURES", 50)
     x, weight, bias = _inputs(7, 100, 20, torch.float32)
     wq, w_scale = quantize_per_channel(weight)
     expected = matmul._gemm_reference(x, wq, None, w_scale, bias, None, torch.float32)
@@ -459,8 +464,8 @@ def test_int8_weight_only_linear_matches_dequantized_weight(backend, shape, dtyp
     # The kernel sums exact int8 weights and scales afterwards; torch rounds the
     # dequantized weight to dtype first: bound by its error, plus the weight's rounding.
     scale = (x.double().abs() @ dequantized.abs().t()).max().item()
-    if backend == "torch" and shape[1] > 0:
-        # The CPU path multiplies the activation's 16-bit fixed point v · s (s = max|row| / 32639)
+    if backend == "torch" and shape[1] > 0 and int8_cpu.int8_gemm_is_fast():
+        # With fast int8 GEMMs the CPU path multiplies the activation's 16-bit fixed point v · s (s = max|row| / 32639)
         # exactly in int32: bound it by the float64 product of that activation, and bound that
         # product's distance from ``exact`` by half a step per element, Σ_k |w[n, k]| · s / 2.
         q, x_scale = matmul._quantize_rows_split_reference(x.float())
