@@ -9,20 +9,21 @@ BERT's sizes. These functions compute exactly the same values in one pass each:
   has one), ``scale = absmax / 127`` (1 below ``MIN_ROW_ABSMAX`` or for NaN), and
   ``q = int8(bits(x * smooth / scale + 1.5·2^23))``: the IEEE division, then the add
   that rounds half to even, whose low byte is the rounded integer.
-- ``int8_gemm(q, weight_t, x_scale, w_scale, bias)``: ``acc = int8_mm(q, weight_t)``,
-  then ``fma(fp32(acc) * x_scale[m], w_scale[n], bias[n])`` in the accumulator's own
+- ``int8_gemm(q, weight, x_scale, w_scale, bias)``: ``acc = q @ weightᵀ`` exactly (oneDNN's
+  packed int8 GEMM where the CPU has VNNI or AMX, giving fp32(acc); else ``int8_mm``), then
+  ``fma(fp32(acc) * x_scale[m], w_scale[n], bias[n])`` in the accumulator's own
   memory: the reference's ``mul_`` then ``addcmul`` (which fuses its multiply-add);
   ``-ffp-contract=off`` keeps the compiler from fusing anything else.
 - ``weight_only_gemm(x, weight, w_scale, bias)``: W8A16 as ``_gemm_reference`` states it,
   ``fma(x @ fp32(weight)ᵀ, w_scale[n], bias[n])``: the weight's integers converted into a
   buffer each thread keeps (the reference's ``weight.float()`` allocates a fresh one per
   call), the same fp32 GEMM, the epilogue in the output's memory.
-- ``quantize_rows_split(x, min_absmax)`` and ``split_gemm(q, weight_t, x_scale, w_scale, bias)``:
+- ``quantize_rows_split(x, min_absmax)`` and ``split_gemm(q, weight, x_scale, w_scale, bias)``:
   W8A16 as ``matmul._quantize_rows_split_reference`` / ``_split_gemm_reference`` state it
   (the same bits): per row ``s = absmax / 32639`` (1 below ``min_absmax``, NaN for a row
   with NaN or infinity, whose integers are zeros), ``v = round(x / s)`` by the same
   division and add as above, ``v = 256·hi + lo`` stacked as (2M, K) int8 (hi rows, then lo
-  rows); then ``acc = int8_mm(q, weight_t)`` and
+  rows); then ``acc = q @ weightᵀ`` as in ``int8_gemm`` and
   ``fma((256·fp32(acc_hi) + fp32(acc_lo)) * x_scale[m], w_scale[n], bias[n])`` in the
   first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
   ``matmul.MAX_SPLIT_IN_FEATURES``.
