@@ -292,6 +292,25 @@ def test_relative_position_index_is_transformers_buckets(seq_q, seq_k, buckets, 
     assert torch.equal(index.long()[_distances(seq_q, seq_k)], expected)
 
 
+def test_calls_share_one_index_which_inference_mode_does_not_taint():
+    # every layer of a model reads the same read-only index instead of making it again;
+    # made first under inference_mode, it can still be saved for a later backward
+    disentangled_module._cached_index.cache_clear()
+    q, k, v = (torch.randn(2, 2, 9, 8) for _ in range(3))
+    pk, pq = (torch.randn(2, 16, 8) for _ in range(2))
+    positions = dict(position_buckets=8, max_relative_positions=32)
+    with torch.inference_mode():
+        first = disentangled_attention(q, k, v, pk, pq, **positions)
+    assert disentangled_module._cached_index.cache_info().currsize == 1
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, pk, pq)]
+    again = disentangled_attention(*leaves, **positions)
+    again.sum().backward()
+    assert disentangled_module._cached_index.cache_info().hits >= 1
+    torch.testing.assert_close(again.detach(), first, rtol=0, atol=0)
+    index = disentangled_module._shared_index(9, 9, 8, 8, 32, torch.device("cpu"))
+    assert torch.equal(index, relative_position_index(9, 9, 8, 8, 32, torch.device("cpu")))
+
+
 class _HostToDeviceCopies(TorchDispatchMode):
     """Records the ops that copy a host tensor to another device."""
 

@@ -39,6 +39,7 @@ path) works on one batch entry's heads at a time and in blocks of query rows, so
 largest temporaries are (heads, rows, seq_k) and the keys' p2c table (heads, 2 · span, seq_k).
 """
 
+import functools
 import math
 import numbers
 import warnings
@@ -96,6 +97,23 @@ def relative_position_index(
     if position_buckets > 0 and max_relative_positions > 0:
         distance = _log_bucket(distance, position_buckets, max_relative_positions).to(torch.long)
     return (distance + span).clamp_(0, 2 * span - 1).to(torch.int32)
+
+
+def _shared_index(
+    seq_q: int, seq_k: int, span: int, position_buckets: int, max_relative_positions: int, device
+) -> torch.Tensor:
+    """``relative_position_index``, made once per arguments and shared by every call (every
+    layer of a model): read-only. A DeBERTa layer's index costs about 20 small ops, each a
+    launch on a GPU. Under torch.compile it is made in the graph."""
+    if torch.compiler.is_compiling():
+        return relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
+    return _cached_index(seq_q, seq_k, span, position_buckets, max_relative_positions, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device) -> torch.Tensor:
+    with torch.inference_mode(False):  # an inference tensor could not be saved for a later backward
+        return relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
 
 
 def _log_bucket(distance: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
@@ -1210,7 +1228,7 @@ def disentangled_attention(
     span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
     scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
     max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
-    index = relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, query.device)
+    index = _shared_index(seq_q, seq_k, span, position_buckets, max_relative_positions, query.device)
     query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
     masks = key_padding_mask, query_padding_mask
@@ -1316,9 +1334,7 @@ def varlen_disentangled_attention(
     span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
     scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
     max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
-    index = relative_position_index(
-        max_seqlen, max_seqlen, span, position_buckets, max_relative_positions, query.device
-    )
+    index = _shared_index(max_seqlen, max_seqlen, span, position_buckets, max_relative_positions, query.device)
     query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
     dtype = query.dtype
