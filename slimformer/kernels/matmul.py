@@ -20,11 +20,13 @@ quantization, x may be multiplied per channel by ``smooth`` (SmoothQuant: the
 activation's outliers moved into the weights, which were multiplied by 1 / smooth).
 
 On CPU (outside the interpreter) W8A8 runs the references' arithmetic in two compiled
-loops around ``int8_cpu.int8_mm`` (the quantization in one pass, the int32
-epilogue in one pass), bit for bit; the references run where it cannot be built.
+loops around an exact int8 GEMM (oneDNN's where the CPU has VNNI or AMX, else
+``int8_cpu.int8_mm``; the quantization in one pass, the epilogue in one pass), bit for
+bit; the references run where it cannot be built. Under torch.compile the loops are the
+``slimformer::cpu_int8_*`` ops.
 
-W8A16 on CPU is the same op rounded differently, since no float GEMM there beats fp32
-sgemm: each activation row becomes 16-bit fixed point, ``v = round(x / s)`` with
+W8A16 on a CPU with VNNI or AMX is the same op rounded differently, since no float GEMM
+there beats the int8 one: each activation row becomes 16-bit fixed point, ``v = round(x / s)`` with
 ``s = max|x[m]| / 32639`` (|v| <= 32639; the IEEE division, rounded half to even), split
 into two int8 rows ``v = 256·hi + lo`` (hi in [-127, 127], lo in [-128, 127]); both go
 through one int8 GEMM (``int8_cpu.int8_mm`` on 2M rows) and the epilogue computes, in fp32,
@@ -35,8 +37,9 @@ through one int8 GEMM (``int8_cpu.int8_mm`` on 2M rows) and the epilogue compute
 The activation so keeps 15 bits of its row's max (error at most s / 2 = max|x[m]| / 65278
 per element), finer than the fp16/bf16 activations of the GPU kernel; an fp32 input's
 values below that step are lost, where fp32 sgemm keeps them. A row with NaN or infinity
-gives a NaN row. Past ``MAX_SPLIT_IN_FEATURES`` (int32 overflow of the sums), and in the
-interpreter (which runs the GPU kernel), W8A16 sums x · wq in fp32 as above.
+gives a NaN row. On other CPUs (int8 no faster than fp32 there), past
+``MAX_SPLIT_IN_FEATURES`` (int32 overflow of the sums), and in the interpreter (which runs
+the GPU kernel), W8A16 sums x · wq in fp32 as above.
 
 These are inference ops: nothing is saved for backward, and backward raises.
 """

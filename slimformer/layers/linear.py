@@ -9,11 +9,12 @@ channel (``quantize_per_channel``), so its weight takes a quarter of its fp32 by
   before being quantized, so the product is unchanged); an empty ``smooth`` (0,) means
   the input is not smoothed.
 - ``mode="int8-weight-only"`` (W8A16): the input stays in its float dtype and the
-  weight is dequantized inside the GEMM (on GPU). On CPU the same op is rounded
-  differently: the input is rounded per token to 16-bit fixed point (``round(x / s)``,
-  ``s = max|x| / 32639``, 15 bits of the row's max, finer than the GPU's fp16/bf16
-  activations) and multiplied exactly in int32 as two int8 halves in one int8 GEMM
-  (``slimformer.kernels.matmul``), which is faster than the fp32 GEMM there.
+  weight is dequantized inside the GEMM (on GPU). On a CPU with VNNI or AMX the same op
+  is rounded differently: the input is rounded per token to 16-bit fixed point
+  (``round(x / s)``, ``s = max|x| / 32639``, 15 bits of the row's max, finer than the
+  GPU's fp16/bf16 activations) and multiplied exactly in int32 as two int8 halves in one
+  int8 GEMM (``slimformer.kernels.matmul``), which is faster than the fp32 GEMM there; on
+  other CPUs the fp32 input is multiplied by the weight converted to fp32.
 
 ``Linear16bit`` keeps the weight in float16 or bfloat16 and runs the fp32-accumulating
 GEMM. Every layer casts nothing but its own arithmetic: the output has the input's
