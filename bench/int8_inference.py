@@ -143,7 +143,9 @@ class _Encoder(torch.nn.Module):
 def _onnx_runtime_variants(float_model, folder: Path) -> list[Variant]:
     """ONNX Runtime fp32 and int8 of ``float_model``, or none without onnxruntime."""
     try:
+        import onnx  # noqa: F401  (torch.onnx.export's dynamo exporter needs onnx and onnxscript)
         import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401
         from onnxruntime.quantization import QuantType, quantize_dynamic
     except ImportError:
         return []

@@ -393,3 +393,31 @@ def test_int8_warns_once_where_it_is_slower_than_fp32(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         quantize(tiny_bert(), "int8")
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8-weight-only"])
+def test_a_model_quantized_in_inference_mode_runs(monkeypatch, mode):
+    # its buffers are inference tensors, which have no version counter to check
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled CPU path, which checks them
+    with torch.inference_mode():
+        model = quantize(tiny_bert(), mode)
+        out = model(**batches(1)[0]).last_hidden_state
+    torch.testing.assert_close(out, hidden(quantize(tiny_bert(), mode), batches(1)[0]), rtol=0, atol=0)
+
+
+def test_load_state_dict_swaps_weights_after_a_forward(monkeypatch):
+    # the int8 GEMM's packing cache holds a weak reference to each weight, which
+    # torch.utils.swap_tensors refuses: the layers drop it before a load or a .to
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the compiled CPU path, which packs
+    model = quantize(tiny_bert(), "int8")
+    hidden(model, batches(1)[0])
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(state)
+        hidden(model, batches(1)[0])
+        model.to(torch.float32)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    torch.testing.assert_close(hidden(model, batches(1)[0]), hidden(quantize(tiny_bert(), "int8"), batches(1)[0]))

@@ -222,6 +222,29 @@ def int8_gemm_is_fast() -> bool:
     return ONEDNN_INT8 or _INT_MM_IS_FAST
 
 
+def _onednn_int8_is_exact() -> bool:
+    """Whether oneDNN's int8 GEMM sums exactly here: products of ±127 whose pairs pass
+    2^15 - 1, which a saturating 16-bit pair sum (vpmaddubsw) would clip. The CPU's flags
+    alone do not tell: ONEDNN_MAX_CPU_ISA can hold oneDNN below VNNI."""
+    q = torch.full((4, 64), 127, dtype=torch.int8)
+    q[1] = -127
+    w = torch.full((8, 64), 127, dtype=torch.int8)
+    w[1::2] = -127
+    try:
+        got = _onednn_product(q, torch.ops.onednn.qlinear_prepack(w, None), 8)
+    except RuntimeError:
+        return False
+    return torch.equal(got, (q.long() @ w.long().t()).float())
+
+
+def _onednn_product(q, packed, n):
+    """fp32(q @ weightᵀ) by oneDNN's int8 GEMM: unit scales and zero points, no bias."""
+    ones, zeros = torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.long)
+    return torch.ops.onednn.qlinear_pointwise.default(
+        q, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+
+
 # oneDNN's int8 GEMM sums u8·s8 / s8·s8 products straight into int32 with VNNI (vpdpbusd) or
 # AMX: exact, and with AMX several times faster than torch._int_mm (which does not use it).
 # Without them it pairs products into saturating 16-bit sums (vpmaddubsw): 2 · 128 · 127
@@ -230,7 +253,27 @@ ONEDNN_INT8 = (
     (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
     and torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    and _onednn_int8_is_exact()
 )
+# int8 weight -> ((data_ptr, shape, version), oneDNN's packing of it)
+_PACKED = WeakIdKeyDictionary()
+
+
+def forget_packing(weight: torch.Tensor) -> None:
+    """Drop ``weight``'s oneDNN packing (and the weak reference to it, which
+    ``torch.utils.swap_tensors`` refuses): before a layer's weight is replaced or loaded."""
+    _PACKED.pop(weight, None)
+
+
+def _packing(weight: torch.Tensor):
+    """oneDNN's packing of ``weight``, made once and again when its memory, shape or version
+    changes (writes that bypass the version counter, through ``.data`` or numpy, are not seen)."""
+    key = (weight.data_ptr(), weight.shape, None if weight.is_inference() else weight._version)
+    entry = _PACKED.get(weight)
+    if entry is None or entry[0] != key:
+        entry = (key, torch.ops.onednn.qlinear_prepack(weight.contiguous(), None))
+        _PACKED[weight] = entry
+    return entry[1]
 
 
 def cpu_isa() -> str:
@@ -317,14 +360,13 @@ class _FusedLoops:
     def __init__(self, library: ctypes.CDLL):
         self.library = library
         self.scratch = threading.local()
-        self.packed = WeakIdKeyDictionary()  # int8 weight -> (its _version, oneDNN's packing, ones, zeros)
 
     def quantize_rows(self, x, smooth, min_absmax):
         """fp32 x (M, K), smooth (K,) or None -> (q (M, K) int8, scale (M,) fp32)."""
         m, k = _rows(x)
         if smooth is not None:
             _check_fp32("smooth", smooth, k)
-        q, scale = torch.empty(m, k, dtype=torch.int8), torch.empty(m)
+        q, scale = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
         self.library.quantize_rows(
             x.data_ptr(), _pointer(smooth), m, k, min_absmax, q.data_ptr(), scale.data_ptr(), _threads(m * k)
         )
@@ -351,7 +393,7 @@ class _FusedLoops:
     def quantize_rows_split(self, x, min_absmax):
         """fp32 x (M, K) -> (q (2M, K) int8: hi rows then lo rows, scale (M,) fp32)."""
         m, k = _rows(x)
-        q, scale = torch.empty(2 * m, k, dtype=torch.int8), torch.empty(m)
+        q, scale = torch.empty(2 * m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
         self.library.quantize_rows_split(
             x.data_ptr(), m, k, min_absmax, q.data_ptr(), scale.data_ptr(), _threads(m * k)
         )
@@ -380,29 +422,14 @@ class _FusedLoops:
 
     def _product(self, q, weight, int32_epilogue, float_epilogue):
         """(q @ weightᵀ exactly, the epilogue that reads it): int32 from ``int8_mm``, or
-        fp32(acc) from oneDNN's int8 GEMM with the weight packed once (``onednn_int8``)."""
+        fp32(acc) from oneDNN's int8 GEMM with the weight packed once (``ONEDNN_INT8``)."""
         if weight.dtype != torch.int8 or weight.dim() != 2 or q.shape[1] != weight.shape[1]:
             raise ValueError(
                 f"weight must be an (N, {q.shape[1]}) int8 tensor, got {weight.dtype} {tuple(weight.shape)}"
             )
         if not ONEDNN_INT8 or 0 in (*q.shape, weight.shape[0]):  # oneDNN does not take empty matrices
             return int8_mm(q, weight.t()), int32_epilogue
-        packed, ones, zeros = self._packed(weight)
-        acc = torch.ops.onednn.qlinear_pointwise.default(
-            q, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
-        )
-        return acc, float_epilogue
-
-    def _packed(self, weight):
-        """oneDNN's packing of ``weight`` and its unit scales and zero points, made once per
-        weight (again after an in-place change of it)."""
-        entry = self.packed.get(weight)
-        if entry is None or entry[0] != weight._version:
-            n = weight.shape[0]
-            packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
-            entry = (weight._version, packed, torch.ones(n), torch.zeros(n, dtype=torch.long))
-            self.packed[weight] = entry
-        return entry[1:]
+        return _onednn_product(q, _packing(weight), weight.shape[0]), float_epilogue
 
     def weight_only_gemm(self, x, weight, w_scale, bias):
         """fp32 x (M, K) @ fp32(int8 weight (N, K))ᵀ, then ``fma(·, w_scale, bias)`` -> fp32 (M, N)."""

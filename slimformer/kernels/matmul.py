@@ -499,6 +499,21 @@ def _(x, weight, w_scale, bias):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
+@torch.library.custom_op("slimformer::cpu_int8_weight_only_gemm", mutates_args=())
+def _cpu_weight_only_gemm_op(
+    x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    fused = int8_cpu.extension()
+    if fused is None:
+        return _gemm_reference(x, weight, None, w_scale, bias, None, torch.float32)
+    return fused.weight_only_gemm(x, weight, w_scale, bias)
+
+
+@_cpu_weight_only_gemm_op.register_fake
+def _(x, weight, w_scale, bias):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
 class _CompiledCpuInt8:
     """``int8_cpu``'s loops as torch.compile sees them: ops it calls, opaque to it."""
 
@@ -512,7 +527,7 @@ class _CompiledCpuInt8:
 
     @staticmethod
     def weight_only_gemm(x, weight, w_scale, bias):
-        return _gemm_reference(x, weight, None, w_scale, bias, None, torch.float32)
+        return torch.ops.slimformer.cpu_int8_weight_only_gemm(x, weight, w_scale, bias)
 
 
 # The activation's 16-bit fixed point on CPU W8A16: |v| = |round(x / s)| <= 32639 splits

@@ -75,6 +75,15 @@ def _check_linear(linear) -> None:
         raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
 
 
+def _forget_packing(layer: nn.Module) -> None:
+    """Drop the CPU int8 GEMM's packing of ``layer``'s weight before the weight is replaced:
+    ``torch.utils.swap_tensors`` (load_state_dict and .to under swap mode) refuses a tensor
+    with a weak reference, which the packing cache holds."""
+    weight = layer._buffers.get("weight")
+    if weight is not None:
+        int8_cpu.forget_packing(weight)
+
+
 class _InferenceLinear(nn.Module):
     """What both layers share: sizes, the mode check on load, dtype-stable buffers, the repr."""
 
@@ -90,6 +99,7 @@ class _InferenceLinear(nn.Module):
         self.out_features = out_features
 
     def _apply(self, fn, recurse=True):
+        _forget_packing(self)
         before = {name: self._buffers[name] for name in self._fixed_dtype_buffers if name in self._buffers}
         super()._apply(fn, recurse)
         for name, old in before.items():
@@ -106,6 +116,7 @@ class _InferenceLinear(nn.Module):
                 f"quantize the model with mode {saved!r} before loading it"
             )
             return
+        _forget_packing(self)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs)
 
     def extra_repr(self) -> str:
@@ -276,7 +287,7 @@ class Linear8bit(_InferenceLinear):
         if torch.compiler.is_compiling():
             # no host read of the buffer in a graph: multiplying by ones changes no bit
             return smooth if smooth.numel() else None
-        key = (smooth.data_ptr(), smooth.is_cpu, smooth._version, smooth.numel())
+        key = (smooth.data_ptr(), smooth.is_cpu, None if smooth.is_inference() else smooth._version, smooth.numel())
         if self._smooth_key != key:
             self._smooth_is_one = bool((smooth == 1).all())
             self._smooth_key = key

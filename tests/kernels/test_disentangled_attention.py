@@ -311,6 +311,18 @@ def test_calls_share_one_index_which_inference_mode_does_not_taint():
     assert torch.equal(index, relative_position_index(9, 9, 8, 8, 32, torch.device("cpu")))
 
 
+def test_a_fake_tensor_mode_does_not_leave_its_index_to_later_calls():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    disentangled_module._cached_index.cache_clear()
+    inputs = [torch.randn(2, 2, 9, 8) for _ in range(3)] + [torch.randn(2, 16, 8) for _ in range(2)]
+    positions = dict(position_buckets=8, max_relative_positions=32)
+    with FakeTensorMode() as mode:
+        disentangled_attention(*(mode.from_tensor(x) for x in inputs), **positions)
+    assert disentangled_module._cached_index.cache_info().currsize == 0
+    disentangled_attention(*inputs, **positions)  # real tensors after the fake ones
+
+
 class _HostToDeviceCopies(TorchDispatchMode):
     """Records the ops that copy a host tensor to another device."""
 

@@ -5,6 +5,10 @@ PyTorch reference. Float GEMMs are bounded by PyTorch's own error against float6
 int8 GEMMs are checked against the exact integer product, dequantized in float64.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -582,3 +586,47 @@ def test_compiled_kernels_match_reference_on_gpu(shape, dtype):
         ),
     ]:
         torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_onednn_path_is_off_where_onednn_would_saturate():
+    # ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN to vpmaddubsw's saturating 16-bit pair sums on any
+    # x86 CPU: the self-test at import must turn its int8 GEMM off, whatever the CPU's flags
+    code = (
+        "import torch; from slimformer.kernels import int8_cpu\n"
+        "assert not int8_cpu.ONEDNN_INT8, 'oneDNN int8 kept under an AVX2 cap'\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+def test_onednn_packing_follows_a_replaced_weight_and_weights_made_in_inference_mode(int8_product):
+    fused = _fused_cpu_int8()
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (6, 32), generator=gen, dtype=torch.int8)
+    x_scale, w_scale = torch.rand(6, generator=gen), torch.rand(10, generator=gen)
+    weight = torch.nn.Parameter(
+        torch.randint(-127, 128, (10, 32), generator=gen, dtype=torch.int8), requires_grad=False
+    )
+    fused.int8_gemm(q, weight, x_scale, w_scale, None)
+    weight.data = torch.randint(-127, 128, (10, 32), generator=gen, dtype=torch.int8)  # no version bump
+    expected = matmul._gemm_reference(q, weight.data, x_scale, w_scale, None, None, torch.float32)
+    assert torch.equal(fused.int8_gemm(q, weight, x_scale, w_scale, None), expected)
+    with torch.inference_mode():
+        made = torch.randint(-127, 128, (10, 32), generator=gen, dtype=torch.int8)
+    expected = matmul._gemm_reference(q, made, x_scale, w_scale, None, None, torch.float32)
+    assert torch.equal(fused.int8_gemm(q, made, x_scale, w_scale, None), expected)
+
+
+def test_fused_cpu_int8_does_not_follow_the_default_dtype(int8_product):
+    fused = _fused_cpu_int8()
+    q = torch.randint(-127, 128, (4, 16), dtype=torch.int8)
+    w = torch.randint(-127, 128, (3, 16), dtype=torch.int8)
+    expected = matmul._gemm_reference(q, w, torch.ones(4), torch.ones(3), None, None, torch.float32)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = fused.int8_gemm(q, w, torch.ones(4, dtype=torch.float32), torch.ones(3, dtype=torch.float32), None)
+        x_q, x_scale = fused.quantize_rows(torch.randn(4, 16, dtype=torch.float32), None, matmul.MIN_ROW_ABSMAX)
+    finally:
+        torch.set_default_dtype(before)
+    assert torch.equal(got, expected) and x_scale.dtype == torch.float32

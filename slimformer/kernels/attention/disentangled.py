@@ -105,15 +105,21 @@ def _shared_index(
     """``relative_position_index``, made once per arguments and shared by every call (every
     layer of a model): read-only. A DeBERTa layer's index costs about 20 small ops, each a
     launch on a GPU. Under torch.compile it is made in the graph."""
-    if torch.compiler.is_compiling():
+    device = torch.device(device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or capturing or torch._guards.detect_fake_mode() is not None:
+        # a graph's or a fake tensor mode's own tensor: never one to share with later calls
         return relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
-    return _cached_index(seq_q, seq_k, span, position_buckets, max_relative_positions, torch.device(device))
+    return _cached_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
 
 
 @functools.lru_cache(maxsize=64)
 def _cached_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device) -> torch.Tensor:
     with torch.inference_mode(False):  # an inference tensor could not be saved for a later backward
-        return relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
+        index = relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # once: later calls may run on other streams
+    return index
 
 
 def _log_bucket(distance: torch.Tensor, buckets: int, max_position: int) -> torch.Tensor:
