@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_model
 from torch import nn
 from tqdm.auto import tqdm
 
+from slimformer.kernels import int8_cpu
 from slimformer.layers.linear import FLOAT16_MODES, INT8_MODES, Linear8bit, Linear16bit
 
 MODES = (*INT8_MODES, *FLOAT16_MODES)
@@ -285,8 +286,6 @@ _warned_int8_is_slow = False
 def _warn_once_if_int8_is_slow_here() -> None:
     """Once per process: W8A8 on a CPU without VNNI or AMX is no faster than fp32."""
     global _warned_int8_is_slow
-    from slimformer.kernels import int8_cpu
-
     if _warned_int8_is_slow or int8_cpu.int8_gemm_is_fast():
         return
     _warned_int8_is_slow = True

@@ -231,17 +231,25 @@ def _onednn_int8_is_exact() -> bool:
     w = torch.full((8, 64), 127, dtype=torch.int8)
     w[1::2] = -127
     try:
-        got = _onednn_product(q, torch.ops.onednn.qlinear_prepack(w, None), 8)
+        got = _onednn_product(q, _packed(w))
     except RuntimeError:
         return False
     return torch.equal(got, (q.long() @ w.long().t()).float())
 
 
-def _onednn_product(q, packed, n):
-    """fp32(q @ weightᵀ) by oneDNN's int8 GEMM: unit scales and zero points, no bias."""
-    ones, zeros = torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.long)
+def _packed(weight: torch.Tensor) -> tuple:
+    """(oneDNN's packing of int8 ``weight`` (N, K), unit scales (N,), zero points (N,))."""
+    n = weight.shape[0]
+    packing = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+    return packing, torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.long)
+
+
+def _onednn_product(q, packed: tuple):
+    """fp32(q @ weightᵀ) by oneDNN's int8 GEMM on ``_packed(weight)``: unit scales and zero
+    points, no bias."""
+    packing, ones, zeros = packed
     return torch.ops.onednn.qlinear_pointwise.default(
-        q, 1.0, 0, packed, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        q, 1.0, 0, packing, ones, zeros, None, 1.0, 0, torch.float32, "none", [], ""
     )
 
 
@@ -255,7 +263,7 @@ ONEDNN_INT8 = (
     and hasattr(torch.ops.onednn, "qlinear_pointwise")
     and _onednn_int8_is_exact()
 )
-# int8 weight -> ((data_ptr, shape, version), oneDNN's packing of it)
+# int8 weight -> ((data_ptr, shape, version), ``_packed(weight)``)
 _PACKED = WeakIdKeyDictionary()
 
 
@@ -265,13 +273,13 @@ def forget_packing(weight: torch.Tensor) -> None:
     _PACKED.pop(weight, None)
 
 
-def _packing(weight: torch.Tensor):
-    """oneDNN's packing of ``weight``, made once and again when its memory, shape or version
+def _packing(weight: torch.Tensor) -> tuple:
+    """``_packed(weight)``, made once and again when the weight's memory, shape or version
     changes (writes that bypass the version counter, through ``.data`` or numpy, are not seen)."""
     key = (weight.data_ptr(), weight.shape, None if weight.is_inference() else weight._version)
     entry = _PACKED.get(weight)
     if entry is None or entry[0] != key:
-        entry = (key, torch.ops.onednn.qlinear_prepack(weight.contiguous(), None))
+        entry = (key, _packed(weight))
         _PACKED[weight] = entry
     return entry[1]
 
@@ -429,7 +437,7 @@ class _FusedLoops:
             )
         if not ONEDNN_INT8 or 0 in (*q.shape, weight.shape[0]):  # oneDNN does not take empty matrices
             return int8_mm(q, weight.t()), int32_epilogue
-        return _onednn_product(q, _packing(weight), weight.shape[0]), float_epilogue
+        return _onednn_product(q, _packing(weight)), float_epilogue
 
     def weight_only_gemm(self, x, weight, w_scale, bias):
         """fp32 x (M, K) @ fp32(int8 weight (N, K))ᵀ, then ``fma(·, w_scale, bias)`` -> fp32 (M, N)."""
