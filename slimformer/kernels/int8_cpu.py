@@ -210,31 +210,33 @@ _SIGNATURES = {
 }
 
 
+def _sums_exactly(product) -> bool:
+    """Whether ``product(q, w)`` (int8 q (M, K), int8 w (N, K) -> q @ wᵀ as fp32 or int32) sums
+    exactly here: products of ±127 whose pairs pass 2^15 - 1, which a saturating 16-bit pair
+    sum (vpmaddubsw) would clip. The CPU's flags alone do not tell: ONEDNN_MAX_CPU_ISA can
+    hold oneDNN (behind torch._int_mm too) below VNNI."""
+    q = torch.full((4, 64), 127, dtype=torch.int8)
+    q[1] = -127
+    w = torch.full((8, 64), 127, dtype=torch.int8)
+    w[1::2] = -127
+    try:
+        got = product(q, w)
+    except RuntimeError:
+        return False
+    return torch.equal(got.long(), q.long() @ w.long().t())
+
+
 # torch._int_mm on CPU is oneDNN's GEMM only where the CPU has AVX512-VNNI; elsewhere (AVX2
 # machines: AMD Zen 1-3, most Intel client CPUs) it is a scalar loop, an order of magnitude
-# slower than fp32 sgemm, so sgemm over exact slices of K stands in for it there.
-_INT_MM_IS_FAST = torch.cpu._is_vnni_supported()
+# slower than fp32 sgemm, so sgemm over exact slices of K stands in for it there, and where
+# oneDNN is held below VNNI.
+_INT_MM_IS_FAST = torch.cpu._is_vnni_supported() and _sums_exactly(lambda q, w: torch._int_mm(q, w.t().contiguous()))
 
 
 def int8_gemm_is_fast() -> bool:
     """Whether this CPU multiplies int8 faster than fp32 (VNNI or AMX): where it does not,
     W8A8 still runs (exactly, no faster than fp32) and W8A16 runs as an fp32 GEMM."""
     return ONEDNN_INT8 or _INT_MM_IS_FAST
-
-
-def _onednn_int8_is_exact() -> bool:
-    """Whether oneDNN's int8 GEMM sums exactly here: products of ±127 whose pairs pass
-    2^15 - 1, which a saturating 16-bit pair sum (vpmaddubsw) would clip. The CPU's flags
-    alone do not tell: ONEDNN_MAX_CPU_ISA can hold oneDNN below VNNI."""
-    q = torch.full((4, 64), 127, dtype=torch.int8)
-    q[1] = -127
-    w = torch.full((8, 64), 127, dtype=torch.int8)
-    w[1::2] = -127
-    try:
-        got = _onednn_product(q, _packed(w))
-    except RuntimeError:
-        return False
-    return torch.equal(got, (q.long() @ w.long().t()).float())
 
 
 def _packed(weight: torch.Tensor) -> tuple:
@@ -261,7 +263,7 @@ ONEDNN_INT8 = (
     (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
     and torch.backends.mkldnn.is_available()
     and hasattr(torch.ops.onednn, "qlinear_pointwise")
-    and _onednn_int8_is_exact()
+    and _sums_exactly(lambda q, w: _onednn_product(q, _packed(w)))
 )
 # int8 weight -> ((data_ptr, shape, version), ``_packed(weight)``)
 _PACKED = WeakIdKeyDictionary()

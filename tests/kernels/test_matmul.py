@@ -599,6 +599,18 @@ def test_onednn_path_is_off_where_onednn_would_saturate():
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
+def test_int8_mm_stays_exact_where_onednn_would_saturate():
+    # torch._int_mm is oneDNN's GEMM on a VNNI CPU: held to AVX2 it clips too, so int8_mm
+    # leaves it for the exact sgemm slices
+    code = (
+        "import torch; from slimformer.kernels import int8_cpu\n"
+        "q = torch.full((3, 64), 127, dtype=torch.int8); w = torch.full((64, 5), 127, dtype=torch.int8)\n"
+        "assert torch.equal(int8_cpu.int8_mm(q, w).long(), q.long() @ w.long())\n"
+    )
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
 def test_onednn_packing_follows_a_replaced_weight_and_weights_made_in_inference_mode(int8_product):
     fused = _fused_cpu_int8()
     gen = torch.Generator().manual_seed(5)
