@@ -36,9 +36,14 @@ forward. Without a working C compiler ``extension()`` returns None and the calle
 PyTorch statement, which gives the same bits, only slower.
 """
 
+import contextlib
 import ctypes
 import functools
+import math
+import os
 import threading
+import time
+from typing import NamedTuple
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -226,19 +231,6 @@ def _sums_exactly(product) -> bool:
     return torch.equal(got.long(), q.long() @ w.long().t())
 
 
-# torch._int_mm on CPU is oneDNN's GEMM only where the CPU has AVX512-VNNI; elsewhere (AVX2
-# machines: AMD Zen 1-3, most Intel client CPUs) it is a scalar loop, an order of magnitude
-# slower than fp32 sgemm, so sgemm over exact slices of K stands in for it there, and where
-# oneDNN is held below VNNI.
-_INT_MM_IS_FAST = torch.cpu._is_vnni_supported() and _sums_exactly(lambda q, w: torch._int_mm(q, w.t().contiguous()))
-
-
-def int8_gemm_is_fast() -> bool:
-    """Whether this CPU multiplies int8 faster than fp32 (VNNI or AMX): where it does not,
-    W8A8 still runs (exactly, no faster than fp32) and W8A16 runs as an fp32 GEMM."""
-    return ONEDNN_INT8 or _INT_MM_IS_FAST
-
-
 def _packed(weight: torch.Tensor) -> tuple:
     """(oneDNN's packing of int8 ``weight`` (N, K), unit scales (N,), zero points (N,))."""
     n = weight.shape[0]
@@ -255,16 +247,6 @@ def _onednn_product(q, packed: tuple):
     )
 
 
-# oneDNN's int8 GEMM sums u8·s8 / s8·s8 products straight into int32 with VNNI (vpdpbusd) or
-# AMX: exact, and with AMX several times faster than torch._int_mm (which does not use it).
-# Without them it pairs products into saturating 16-bit sums (vpmaddubsw): 2 · 128 · 127
-# exceeds 2^15 - 1, so those CPUs keep int8_mm's exact path.
-ONEDNN_INT8 = (
-    (torch.cpu._is_vnni_supported() or torch.cpu._is_amx_tile_supported())
-    and torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.onednn, "qlinear_pointwise")
-    and _sums_exactly(lambda q, w: _onednn_product(q, _packed(w)))
-)
 # int8 weight -> ((data_ptr, shape, version), ``_packed(weight)``)
 _PACKED = WeakIdKeyDictionary()
 
@@ -286,6 +268,191 @@ def _packing(weight: torch.Tensor) -> tuple:
     return entry[1]
 
 
+# |a·b| <= 128·128 = 2^14 for int8 a, b: every partial sum of at most 2^10 such products
+# is an integer below 2^24, which fp32 holds exactly, whatever order the GEMM adds in.
+_EXACT_FP32_TERMS = 1024
+
+
+def _sgemm_product(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """q (M, K) @ weight (N, K)ᵀ as int32 by sgemm over slices of K short enough to add
+    integers exactly (dgemm where fp32 matmuls may run in lower precision:
+    ``torch.set_float32_matmul_precision``)."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return torch.mm(q.double(), weight.double().t()).to(torch.int32)
+    if q.shape[1] <= _EXACT_FP32_TERMS:
+        return torch.mm(q.float(), weight.float().t()).to(torch.int32)
+    acc = torch.zeros(q.shape[0], weight.shape[0], dtype=torch.int32)
+    for start in range(0, q.shape[1], _EXACT_FP32_TERMS):
+        part = slice(start, start + _EXACT_FP32_TERMS)
+        acc += torch.mm(q[:, part].float(), weight[:, part].float().t()).to(torch.int32)
+    return acc
+
+
+# The exact products q (M, K) @ weight (N, K)ᵀ a CPU may run, fastest first where each is
+# fast: oneDNN's packed int8 GEMM (fp32(acc); several times torch._int_mm's speed with AMX),
+# torch._int_mm (int32; oneDNN's matmul with VNNI, a scalar loop without), sgemm slices (int32).
+PRODUCTS = {
+    "onednn": lambda q, weight: _onednn_product(q, _packing(weight)),
+    "int_mm": lambda q, weight: torch._int_mm(q, weight.t()),
+    "sgemm": _sgemm_product,
+}
+INT32_PRODUCTS = ("int_mm", "sgemm")
+# Names a product to run wherever it is exact, instead of the measured choice.
+PRODUCT_ENV = "SLIMFORMER_CPU_INT8_GEMM"
+
+
+@functools.cache
+def exact_products() -> tuple[str, ...]:
+    """The names in ``PRODUCTS`` that sum exactly on this CPU (``_sums_exactly``): sgemm
+    always; oneDNN's GEMM and torch._int_mm where oneDNN runs VNNI or AMX code."""
+    onednn_here = torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    return tuple(
+        name
+        for name, product in PRODUCTS.items()
+        if (name != "onednn" or onednn_here) and _sums_exactly(lambda q, w, product=product: product(q, w))
+    )
+
+
+class ProductChoice(NamedTuple):
+    """The product chosen for a class of GEMMs, with the times that chose it: the best of
+    three runs, in µs, of it and of the fp32 GEMM of the same shape."""
+
+    product: str
+    product_us: float
+    fp32_us: float
+
+
+def _best_us(run, repeats: int = 3, warm_up: bool = True) -> float:
+    if warm_up:
+        run()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
+
+
+# A product this much slower than the fp32 GEMM on the screening problem is a reference
+# implementation (oneDNN's ``ref_int8`` on a CPU with VNNI and no AMX: AMD Zen 4 runs
+# qlinear there at 1/900 of fp32's speed), never raced on a real shape.
+_SCREEN_SHAPE = (16, 128, 128)
+_SCREEN_FACTOR = 50.0
+# Rows the race runs at: from about this many rows up, the ranking no longer changes.
+_RACE_ROWS = 256
+# In a race, a product whose first run takes this many times the fastest first run so far
+# is not run again.
+_RACE_CUTOFF = 20.0
+# candidates -> the candidates that passed the screen
+_SCREENED: dict[tuple, tuple[str, ...]] = {}
+# (candidates, threads, K, N, row class) -> ProductChoice
+_CHOICES: dict[tuple, ProductChoice] = {}
+
+
+def _random_int8(*shape: int) -> torch.Tensor:
+    return torch.randint(-127, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch's intra-op threads set to one for a measurement whose answer does not depend on
+    them: one thread's times are not the stalls of a thread pool on a busy machine (tens of
+    ms at two threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _screened(candidates: tuple[str, ...]) -> tuple[str, ...]:
+    """The candidates no slower than ``_SCREEN_FACTOR`` times the fp32 GEMM on a problem of
+    ``_SCREEN_SHAPE`` (a few ms for the slowest), measured once per process on one thread (a
+    reference implementation is slow at any thread count)."""
+    if candidates not in _SCREENED:
+        m, k, n = _SCREEN_SHAPE
+        q, weight = _random_int8(m, k), _random_int8(n, k)
+        x, w = q.float(), weight.float()
+        with _one_thread():
+            limit = _SCREEN_FACTOR * _best_us(lambda: torch.mm(x, w.t()))
+            kept = tuple(name for name in candidates if _best_us(lambda: PRODUCTS[name](q, weight), 1) <= limit)
+        _SCREENED[candidates] = kept or ("sgemm",)
+    return _SCREENED[candidates]
+
+
+def _row_class(m: int) -> int:
+    """GEMMs whose row counts share a class share a choice: up to 16 rows, up to 128, more."""
+    return 16 if m <= 16 else 128 if m <= 128 else _RACE_ROWS
+
+
+def choose_product(m: int, weight: torch.Tensor, int32: bool = False) -> ProductChoice:
+    """The exact product to run ``(m, K) @ weight (N, K)ᵀ`` with on this CPU: the fastest of the
+    exact candidates that pass the screen (``_screened``), raced on ``min(m, 256)`` rows of
+    this weight once per process, thread count, (K, N) and row class; or the one that
+    ``$SLIMFORMER_CPU_INT8_GEMM`` names (``auto``, the default, measures; a name that is not a
+    product or not exact here is a ValueError). ``int32``: only the products that return
+    int32 (a forced ``onednn`` leaves their choice measured)."""
+    exact = exact_products()
+    candidates = tuple(name for name in (INT32_PRODUCTS if int32 else PRODUCTS) if name in exact)
+    forced = os.environ.get(PRODUCT_ENV, "auto")
+    if forced != "auto":
+        if forced not in PRODUCTS:
+            raise ValueError(f"${PRODUCT_ENV} must be one of auto, {', '.join(PRODUCTS)}, got {forced!r}")
+        if forced not in exact:
+            raise ValueError(f"${PRODUCT_ENV}: {forced!r} does not sum exactly on this CPU ({cpu_isa()})")
+        if forced in candidates:
+            return ProductChoice(forced, math.nan, math.nan)
+    n, k = weight.shape
+    key = (candidates, torch.get_num_threads(), k, n, _row_class(m))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _race(_screened(candidates), min(max(m, 1), _RACE_ROWS), weight)
+    return choice
+
+
+def _race(candidates: tuple[str, ...], rows: int, weight: torch.Tensor) -> ProductChoice:
+    """The fastest of ``candidates`` on (rows, K) @ weightᵀ, with the fp32 GEMM's time beside it."""
+    q = _random_int8(rows, weight.shape[1])
+    first, times = {}, {}
+    for name in candidates:
+        start = time.perf_counter()
+        PRODUCTS[name](q, weight)
+        first[name] = time.perf_counter() - start
+        if first[name] <= _RACE_CUTOFF * min(first.values()):
+            times[name] = _best_us(lambda name=name: PRODUCTS[name](q, weight), warm_up=False)
+    x, w = q.float(), weight.float()
+    best = min(times, key=times.get)
+    return ProductChoice(best, times[best], _best_us(lambda: torch.mm(x, w.t())))
+
+
+# (candidates) -> whether int8 GEMMs are fast
+_FAST: dict[tuple, bool] = {}
+
+
+def int8_gemm_is_fast() -> bool:
+    """Whether this CPU's fastest exact int8 product takes under half the fp32 GEMM's time on a
+    BERT-small Linear, (128, 384) @ (384, 384)ᵀ: measured once per process, on one thread. Where
+    it does (VNNI or AMX code in oneDNN: 9x on an AMD Zen 4), W8A8 gains and W8A16's split
+    (two int8 rows per row of x) beats the fp32 GEMM; where it does not, W8A8 still runs
+    (exactly, no faster than fp32) and W8A16 runs as an fp32 GEMM. One answer per process,
+    not per shape, because W8A16's two paths round differently."""
+    candidates = _screened(tuple(name for name in PRODUCTS if name in exact_products()))
+    if candidates not in _FAST:
+        q, weight = _random_int8(128, 384), _random_int8(384, 384)
+        x, w = q.float(), weight.float()
+        with _one_thread():
+            fp32_us = _best_us(lambda: torch.mm(x, w.t()))
+            int8_us = min(_best_us(lambda name=name: PRODUCTS[name](q, weight)) for name in candidates)
+        _FAST[candidates] = 2 * int8_us < fp32_us
+    return _FAST[candidates]
+
+
+def chosen_products() -> dict[str, str]:
+    """The products this process chose so far, for reports: ``"K x N, rows <= R"`` -> name."""
+    return {f"{k} x {n}, rows <= {rows}": choice.product for (_, _, k, n, rows), choice in _CHOICES.items()}
+
+
 def cpu_isa() -> str:
     """The CPU's vector ISA as the int8 paths see it: "AVX512-VNNI + AMX", "AVX512-VNNI", "AVX512 (no VNNI)",
     "AVX2 (no VNNI)" or torch's capability name (e.g. "DEFAULT" on ARM)."""
@@ -300,28 +467,17 @@ def cpu_isa() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-# |a·b| <= 128·128 = 2^14 for int8 a, b: every partial sum of at most 2^10 such products
-# is an integer below 2^24, which fp32 holds exactly, whatever order the GEMM adds in.
-_EXACT_FP32_TERMS = 1024
-
-
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The exact product of int8 a (M, K) and b (K, N) as int32 (M, N), as ``torch._int_mm``
-    computes it: that op on CUDA, on a CPU with VNNI and while torch.compile traces; else
-    sgemm over slices of K short enough to add integers exactly (dgemm where fp32 matmuls
-    may run in lower precision: ``torch.set_float32_matmul_precision``)."""
-    if _INT_MM_IS_FAST or not a.is_cpu or torch.compiler.is_compiling():
+    computes it: that op on CUDA and while torch.compile traces; on a CPU the int32 product
+    ``choose_product`` picks (torch._int_mm or sgemm slices)."""
+    if not a.is_cpu or torch.compiler.is_compiling():
         return torch._int_mm(a, b)
     torch._check(a.shape[1] == b.shape[0])
-    if torch.get_float32_matmul_precision() != "highest":
-        return torch.mm(a.double(), b.double()).to(torch.int32)
-    if a.shape[1] <= _EXACT_FP32_TERMS:
-        return torch.mm(a.float(), b.float()).to(torch.int32)
-    acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32)
-    for start in range(0, a.shape[1], _EXACT_FP32_TERMS):
-        part = slice(start, start + _EXACT_FP32_TERMS)
-        acc += torch.mm(a[:, part].float(), b[part].float()).to(torch.int32)
-    return acc
+    weight = b.t()
+    if 0 in (*a.shape, b.shape[1]):
+        return torch.zeros(a.shape[0], b.shape[1], dtype=torch.int32)
+    return PRODUCTS[choose_product(a.shape[0], weight, int32=True).product](a, weight)
 
 
 @functools.cache
@@ -431,15 +587,16 @@ class _FusedLoops:
         return out[:m]
 
     def _product(self, q, weight, int32_epilogue, float_epilogue):
-        """(q @ weightᵀ exactly, the epilogue that reads it): int32 from ``int8_mm``, or
-        fp32(acc) from oneDNN's int8 GEMM with the weight packed once (``ONEDNN_INT8``)."""
+        """(q @ weightᵀ exactly, the epilogue that reads it): int32, or fp32(acc) from
+        oneDNN's int8 GEMM with the weight packed once, as ``choose_product`` picks."""
         if weight.dtype != torch.int8 or weight.dim() != 2 or q.shape[1] != weight.shape[1]:
             raise ValueError(
                 f"weight must be an (N, {q.shape[1]}) int8 tensor, got {weight.dtype} {tuple(weight.shape)}"
             )
-        if not ONEDNN_INT8 or 0 in (*q.shape, weight.shape[0]):  # oneDNN does not take empty matrices
+        if 0 in (*q.shape, weight.shape[0]):  # oneDNN does not take empty matrices
             return int8_mm(q, weight.t()), int32_epilogue
-        return _onednn_product(q, _packing(weight)), float_epilogue
+        acc = PRODUCTS[choose_product(q.shape[0], weight).product](q, weight)
+        return acc, float_epilogue if acc.dtype == torch.float32 else int32_epilogue
 
     def weight_only_gemm(self, x, weight, w_scale, bias):
         """fp32 x (M, K) @ fp32(int8 weight (N, K))ᵀ, then ``fma(·, w_scale, bias)`` -> fp32 (M, N)."""

@@ -487,29 +487,14 @@ def _(q, weight, x_scale, w_scale, bias):
     return q.new_empty(q.shape[0], weight.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("slimformer::cpu_int8_weight_only_split", mutates_args=())
-def _cpu_weight_only_split_op(
+@torch.library.custom_op("slimformer::cpu_int8_weight_only", mutates_args=())
+def _cpu_weight_only_op(
     x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return _weight_only_cpu(x, weight, w_scale, bias, int8_cpu.extension())
 
 
-@_cpu_weight_only_split_op.register_fake
-def _(x, weight, w_scale, bias):
-    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("slimformer::cpu_int8_weight_only_gemm", mutates_args=())
-def _cpu_weight_only_gemm_op(
-    x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    fused = int8_cpu.extension()
-    if fused is None:
-        return _gemm_reference(x, weight, None, w_scale, bias, None, torch.float32)
-    return fused.weight_only_gemm(x, weight, w_scale, bias)
-
-
-@_cpu_weight_only_gemm_op.register_fake
+@_cpu_weight_only_op.register_fake
 def _(x, weight, w_scale, bias):
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
@@ -524,10 +509,6 @@ class _CompiledCpuInt8:
     @staticmethod
     def int8_gemm(q, weight, x_scale, w_scale, bias):
         return torch.ops.slimformer.cpu_int8_gemm(q, weight, x_scale, w_scale, bias)
-
-    @staticmethod
-    def weight_only_gemm(x, weight, w_scale, bias):
-        return torch.ops.slimformer.cpu_int8_weight_only_gemm(x, weight, w_scale, bias)
 
 
 # The activation's 16-bit fixed point on CPU W8A16: |v| = |round(x / s)| <= 32639 splits
@@ -574,37 +555,36 @@ def _split_gemm_reference(q, weight, x_scale, w_scale, bias):
 
 
 def _weight_only_cpu(x, weight, w_scale, bias, fused):
-    """CPU W8A16 for K <= MAX_SPLIT_IN_FEATURES: x's rows as 16-bit fixed point (``_quantize_rows_split_reference``),
-    both halves in one int8 GEMM (``int8_cpu.int8_mm``): fp32 (M, N), on the compiled
-    path a view of the first M rows of the (2M, N) accumulator (a fresh buffer costs its page faults)."""
-    x = x.float()
+    """CPU W8A16 on fp32 x (M, K) -> fp32 (M, N): where int8 GEMMs are fast here
+    (``int8_cpu.int8_gemm_is_fast``) and K <= MAX_SPLIT_IN_FEATURES, x's rows as 16-bit fixed point (``_quantize_rows_split_reference``)
+    with both halves in one int8 GEMM, on the compiled path a view of the first M rows of the (2M, N)
+    accumulator (a fresh buffer costs its page faults); else the fp32 GEMM on the weight's integers.
+    ``fused``: the compiled loops, or None for the PyTorch statement of either."""
+    bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
+    M, K = x.shape
+    if 0 < K <= MAX_SPLIT_IN_FEATURES and 0 not in (M, weight.shape[0]) and int8_cpu.int8_gemm_is_fast():
+        if fused is not None:
+            q, scale = fused.quantize_rows_split(x, MIN_ROW_ABSMAX)
+            return fused.split_gemm(q, weight, scale, w_scale, bias)
+        q, scale = _quantize_rows_split_reference(x)
+        return _split_gemm_reference(q, weight, scale, w_scale, bias)
     if fused is not None:
-        bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
-        q, scale = fused.quantize_rows_split(x, MIN_ROW_ABSMAX)
-        return fused.split_gemm(q, weight, scale, w_scale, bias)
-    q, scale = _quantize_rows_split_reference(x)
-    return _split_gemm_reference(q, weight, scale, w_scale, bias)
+        return fused.weight_only_gemm(x, weight, w_scale, bias)
+    return _gemm_reference(x, weight, None, w_scale, bias, None, torch.float32)
 
 
 def _run_gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
-    if x_scale is None and w_scale is not None and x.shape[1] <= MAX_SPLIT_IN_FEATURES and not use_triton(x):
-        # the 16-bit split pays where int8 GEMMs are fast; elsewhere the fp32 GEMM below is faster
-        if x.is_cpu and not x.is_cuda and int8_cpu.int8_gemm_is_fast():
-            fused = _fused_cpu_int8(x)
-            if fused is _CompiledCpuInt8:
-                out = torch.ops.slimformer.cpu_int8_weight_only_split(x.float(), weight, w_scale, bias)
-            else:
-                out = _weight_only_cpu(x, weight, w_scale, bias, fused)
-            if activation is None and out_dtype == torch.float32:
-                return out
-            return _activate(out, activation).to(out_dtype)
-    fused = None if w_scale is None else _fused_cpu_int8(x)
+    if x_scale is None and w_scale is not None and x.is_cpu and not x.is_cuda and not use_triton(x):
+        fused = _fused_cpu_int8(x)
+        if fused is _CompiledCpuInt8:
+            out = torch.ops.slimformer.cpu_int8_weight_only(x.float(), weight, w_scale, bias)
+        else:
+            out = _weight_only_cpu(x.float(), weight, w_scale, bias, fused)
+        return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
+    fused = None if x_scale is None else _fused_cpu_int8(x)
     if fused is not None:
         bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
-        if x_scale is None:
-            out = fused.weight_only_gemm(x.float(), weight, w_scale, bias)
-        else:
-            out = fused.int8_gemm(x, weight, x_scale, w_scale, bias)
+        out = fused.int8_gemm(x, weight, x_scale, w_scale, bias)
         return out if activation is None and out_dtype == torch.float32 else _activate(out, activation).to(out_dtype)
     if use_triton(x):
         return _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype)

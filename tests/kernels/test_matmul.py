@@ -151,7 +151,7 @@ def _fused_cpu_int8():
 def test_int8_mm_without_vnni_is_exact(monkeypatch, k, precision):
     # Off VNNI CPUs the int32 product is summed by sgemm in slices of K: exact while every
     # partial sum stays below 2^24, which -128 · -128 products over 1025+ terms would pass.
-    monkeypatch.setattr(int8_cpu, "_INT_MM_IS_FAST", False)
+    monkeypatch.setenv(int8_cpu.PRODUCT_ENV, "sgemm")
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
     gen = torch.Generator().manual_seed(k)
     a = torch.randint(-128, 128, (7, k), generator=gen, dtype=torch.int8)
@@ -174,13 +174,13 @@ def cpu_threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.fixture(params=["int8_mm", "onednn"])
+@pytest.fixture(params=list(int8_cpu.PRODUCTS))
 def int8_product(request, monkeypatch):
-    """The fused path's int8 GEMM: ``int8_mm`` (torch._int_mm or exact sgemm slices) or
-    oneDNN's packed int8 GEMM, which is exact only on a CPU with VNNI or AMX."""
-    if request.param == "onednn" and not int8_cpu.ONEDNN_INT8:
-        pytest.skip("oneDNN's int8 GEMM is exact only with VNNI or AMX, which this CPU lacks")
-    monkeypatch.setattr(int8_cpu, "ONEDNN_INT8", request.param == "onednn")
+    """The fused path's int8 GEMM, forced: oneDNN's packed int8 GEMM, torch._int_mm (each
+    exact only where oneDNN runs VNNI or AMX code) or exact sgemm slices."""
+    if request.param not in int8_cpu.exact_products():
+        pytest.skip(f"{request.param} does not sum exactly on this CPU ({int8_cpu.cpu_isa()})")
+    monkeypatch.setenv(int8_cpu.PRODUCT_ENV, request.param)
     return request.param
 
 
@@ -468,7 +468,7 @@ def test_int8_weight_only_linear_matches_dequantized_weight(backend, shape, dtyp
     # The kernel sums exact int8 weights and scales afterwards; torch rounds the
     # dequantized weight to dtype first: bound by its error, plus the weight's rounding.
     scale = (x.double().abs() @ dequantized.abs().t()).max().item()
-    if backend == "torch" and shape[1] > 0 and int8_cpu.int8_gemm_is_fast():
+    if backend == "torch" and 0 not in shape[:2] and int8_cpu.int8_gemm_is_fast():
         # With fast int8 GEMMs the CPU path multiplies the activation's 16-bit fixed point v · s (s = max|row| / 32639)
         # exactly in int32: bound it by the float64 product of that activation, and bound that
         # product's distance from ``exact`` by half a step per element, Σ_k |w[n, k]| · s / 2.
@@ -588,12 +588,12 @@ def test_compiled_kernels_match_reference_on_gpu(shape, dtype):
         torch.testing.assert_close(ours, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_onednn_path_is_off_where_onednn_would_saturate():
-    # ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN to vpmaddubsw's saturating 16-bit pair sums on any
-    # x86 CPU: the self-test at import must turn its int8 GEMM off, whatever the CPU's flags
+def test_onednn_products_are_off_where_onednn_would_saturate():
+    # ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN (its int8 GEMM and torch._int_mm) to vpmaddubsw's
+    # saturating 16-bit pair sums on any x86 CPU: the self-test must leave the sgemm slices only
     code = (
         "import torch; from slimformer.kernels import int8_cpu\n"
-        "assert not int8_cpu.ONEDNN_INT8, 'oneDNN int8 kept under an AVX2 cap'\n"
+        "assert int8_cpu.exact_products() == ('sgemm',), int8_cpu.exact_products()\n"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
