@@ -47,6 +47,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from slimformer._cli_args import positive_int
 from slimformer.memory.cli import bert_config, bert_inputs, build_bert
 from slimformer.patch import patch
 from slimformer.recompute import POLICIES
@@ -222,9 +223,9 @@ def target_lines(results: dict[str, StepMemory]) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.compile_memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=SHAPE[0])
-    parser.add_argument("--batch", type=int, default=SHAPE[1])
-    parser.add_argument("--seq", type=int, default=SHAPE[2])
+    parser.add_argument("--layers", type=positive_int, default=SHAPE[0])
+    parser.add_argument("--batch", type=positive_int, default=SHAPE[1])
+    parser.add_argument("--seq", type=positive_int, default=SHAPE[2])
     parser.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns (names as in the table)")
     args = parser.parse_args(argv)
     shape = (args.layers, args.batch, args.seq)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from slimformer._cli_args import positive_int
 from slimformer.memory import peak_memory
 from slimformer.memory.cli import bert_config, bert_inputs, build_bert
 from slimformer.patch import patch
@@ -221,7 +222,7 @@ def profile(policy: str, rows: int = 25) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cpu_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--skip-peak", action="store_true")
     parser.add_argument("--skip-time", action="store_true")
     parser.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns (HF eager is always in)")

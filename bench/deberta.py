@@ -65,6 +65,7 @@ from torch import nn
 import slimformer as sf
 from bench.compile_memory import _allocations, _running_peak
 from bench.harness import device_name, git_revision
+from slimformer._cli_args import positive_int
 from slimformer.integrations.hf.deberta import FusedDebertaV2LayerMixin
 from slimformer.memory import measure_activation_memory
 from slimformer.plan import profile, synthetic_batch
@@ -587,7 +588,9 @@ def report(settings: Settings, rounds: int, log) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.deberta", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny dims, a smoke run of every part (seconds)")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved timing rounds (default 7; quick 2)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=None, help="interleaved timing rounds (default 7; quick 2)"
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 7)

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import slimformer as sf
+from slimformer._cli_args import output_dir, positive_float
 from slimformer.kernels.attention import disentangled
 
 SHAPE = (8, 12, 512, 64)
@@ -104,8 +105,10 @@ def _write(out: Path, report: dict) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.disentangled_tiles", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for disentangled-tiles.{md,json}")
-    parser.add_argument("--budget", type=float, default=200.0, help="seconds before no new configuration starts")
+    parser.add_argument("--out", type=output_dir, required=True, help="folder for disentangled-tiles.{md,json}")
+    parser.add_argument(
+        "--budget", type=positive_float, default=200.0, help="seconds before no new configuration starts"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a report already in --out")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 import slimformer as sf
 from bench.harness import device_name
 from bench.unpad import BATCH, MAX_LEN, SPEEDUP, sentence_lengths
+from slimformer._cli_args import positive_int
 from slimformer.memory import measure_activation_memory
 from tools.results import add_output_arguments, refuse_to_replace, shown
 
@@ -311,7 +312,7 @@ def report(families: list[str], rounds: int, log=print) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.families", description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated subset of {list(FAMILIES)}")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (default 3)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     families = [name.strip() for name in args.families.split(",") if name.strip()]

@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from slimformer._cli_args import positive_int
+
 
 @torch.library.custom_op("slimformer_bench::noop_clone", mutates_args=())
 def _noop_clone(x: torch.Tensor) -> torch.Tensor:
@@ -189,13 +191,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, else float32)"
     )
-    parser.add_argument("--rounds", type=int, default=15, help="rounds per measurement (default 15)")
-    parser.add_argument("--calls", type=int, default=50, help="calls per round (default 50)")
+    parser.add_argument("--rounds", type=positive_int, default=15, help="rounds per measurement (default 15)")
+    parser.add_argument("--calls", type=positive_int, default=50, help="calls per round (default 50)")
     parser.add_argument("--large", action="store_true", help="BERT-base-sized tensors instead of tiny ones")
     parser.add_argument(
         "-k", dest="only", action="append", help="run only the groups whose title contains this (repeatable)"
     )
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -23,6 +23,7 @@ import gc
 import torch
 
 import slimformer as sf
+from slimformer._cli_args import fraction, positive_int
 from slimformer.memory import format_bytes, measure_activation_memory
 
 COLUMNS = {"HF eager": None, "slimformer none": "none", "slimformer qkv+mlp": "qkv+mlp"}
@@ -91,10 +92,10 @@ def mlm_memory_section(device: torch.device, log=print) -> list[str]:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.mlm_memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--masked", type=float, default=0.15)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=512)
+    parser.add_argument("--masked", type=fraction, default=0.15)
     args = parser.parse_args(argv)
     models = _models(args.layers)
     inputs = _inputs(models["HF eager"][0].config.vocab_size, args.batch, args.seq, args.masked)

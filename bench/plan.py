@@ -63,6 +63,7 @@ from torch import nn
 
 from bench.compile_memory import _allocations, _running_peak
 from bench.harness import device_name, git_revision
+from slimformer._cli_args import positive_int
 from slimformer.layers.policies import POLICIES
 from slimformer.patch import patch
 from slimformer.plan import (
@@ -827,8 +828,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny dims and a few configurations (about 2 minutes)")
     parser.add_argument("--skip", nargs="+", choices=SECTIONS, default=[], metavar="SECTION", help=f"of {SECTIONS}")
-    parser.add_argument("--rounds", type=int, default=3, help="timing rounds (fits, side by side)")
-    parser.add_argument("--budgets", type=int, default=None, help="budgets of the monotonic section (20; quick 5)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="timing rounds (fits, side by side)")
+    parser.add_argument(
+        "--budgets", type=positive_int, default=None, help="budgets of the monotonic section (20; quick 5)"
+    )
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     markdown: Path = args.out / ("cpu-plan-quick.md" if args.quick else "cpu-plan.md")

@@ -1,11 +1,15 @@
 """Run the benchmarks in bench/ and report them: ``python -m bench.report``.
 
-    python -m bench.report                          # everything (make bench): many minutes
-    python -m bench.report -k add_layer_norm        # a partial run: what -k selects
+    python -m bench.report                          # the quick run (make bench): a few minutes
+    python -m bench.report --full                   # everything (make bench ARGS=--full): tens of minutes
+    python -m bench.report -k add_layer_norm        # a partial run: what -k selects from everything
     python -m bench.report -k norm -- --benchmark-min-rounds=3   # after --: more pytest arguments
     python -m bench.report --out DIR [--overwrite]  # write elsewhere / replace files of the same names
 
-Runs pytest on bench/ in a subprocess with ``--benchmark-json`` (which keeps every
+The quick run, the default, is one size of one op and mode of each kernel family against
+its baselines (``QUICK_BENCHMARKS``) and the memory sections (``QUICK_SECTIONS``), named
+``<device-slug>-quick*``; ``--full`` runs every benchmark and section. It runs pytest on
+bench/ in a subprocess with ``--benchmark-json`` (which keeps every
 round's time), then prints one table per family/op/mode with rich and writes, into
 ``bench/results/local/`` (git-ignored) unless ``--out DIR`` names another folder,
 
@@ -50,30 +54,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.markdown import Markdown  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from bench.bert_memory import BASELINES as BERT_BASELINES, bert_memory_section  # noqa: E402
-from bench.compile_memory import (  # noqa: E402
-    SHAPE as COMPILE_SHAPE,
-    lines as compile_memory_lines,
-    measure as measure_compile_memory,
-)
-from bench.cpu_step import measure_times, time_lines  # noqa: E402
-from bench.harness import device_slug, git_revision, report_machine_info  # noqa: E402
-from bench.int8_inference import int8_inference_section  # noqa: E402
-from bench.memory_table import HIDDEN, TOKENS, norm_memory_table  # noqa: E402
-from bench.mlm_memory import mlm_memory_section  # noqa: E402
-from bench.unpad import report_lines as unpad_lines  # noqa: E402
-from slimformer.recompute import POLICIES  # noqa: E402
-from tools.results import ROOT, add_output_arguments, refuse_to_replace, shown  # noqa: E402
+from slimformer.layers.policies import POLICIES
+from tools.results import ROOT, add_output_arguments, refuse_to_replace, shown
 
 # One plot per family, named after its benchmark file, bench/test_<family>_bench.py.
 FAMILIES = tuple(sorted(p.name[len("test_") : -len("_bench.py")] for p in ROOT.glob("bench/test_*_bench.py")))
@@ -123,6 +105,14 @@ class Result:
 # The report's sections besides the benchmarks, as -k names them (and "bert_memory <column>"); the
 # last three run on a CPU only.
 SECTIONS = ("norm_memory", "mlm_memory", "int8_inference", "cpu_step", "unpad", "compile_memory")
+# The quick run (the default, make bench): per device type, one size of one op and mode of each
+# kernel family, every provider of it (pytest -k over the benchmarks' ids), and of the sections
+# the memory ones, norm_memory and bert_memory; --full runs everything.
+QUICK_BENCHMARKS = {
+    "cpu": "add_layer_norm-full-768 or d32-non-causal-full-seq128 or linear-256x384-256",
+    "cuda": "add_layer_norm-full-4096 or d128-causal-fwd-seq4096 or linear-768x3072-4096",
+}
+QUICK_SECTIONS = ("norm_memory", "bert_memory")
 LOG_WIDTH = 120  # the console width when the output is a log, not a terminal
 _NO_TESTS_COLLECTED = 5  # pytest's exit code when the selection leaves no benchmark
 
@@ -135,9 +125,12 @@ class Selection:
     partial: bool  # -k, -m or paths given: the run writes its own files
     tag: str  # file-name part of a partial run
     arguments: str = ""  # the pytest arguments, as given
+    quick: bool = False  # no selection and no --full: QUICK_BENCHMARKS and QUICK_SECTIONS
 
     def selects(self, name: str) -> bool:
         """Whether ``-k`` selects ``name`` (a memory section and column), matched as pytest matches a test."""
+        if self.quick:
+            return name.split()[0] in QUICK_SECTIONS
         if self.keyword is None:
             return True
         from _pytest.mark.expression import Expression
@@ -146,11 +139,14 @@ class Selection:
         return Expression.compile(self.keyword).evaluate(lambda ident, **kwargs: ident.lower() in text)
 
     def stem(self, slug: str) -> str:
+        if self.quick:
+            return f"{slug}-quick"
         return f"{slug}-partial-{self.tag}" if self.partial else slug
 
 
-def selection(pytest_args: list[str]) -> Selection:
-    """The -k / -m expressions and test paths among ``pytest_args``."""
+def selection(pytest_args: list[str], quick: bool = False) -> Selection:
+    """The -k / -m expressions and test paths among ``pytest_args``; ``quick`` (no --full) makes a
+    run without any of them the quick one."""
     keyword = marker = None
     paths = []
     args = iter(pytest_args)
@@ -169,7 +165,7 @@ def selection(pytest_args: list[str]) -> Selection:
             marker = value
     parts = [p for p in (keyword, marker, *paths) if p]
     tag = re.sub(r"[^A-Za-z0-9]+", "-", "-".join(parts)).strip("-").lower()[:60] or "selection"
-    return Selection(keyword, bool(parts), tag, " ".join(pytest_args))
+    return Selection(keyword, bool(parts), tag, " ".join(pytest_args), quick=quick and not parts)
 
 
 def run_benchmarks(json_path: Path, pytest_args: list[str]) -> list[str]:
@@ -197,6 +193,8 @@ def run_benchmarks(json_path: Path, pytest_args: list[str]) -> list[str]:
 
 def load_results(benchmarks: list[dict]) -> list[Result]:
     """Results from pytest-benchmark's JSON, with ratios against the baselines of the same run."""
+    import numpy as np
+
     results = []
     for bench in benchmarks:
         info = bench["extra_info"]
@@ -335,9 +333,18 @@ def attention_target_lines(results: list[Result], device: str) -> list[str]:
 
 def header(machine: dict, results: list[Result], rounds: int, chosen: Selection) -> list[str]:
     """The markdown header: what ran where, and how to read the tables."""
+    from bench.harness import device_slug, git_revision
+
     by_provider = group_by(results, lambda r: r.provider)
     runs = {p: " / ".join(sorted({r.implementation for r in group})) for p, group in by_provider.items()}
     lines = [f"# Benchmarks on {machine['bench_device']}", ""]
+    if chosen.quick:
+        lines += [
+            "**Quick run** (`make bench`): one size of one op of each kernel family against its baselines, and "
+            "the memory sections; the full sweep and every section: `python -m bench.report --full` "
+            f"(`{device_slug(machine['bench_device'], machine['bench_device_type'])}.md`).",
+            "",
+        ]
     if chosen.partial:
         lines += [
             f"**Partial run** (`python -m bench.report {chosen.arguments}`); the full report is "
@@ -371,6 +378,11 @@ def header(machine: dict, results: list[Result], rounds: int, chosen: Selection)
 
 def plot(results: list[Result], device: str, device_type: str, path: Path) -> None:
     """One subplot per op x mode: the metric against the swept size, one line per provider."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     ops = list(dict.fromkeys(r.op for r in results))
     modes = list(dict.fromkeys(r.mode for r in results))
     providers = list(dict.fromkeys(r.provider for r in results))  # same colour in every subplot
@@ -409,6 +421,10 @@ def plot(results: list[Result], device: str, device_type: str, path: Path) -> No
 
 def memory_lines(machine: dict) -> list[str]:
     """The activation-memory section, measured now on the benchmark device in its dtype."""
+    import torch
+
+    from bench.memory_table import HIDDEN, TOKENS, norm_memory_table
+
     device = torch.device(machine["bench_device_type"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     columns, rows = norm_memory_table(device, dtype)
@@ -424,6 +440,8 @@ def memory_lines(machine: dict) -> list[str]:
 
 def section_names() -> list[str]:
     """What ``-k`` matches for each section: ``SECTIONS`` and each column of the BERT memory section."""
+    from bench.bert_memory import BASELINES as BERT_BASELINES
+
     bert_columns = [*BERT_BASELINES, *(f"slimformer ({policy})" for policy in POLICIES)]
     return [*SECTIONS, *(f"bert_memory {column}" for column in bert_columns)]
 
@@ -434,9 +452,21 @@ def report_paths(out: Path, stem: str) -> list[Path]:
     return [out / f"{stem}.md", *(out / f"{stem}-{plot}.png" for plot in plots)]
 
 
-def write_report(data: dict | None, skipped: list[str], console: Console, chosen: Selection, out: Path) -> list[Path]:
-    """Print the report of one pytest-benchmark JSON run (None: no benchmark selected),
-    write it into ``out``; return the files written."""
+def write_report(data: dict | None, skipped: list[str], console, chosen: Selection, out: Path) -> list[Path]:
+    """Print the report of one pytest-benchmark JSON run (None: no benchmark selected) on the
+    rich ``console``, write it into ``out``; return the files written."""
+    import torch
+    from rich.markdown import Markdown
+    from rich.table import Table
+
+    from bench.bert_memory import bert_memory_section
+    from bench.compile_memory import SHAPE as COMPILE_SHAPE, lines as compile_memory_lines, measure as measure_compile
+    from bench.cpu_step import measure_times, time_lines
+    from bench.harness import device_slug, report_machine_info
+    from bench.int8_inference import int8_inference_section
+    from bench.mlm_memory import mlm_memory_section
+    from bench.unpad import report_lines as unpad_lines
+
     machine = data["machine_info"] if data else report_machine_info()
     device, device_type = machine["bench_device"], machine["bench_device_type"]
     benchmarks = data["benchmarks"] if data else []
@@ -496,7 +526,7 @@ def write_report(data: dict | None, skipped: list[str], console: Console, chosen
         md += ["", *unpad]
     if device_type == "cpu" and chosen.selects("compile_memory"):
         # torch.compile vs eager per policy and compiled HF with memory budgets (minutes: it compiles 13 models)
-        compiled = compile_memory_lines(measure_compile_memory(*COMPILE_SHAPE, log=console.log), COMPILE_SHAPE)
+        compiled = compile_memory_lines(measure_compile(*COMPILE_SHAPE, log=console.log), COMPILE_SHAPE)
         compiled = ["## torch.compile keeps the savings", "", *compiled]
         console.print(Markdown("\n".join(compiled)))
         md += ["", *compiled]
@@ -513,7 +543,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.report",
         description="Run the pytest-benchmark suite in bench/ and the memory sections, print the tables, and write "
-        "a Markdown report with its plots (make bench; a full run takes many minutes).",
+        "a Markdown report with its plots. By default (make bench) a quick run: one size of one op per kernel "
+        "family and the memory sections, a few minutes on a CPU; --full: every benchmark and section.",
         epilog="Other pytest arguments go after --, e.g. python -m bench.report -k norm -- --benchmark-min-rounds=3. "
         "See bench/README.md.",
     )
@@ -525,6 +556,12 @@ def _parser() -> argparse.ArgumentParser:
         f"(sections: {', '.join(SECTIONS)}, bert_memory <column>); a partial run",
     )
     parser.add_argument("-m", metavar="MARKEXPR", dest="marker", help="pytest -m: only benchmarks so marked")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="every benchmark at every size and every section (tens of minutes on a CPU); -k, -m and test "
+        "paths select from these",
+    )
     parser.add_argument(
         "pytest_args", nargs="*", metavar="PYTEST_ARG", help="test paths, and after -- any other pytest argument"
     )
@@ -538,11 +575,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     pytest_args = [*(["-k", args.keyword] if args.keyword else []), *(["-m", args.marker] if args.marker else [])]
     pytest_args += args.pytest_args
-    chosen = selection(pytest_args)
+    chosen = selection(pytest_args, quick=not args.full)
+    from rich.console import Console
+
+    from bench.harness import device_slug, report_machine_info
+
     machine = report_machine_info()
     stem = chosen.stem(device_slug(machine["bench_device"], machine["bench_device_type"]))
     refuse_to_replace(parser, report_paths(args.out, stem), args.overwrite)
     print(f"bench.report: the report goes to {shown(args.out / stem)}.md", flush=True)
+    if chosen.quick:
+        pytest_args = ["-k", QUICK_BENCHMARKS[machine["bench_device_type"]], *pytest_args]
     with tempfile.TemporaryDirectory() as tmp:
         json_path = Path(tmp) / "benchmarks.json"
         skipped = run_benchmarks(json_path, pytest_args)

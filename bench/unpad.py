@@ -48,6 +48,7 @@ import time
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
+from slimformer._cli_args import positive_int
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import patch
 from slimformer.quantize import quantize, sqnr_db
@@ -311,8 +312,8 @@ def int8_lines(times: dict[str, list[float]], agreement: dict[str, float], round
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.unpad", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--layers", type=positive_int, default=2)
     args = parser.parse_args(argv)
     print("\n".join(report_lines(args.layers, args.rounds)))
     return 0

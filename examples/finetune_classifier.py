@@ -40,6 +40,9 @@ from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import quantize
 from slimformer.recompute import POLICIES
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import existing_dir, positive_float, positive_int  # noqa: E402
+
 LABELS = ("sport", "business", "science/tech", "politics/world")
 QUANT_MODES = ("int8", "int8-weight-only")
 PER_CLASS = 50
@@ -294,11 +297,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python examples/finetune_classifier.py", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("model_dir", nargs="?", type=Path, help="HF BERT folder (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate of the head")
-    parser.add_argument("--encoder-lr", type=float, default=5e-5, help="learning rate of the encoder")
+    parser.add_argument("model_dir", nargs="?", type=existing_dir, help="HF BERT folder (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--epochs", type=positive_int, default=8)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate of the head")
+    parser.add_argument("--encoder-lr", type=positive_float, default=5e-5, help="learning rate of the encoder")
     parser.add_argument("--train-encoder", action="store_true", help="fine-tune the encoder too (slower)")
     parser.add_argument(
         "--recompute",

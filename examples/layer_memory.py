@@ -10,6 +10,8 @@ path, which saves exactly the tensors the kernels save.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -17,6 +19,9 @@ from tqdm.auto import tqdm
 import slimformer as sf
 from slimformer.memory import measure_activation_memory
 from slimformer.recompute import POLICIES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import positive_int  # noqa: E402
 
 HIDDEN, HEADS, FFN = 768, 12, 3072
 
@@ -52,7 +57,7 @@ def layer_memory(seq: int) -> dict[tuple[str, str], float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python examples/layer_memory.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--seq", type=positive_int, default=512, help="sequence length (default 512)")
     args = parser.parse_args(argv)
     if args.seq < 1:
         parser.error(f"--seq must be at least 1, got {args.seq}")

@@ -42,6 +42,9 @@ from slimformer.kernels.dispatch import resolve_device
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import fidelity_report, quantize, quantized_modules, save_quantized
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import positive_int, unit_float  # noqa: E402
+
 MODES = ("float", "fp16", "int8", "int8-weight-only")
 GPU_BASELINE = "fp16-torch"
 TOP_K = 5
@@ -549,9 +552,9 @@ def render(rows: list[Row], title: str) -> Table:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python examples/quantize_bert.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", nargs="?", type=Path, help="HF BERT folder (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=10, help="timed runs per mode (median reported)")
-    parser.add_argument("--smooth-alpha", type=float, default=None, help="SmoothQuant strength for int8")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per mode (median reported)")
+    parser.add_argument("--smooth-alpha", type=unit_float, default=None, help="SmoothQuant strength for int8")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)

@@ -36,6 +36,7 @@ from slimformer.memory import measure_activation_memory
 
 # The sentences of the quantization example: 200 distinct, offline.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import existing_dir, positive_int  # noqa: E402
 from quantize_bert import SENTENCES, default_model_dir  # noqa: E402
 
 MODES = ("int8", "int8-weight-only")
@@ -104,21 +105,24 @@ def _parser() -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("path", nargs="?", type=Path, help="sentence-transformers model folder (default: MiniLM)")
-    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    parser.add_argument("--batch-size", type=int, default=16, help="pairs per step (default 16)")
+    parser.add_argument(
+        "path", nargs="?", type=existing_dir, help="sentence-transformers model folder (default: MiniLM)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="pairs per step (default 16)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
-    if args.steps < 1 or args.batch_size < 2:
-        raise SystemExit(f"--steps must be >= 1 and --batch-size >= 2, got {args.steps} and {args.batch_size}")
-    from sentence_transformers import SentenceTransformer
-
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.batch_size < 2:
+        parser.error(f"argument --batch-size: expected an integer >= 2 (in-batch negatives), got {args.batch_size}")
     path = args.path or default_model_dir()
     if not (path / "modules.json").is_file():
-        raise SystemExit(f"{path} is no sentence-transformers model folder (no modules.json)")
+        parser.error(f"argument path: expected a sentence-transformers model folder (with modules.json), got '{path}'")
+    from sentence_transformers import SentenceTransformer
+
     console = Console()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

@@ -53,6 +53,9 @@ from tqdm.auto import tqdm
 import slimformer as sf
 from slimformer.recompute import POLICIES
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import positive_float, positive_int, probability  # noqa: E402
+
 # Standard-library modules whose docstrings make the corpus (all present in every CPython).
 STDLIB_MODULES = (
     "abc", "argparse", "ast", "asyncio", "base64", "bisect", "calendar", "collections", "configparser",
@@ -379,16 +382,16 @@ def _is_patched(model) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python examples/train_bert_mlm.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--hidden", type=positive_int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    parser.add_argument("--steps", type=positive_int, default=100)
     parser.add_argument(
-        "--dropout", type=float, default=None, help="hidden and attention dropout (default: 0.1, BERT's)"
+        "--dropout", type=probability, default=None, help="hidden and attention dropout (default: 0.1, BERT's)"
     )
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--patch",
@@ -404,10 +407,10 @@ def main(argv: list[str] | None = None) -> None:
         help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
     )
     parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
-    parser.add_argument("--log-every", type=int, default=25, help="print the mean loss every N steps")
+    parser.add_argument("--log-every", type=positive_int, default=25, help="print the mean loss every N steps")
     parser.add_argument(
         "--threads",
-        type=int,
+        type=positive_int,
         default=None,
         help="intra-op threads, torch.set_num_threads (default torch's, one per core); "
         "the README's 1.7x is measured with --threads 1",
@@ -417,9 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.recompute is not None and not args.patch:
         parser.error("--recompute applies to a patched model (drop --no-patch)")
+    if args.hidden % args.heads:
+        parser.error(f"argument --hidden: expected a multiple of --heads ({args.heads}), got {args.hidden}")
     if args.threads is not None:
-        if args.threads < 1:
-            parser.error(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     dropout = 0.1 if args.dropout is None else args.dropout

@@ -34,6 +34,7 @@ import slimformer as sf
 from slimformer.recompute import POLICIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import output_file, positive_float, positive_int, probability  # noqa: E402
 from train_bert_mlm import SPECIALS, build_corpus, build_model, build_vocabulary, minilm_tokenizer_dir, token_blocks  # noqa: E402
 
 MASK_FRACTION = 0.15
@@ -105,14 +106,14 @@ def make_trainer(args: argparse.Namespace, model, dataset, output_dir: str):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python examples/trainer_mlm.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step, over all processes")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (BERT's 0.1)")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--hidden", type=positive_int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step, over all processes")
+    parser.add_argument("--steps", type=positive_int, default=50)
+    parser.add_argument("--dropout", type=probability, default=0.1, help="hidden and attention dropout (BERT's 0.1)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--recompute",
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
     )
     parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
-    parser.add_argument("--losses", type=Path, help="write the loss of every step here (JSON), from rank 0")
+    parser.add_argument("--losses", type=output_file, help="write the loss of every step here (JSON), from rank 0")
     parser.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary folder)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

@@ -11,34 +11,50 @@ transformers is not imported yet, a finder on ``sys.meta_path`` waits for
 ``transformers.modeling_utils`` to be loaded, registers right after, and removes itself.
 """
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
+import types
 import warnings
 
-from slimformer import memory
 from slimformer._version import __version__
-from slimformer.integrations.hf.attention import register_transformers_attention
-from slimformer.kernels.activation import fused_mlp
-from slimformer.kernels.attention import (
-    attention,
-    disentangled_attention,
-    self_attention,
-    varlen_attention,
-    varlen_disentangled_attention,
-)
-from slimformer.kernels.dropout import dropout_add
-from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
-from slimformer.kernels.norm import layer_norm, rms_norm
-from slimformer.layers.attention import MultiheadAttention, SelfAttention
-from slimformer.layers.linear import Linear8bit, Linear16bit
-from slimformer.layers.mlp import FusedMLP
-from slimformer.layers.norm import LayerNorm, RMSNorm
-from slimformer.layers.transformer import TransformerEncoderLayer
-from slimformer.patch import patch, patch_summary, unpatch
-from slimformer.plan import Plan, max_batch, max_seq, optimizer_in_backward, plan
-from slimformer.quantize import fidelity_report, load_quantized, quantize, save_quantized
-from slimformer.recompute import recompute
+
+# Public name -> the module defining it, imported on first use (PEP 562), so that importing
+# slimformer (and ``python -m slimformer.plan --help``) does not import torch.
+_LAZY = {
+    "memory": "slimformer.memory",
+    "register_transformers_attention": "slimformer.integrations.hf.attention",
+    "fused_mlp": "slimformer.kernels.activation",
+    **dict.fromkeys(
+        [
+            "attention",
+            "disentangled_attention",
+            "self_attention",
+            "varlen_attention",
+            "varlen_disentangled_attention",
+        ],
+        "slimformer.kernels.attention",
+    ),
+    "dropout_add": "slimformer.kernels.dropout",
+    "linear_cross_entropy": "slimformer.kernels.linear_cross_entropy",
+    "layer_norm": "slimformer.kernels.norm",
+    "rms_norm": "slimformer.kernels.norm",
+    "MultiheadAttention": "slimformer.layers.attention",
+    "SelfAttention": "slimformer.layers.attention",
+    "Linear8bit": "slimformer.layers.linear",
+    "Linear16bit": "slimformer.layers.linear",
+    "FusedMLP": "slimformer.layers.mlp",
+    "LayerNorm": "slimformer.layers.norm",
+    "RMSNorm": "slimformer.layers.norm",
+    "TransformerEncoderLayer": "slimformer.layers.transformer",
+    **dict.fromkeys(["patch", "patch_summary", "unpatch"], "slimformer.patch"),
+    **dict.fromkeys(["Plan", "max_batch", "max_seq", "optimizer_in_backward", "plan"], "slimformer.plan"),
+    **dict.fromkeys(["fidelity_report", "load_quantized", "quantize", "save_quantized"], "slimformer.quantize"),
+    "recompute": "slimformer.recompute",
+    # a transformers subclass: asking for it imports transformers
+    "SlimformerInt8Config": "slimformer.integrations.hf.quantizer",
+}
 
 __all__ = [
     "__version__",
@@ -87,6 +103,8 @@ def _register_with_transformers() -> None:
     into int8 layers through ``from_pretrained``)."""
     # An optional integration: a transformers this registration does not fit must still import.
     try:
+        from slimformer.integrations.hf.attention import register_transformers_attention
+
         register_transformers_attention()
         import slimformer.integrations.hf.quantizer  # noqa: F401  (registers on import)
     except Exception as error:
@@ -97,14 +115,33 @@ def _register_with_transformers() -> None:
         )
 
 
-def __getattr__(name: str):
-    # SlimformerInt8Config subclasses a transformers class: imported when asked for, so that
-    # importing slimformer does not import transformers
-    if name == "SlimformerInt8Config":
-        from slimformer.integrations.hf.quantizer import SlimformerInt8Config
+# slimformer.plan, .patch, .quantize and .recompute are modules whose public name in the
+# package is their function (sf.plan(...)): importing such a module would bind the package's
+# attribute to the module; the package leaves it unbound, and __getattr__ gives the function.
+_FUNCTION_OVER_MODULE = ("patch", "plan", "quantize", "recompute")
 
-        return SlimformerInt8Config
-    raise AttributeError(f"module 'slimformer' has no attribute {name!r}")
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        if name in _FUNCTION_OVER_MODULE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'slimformer' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if name == "memory" else getattr(module, name)  # sf.memory is the subpackage itself
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 class _RegisterAfterLoading(importlib.abc.MetaPathFinder, importlib.abc.Loader):

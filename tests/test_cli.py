@@ -6,13 +6,15 @@ in this process; the commands behind the arguments are replaced where a test rea
 past the argument checks."""
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from bench import int8_inference, int8_profile, report
-from bench.harness import device_name
+from bench.harness import device_name, device_slug, report_machine_info
 from examples import train_bert_mlm
 from tools import results
 from tools.compile_report import report as compile_report
@@ -46,7 +48,7 @@ REQUIRED_ARGUMENTS = {
     "slimformer.plan.cli": ["--budget", "1GiB"],
     "bench.disentangled_tiles": ["--out", "unused"],
 }
-CPU_SLUG = report.device_slug(device_name(torch.device("cpu")), "cpu")  # the INT8 benchmarks' files
+CPU_SLUG = device_slug(device_name(torch.device("cpu")), "cpu")  # the INT8 benchmarks' files
 
 
 class _Ran(Exception):
@@ -110,8 +112,8 @@ def test_results_go_to_a_git_ignored_local_folder():
 
 def _bench_slug() -> str:
     """The name bench.report gives its files on this machine (after its benchmark device)."""
-    machine = report.report_machine_info()
-    return report.device_slug(machine["bench_device"], machine["bench_device_type"])
+    machine = report_machine_info()
+    return device_slug(machine["bench_device"], machine["bench_device_type"])
 
 
 # (module, its arguments, a file it would write, the work it does after the checks)
@@ -171,4 +173,136 @@ def test_train_bert_mlm_threads(monkeypatch, capsys):
         torch.set_num_threads(threads)
     assert seen == [1]
     assert _exit_code(train_bert_mlm.main, ["--threads", "0"]) == 2
-    assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+    assert "argument --threads: expected an integer >= 1, got '0'" in capsys.readouterr().err
+
+
+# (module, arguments, what the one-line error says): a bad value of each checked argument of each
+# command is a usage error before any work, naming the argument, what it expects and what it got.
+BAD_VALUES = [
+    ("slimformer.plan.cli", ["--budget", "1GiB", "--model", "bert-huge"], "--model must be one of"),
+    ("slimformer.plan.cli", ["--budget", "lots"], "argument --budget: budget must look like"),
+    ("slimformer.plan.cli", ["--budget", "1GiB", "--seq", "0"], "argument --seq: expected an integer >= 1, got '0'"),
+    ("slimformer.plan.cli", ["--budget", "1GiB", "--batch", "-2"], "argument --batch: expected an integer >= 1"),
+    ("slimformer.plan.cli", ["--budget", "1GiB", "--layers", "x"], "argument --layers: expected an integer >= 1"),
+    ("slimformer.plan.cli", ["--budget", "1GiB", "--device", "tpu"], "argument --device: device must be"),
+    ("slimformer.plan.cli", ["--budget", "1GiB", "--plot", "{file}/p.png"], "argument --plot: expected a writable"),
+    ("slimformer.memory.cli", ["--model", "bert-huge"], "--model must be one of"),
+    ("slimformer.memory.cli", ["--batch", "0"], "argument --batch: expected an integer >= 1, got '0'"),
+    ("slimformer.memory.cli", ["--seq", "-1"], "argument --seq: expected an integer >= 1"),
+    ("slimformer.memory.cli", ["--plot", "a.png", "--max-seq", "64"], "argument --max-seq: expected an integer >= 128"),
+    ("slimformer.memory.cli", ["--plot", "{file}/p.png"], "argument --plot: expected a writable file path"),
+    ("bench.report", ["--out", "{file}/out"], "argument --out: expected a writable folder"),
+    ("bench.int8_inference", ["--out", "{file}"], "argument --out: expected a writable folder"),
+    ("bench.compile_memory", ["--layers", "0"], "argument --layers: expected an integer >= 1, got '0'"),
+    ("bench.cpu_step", ["--rounds", "0"], "argument --rounds: expected an integer >= 1"),
+    ("bench.deberta", ["--rounds", "-3"], "argument --rounds: expected an integer >= 1"),
+    ("bench.disentangled_tiles", ["--out", "{file}", "--budget", "1"], "argument --out: expected a writable folder"),
+    ("bench.disentangled_tiles", ["--out", "unused", "--budget", "0"], "argument --budget: expected a number > 0"),
+    ("bench.families", ["--rounds", "0"], "argument --rounds: expected an integer >= 1"),
+    ("bench.host_overhead", ["--calls", "0"], "argument --calls: expected an integer >= 1"),
+    ("bench.mlm_memory", ["--masked", "1.5"], "argument --masked: expected a number > 0 and <= 1, got '1.5'"),
+    ("bench.plan", ["--budgets", "0"], "argument --budgets: expected an integer >= 1"),
+    ("bench.quantized_load", ["--hidden", "0"], "argument --hidden: expected an integer >= 1"),
+    ("bench.unpad", ["--layers", "0"], "argument --layers: expected an integer >= 1"),
+    ("bench.gpu_check.cli", ["--budget", "-1"], "argument --budget: expected a number > 0, got '-1'"),
+    ("bench.gpu_check.cli", ["--precompile-workers", "-1"], "argument --precompile-workers: expected an integer >= 0"),
+    ("tools.compile_report.report", ["--jobs", "0"], "argument -j/--jobs: expected an integer >= 1, got '0'"),
+    ("examples.train_bert_mlm", ["--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+    ("examples.train_bert_mlm", ["--dropout", "1"], "argument --dropout: expected a number >= 0 and < 1, got '1'"),
+    ("examples.train_bert_mlm", ["--hidden", "100", "--heads", "3"], "--hidden: expected a multiple of --heads (3)"),
+    ("examples.trainer_mlm", ["--lr", "0"], "argument --lr: expected a number > 0, got '0'"),
+    ("examples.trainer_mlm", ["--losses", "{file}/l.json"], "argument --losses: expected a writable file path"),
+    ("examples.finetune_classifier", ["--epochs", "-1"], "argument --epochs: expected an integer >= 1, got '-1'"),
+    ("examples.finetune_classifier", ["{file}/none"], "argument model_dir: expected an existing folder"),
+    ("examples.layer_memory", ["--seq", "0"], "argument --seq: expected an integer >= 1"),
+    ("examples.quantize_bert", ["--smooth-alpha", "2"], "argument --smooth-alpha: expected a number >= 0 and <= 1"),
+    ("examples.sentence_embeddings", ["--batch-size", "0"], "argument --batch-size: expected an integer >= 1"),
+    ("examples.sentence_embeddings", ["--batch-size", "1"], "argument --batch-size: expected an integer >= 2"),
+]
+
+
+@pytest.mark.parametrize("module, argv, message", BAD_VALUES, ids=[f"{m} {' '.join(a)}" for m, a, _ in BAD_VALUES])
+def test_a_bad_value_is_a_one_line_usage_error(module, argv, message, tmp_path, capsys):
+    a_file = tmp_path / "a-file"  # a path under a file can be written by no one, root included
+    a_file.write_text("")
+    argv = [arg.replace("{file}", str(a_file)) for arg in argv]
+    assert _exit_code(importlib.import_module(module).main, argv) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+
+
+def test_bench_report_checks_its_folder_before_running(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(report, "run_benchmarks", _ran)
+    (tmp_path / "a-file").write_text("")
+    assert _exit_code(report.main, ["--out", str(tmp_path / "a-file" / "out")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_bench_report_is_quick_unless_full(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setattr(report, "run_benchmarks", lambda path, args: ran.append(args) or _ran())
+    for argv in ([], ["--full"], ["-k", "rms_norm"]):
+        with pytest.raises(_Ran):
+            report.main([*argv, "--out", str(tmp_path)])
+    assert ran == [["-k", report.QUICK_BENCHMARKS["cpu"]], [], ["-k", "rms_norm"]]
+    quick = report.selection([], quick=True)
+    assert quick.quick and not quick.partial and quick.stem("cpu-x") == "cpu-x-quick"
+    assert quick.selects("norm_memory") and quick.selects("bert_memory eager") and not quick.selects("mlm_memory")
+    assert not report.selection(["-k", "rms_norm"], quick=True).quick and not report.selection([]).quick
+
+
+def test_the_quick_run_times_one_op_of_each_family():
+    listed = subprocess.run(
+        [sys.executable, "-m", "pytest", "bench", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-k", report.QUICK_BENCHMARKS["cpu"]],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""},
+    ).stdout.splitlines()  # fmt: skip
+    chosen = [line for line in listed if "::" in line]
+    by_family = {}
+    for node in chosen:
+        family = node.split("::")[0].removeprefix("bench/test_").removesuffix("_bench.py")
+        by_family.setdefault(family, set()).add(node.split("[")[1].rsplit("-", 1)[0].removesuffix("-sdpa"))
+    assert set(by_family) == set(report.FAMILIES), listed
+    assert all(len(configurations) == 1 for configurations in by_family.values()), by_family
+
+
+def test_plan_knows_the_optimizers_of_the_planner():
+    from slimformer.plan import OPTIMIZERS, cli
+
+    assert cli.OPTIMIZERS == OPTIMIZERS
+
+
+# python -m of these: --help is answered before torch is imported (lazy imports after parsing)
+LIGHT_HELP = ["slimformer.plan", "slimformer.memory", "bench.report", "bench.gpu_check", "tools.compile_report"]
+_HELP_CHECK = """
+import runpy, sys
+heavy = []
+for module in sys.argv[1:]:
+    sys.argv = [module, "--help"]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        pass
+    heavy += [f"{module} imported {name}" for name in ("torch", "transformers") if name in sys.modules]
+print(heavy, file=sys.stderr)
+"""
+
+
+def test_help_imports_no_torch():
+    result = subprocess.run(
+        [sys.executable, "-c", _HELP_CHECK, *LIGHT_HELP], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stderr.strip().splitlines()[-1] == "[]", result.stderr
+
+
+def test_import_slimformer_is_light_and_exposes_every_public_name():
+    check = (
+        "import sys, slimformer as sf; assert 'torch' not in sys.modules; "
+        "missing = [n for n in sf.__all__ if getattr(sf, n, None) is None]; assert not missing, missing; "
+        "assert callable(sf.plan) and callable(sf.patch) and callable(sf.quantize) and callable(sf.recompute); "
+        "from slimformer import LayerNorm, SlimformerInt8Config, memory; from slimformer.plan import profile; "
+        "assert callable(profile) and set(sf.__all__) <= set(dir(sf)); print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr

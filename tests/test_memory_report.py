@@ -15,7 +15,7 @@ from torch import nn
 import slimformer as sf
 from slimformer.memory import ActivationMemory, measure_activation_memory
 from slimformer.memory.cli import main
-from slimformer.memory.report import MemoryReport, ModelMemory, activation_sweep, plot_activation_sweep
+from slimformer.memory.report import MemoryReport, ModelMemory, activation_sweep, plot_activation_sweep, report
 
 D_MODEL, HEADS, FFN, LAYERS = 64, 4, 128, 2
 BATCH, SEQ = 2, 32
@@ -121,7 +121,7 @@ def test_table(measured):
         "exp_avg + exp_avg_sq in fp32",
     ):
         assert expected in text, expected
-    assert "KiB" in text and "step peak, fwd+bwd" in text and "(live tensor" in text
+    assert "KiB" in text and "step peak, fwd+bwd" in text and "(CPU allocator events" in text
     assert "step time" not in text
 
 
@@ -259,8 +259,11 @@ def test_cli_end_to_end_on_a_tiny_hf_config(tiny_bert_config, tmp_path, capsys):
 def test_cli_rejects_bad_arguments(tiny_bert_config, capsys):
     for argv, message in (
         (["--model", "gpt-9"], "--model must be one of ['bert-base', 'bert-large'] or a path to a config.json"),
-        (["--model", str(tiny_bert_config), "--batch", "0"], "--batch must be at least 1, got 0"),
-        (["--model", str(tiny_bert_config), "--plot", "x.png", "--max-seq", "64"], "--max-seq must be at least 128"),
+        (["--model", str(tiny_bert_config), "--batch", "0"], "argument --batch: expected an integer >= 1, got '0'"),
+        (
+            ["--model", str(tiny_bert_config), "--plot", "x.png", "--max-seq", "64"],
+            "argument --max-seq: expected an integer >= 128",
+        ),
         (["--recompute", "some"], "invalid choice: 'some'"),
         (["--model", str(tiny_bert_config), "--device", "gpu"], "--device: device must be a torch device"),
         *(
@@ -358,3 +361,33 @@ def test_a_shared_layer_counts_every_application():
         )
         assert memory.saved_bytes == 3 * once.saved_bytes
         assert 0 <= column.rest_bytes < max(once.saved_bytes, once.alive_bytes)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_decoder_is_measured_without_its_kv_cache(attn):
+    # A decoder's forward fills a KV cache by default; the forward that catches the layers' inputs must not,
+    # or each layer measured alone attends to that cache too (eager: shapes disagree; sdpa: rows too large).
+    # The truth: the same model told by its config never to make a cache.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100,
+        hidden_size=D_MODEL,
+        intermediate_size=FFN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attn_implementation=attn,
+    )
+    assert config.use_cache
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(5, 100, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    column = report(model, {"input_ids": ids}, progress=False).models[0]
+    model.config.use_cache = False
+    truth = report(model, {"input_ids": ids}, progress=False).models[0]
+    assert [name for name, _ in column.layers] == ["model.layers.0", "model.layers.1"]
+    for (_, measured), (_, expected) in zip(column.layers, truth.layers):
+        assert (measured.saved_bytes, measured.alive_bytes) == (expected.saved_bytes, expected.alive_bytes)
+    assert column.activations.saved_bytes == truth.activations.saved_bytes

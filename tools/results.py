@@ -4,6 +4,8 @@ convention they share (the benchmarks in bench/ and the compile report in tools/
 import argparse
 from pathlib import Path
 
+from slimformer._cli_args import output_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"  # the committed reference results
 LOCAL_RESULTS = RESULTS / "local"  # git-ignored: where a run writes unless told otherwise
@@ -21,7 +23,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--out DIR`` and ``--overwrite``, the same for every command that writes results."""
     parser.add_argument(
         "--out",
-        type=Path,
+        type=output_dir,
         default=LOCAL_RESULTS,
         metavar="DIR",
         help=f"folder the results go to (default {shown(LOCAL_RESULTS)}/, git-ignored; the committed reference "

@@ -2,9 +2,9 @@
 
 import argparse
 import os
-from pathlib import Path
 
 from bench.gpu_check import DEFAULT_OUT, DRY_RUN_OUT, PHASES, ROOT
+from slimformer._cli_args import non_negative_int, output_dir, positive_float, positive_int
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -16,14 +16,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--out",
-        type=Path,
+        type=output_dir,
         default=None,
         help=f"where the report goes (default {DEFAULT_OUT.relative_to(ROOT)}/, with --dry-run "
         f"{DRY_RUN_OUT.relative_to(ROOT)}/)",
     )
     parser.add_argument(
         "--budget",
-        type=float,
+        type=positive_float,
         default=480.0,
         help="seconds the whole run may take; the phases' caps shrink to fit (default 480)",
     )
@@ -38,13 +38,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing report in --out")
     parser.add_argument(
         "--test-workers",
-        type=int,
+        type=positive_int,
         default=None,
         help="pytest-xdist workers for the correctness phase (default: cores - precompile workers)",
     )
     parser.add_argument(
         "--precompile-workers",
-        type=int,
+        type=non_negative_int,
         default=None,
         help="processes compiling the speed and model phases' kernels during the tests "
         "(default 4; 1 with --dry-run; 0: none)",

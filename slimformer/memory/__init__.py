@@ -3,9 +3,15 @@ per-layer training-memory report built on it (``report``), and the peak of a ste
 CUDA (``peak_memory``). ``python -m slimformer.memory`` (``cli``) reports a HF BERT, eager vs
 patched; it alone imports the conversion, when it runs."""
 
-from slimformer.memory.measure import ActivationMemory, TensorRecord, format_bytes, measure_activation_memory
-from slimformer.memory.peak import PeakMemory, peak_memory
-from slimformer.memory.report import MemoryReport, ModelMemory, report
+import importlib
+
+# Public name -> its module, imported on first use (PEP 562): ``python -m slimformer.memory``
+# builds its parser (and answers --help) before torch is imported.
+_LAZY = {
+    **dict.fromkeys(["ActivationMemory", "TensorRecord", "format_bytes", "measure_activation_memory"], "measure"),
+    **dict.fromkeys(["PeakMemory", "peak_memory"], "peak"),
+    **dict.fromkeys(["MemoryReport", "ModelMemory", "report"], "report"),
+}
 
 __all__ = [
     "ActivationMemory",
@@ -18,3 +24,15 @@ __all__ = [
     "peak_memory",
     "report",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -8,28 +8,22 @@ length for eager, SDPA and every recompute policy (``activation_sweep``,
 report library never depends on it.
 """
 
+from __future__ import annotations
+
 import argparse
 import contextlib
 import copy
 import gc
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from rich.console import Console
-from torch import nn
+from slimformer._cli_args import output_file, positive_int
+from slimformer.layers.policies import POLICIES
 
-from slimformer.kernels.dispatch import resolve_device
-from slimformer.memory.report import (
-    MemoryReport,
-    activation_sweep,
-    device_name,
-    measure_model,
-    plot_activation_sweep,
-    progress_bar,
-    sweep_title,
-)
-from slimformer.recompute import POLICIES, recompute
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
 __all__ = ["bert_config", "bert_inputs", "bert_variants", "build_bert", "main"]
 
@@ -38,7 +32,7 @@ BERT_SIZES = {
     "bert-base": {},  # BertConfig's defaults: 12 layers, hidden 768, 12 heads, FFN 3072
     "bert-large": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # torch's names: the parser imports no torch
 SWEEP_SEQS = (128, 256, 512, 1024, 2048, 4096)
 
 _EPILOG = """\
@@ -87,6 +81,8 @@ def build_bert(config, *, max_seq: int, dtype: torch.dtype, device: torch.device
 
 def bert_inputs(config, batch: int, seq: int, device: torch.device) -> dict[str, torch.Tensor]:
     """Random token ids (fixed seed) and an attention mask without padding."""
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(config.vocab_size, (batch, seq), generator=generator).to(device)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
@@ -108,6 +104,10 @@ def bert_variants(
 ) -> dict[str, Callable[[], nn.Module]]:
     """Column name -> function readying its model: the baselines share one eager BERT (attention
     implementation switched), the policies one patched copy of it (policy switched)."""
+    import torch
+
+    from slimformer.recompute import recompute
+
     torch.manual_seed(seed)
     eager = build_bert(config, max_seq=max_seq, dtype=dtype, device=device)
     variants = {name: (lambda name=name: _with_attention(eager, name)) for name in baselines}
@@ -139,8 +139,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", default="bert-base", help="bert-base, bert-large, or a HF config.json or folder")
-    parser.add_argument("--batch", type=int, default=8, help="default 8")
-    parser.add_argument("--seq", type=int, default=512, help="default 512")
+    parser.add_argument("--batch", type=positive_int, default=8, help="default 8")
+    parser.add_argument("--seq", type=positive_int, default=512, help="default 512")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="fp32", help="the models are cast to it (default fp32)"
     )
@@ -151,9 +151,9 @@ def _parser() -> argparse.ArgumentParser:
         "--baseline", nargs="+", choices=["eager", "sdpa"], default=["eager"], help="HF columns (default eager)"
     )
     parser.add_argument("--device", help="default: cuda when available, else cpu")
-    parser.add_argument("--plot", metavar="PNG", type=Path, help="also sweep the sequence length and plot")
+    parser.add_argument("--plot", metavar="PNG", type=output_file, help="also sweep the sequence length and plot")
     parser.add_argument(
-        "--max-seq", type=int, default=SWEEP_SEQS[-1], help="longest sequence of --plot's sweep (default 4096)"
+        "--max-seq", type=positive_int, default=SWEEP_SEQS[-1], help="longest sequence of --plot's sweep (default 4096)"
     )
     parser.add_argument("--seed", type=int, default=0, help="for the random weights (default 0)")
     return parser
@@ -163,11 +163,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m slimformer.memory``: print the report (and write the plot); returns 0."""
     parser = _parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
-        if value < 1:
-            parser.error(f"{flag} must be at least 1, got {value}")
     if args.plot and args.max_seq < SWEEP_SEQS[0]:
-        parser.error(f"--max-seq must be at least {SWEEP_SEQS[0]}, got {args.max_seq}")
+        parser.error(f"argument --max-seq: expected an integer >= {SWEEP_SEQS[0]} with --plot, got {args.max_seq}")
+    # The checks that need torch or transformers, still before any work: usage errors like argparse's.
+    import torch
+    from rich.console import Console
+
+    from slimformer.kernels.dispatch import resolve_device
+    from slimformer.memory.report import (
+        MemoryReport,
+        activation_sweep,
+        device_name,
+        measure_model,
+        plot_activation_sweep,
+        progress_bar,
+        sweep_title,
+    )
+
     try:
         config = bert_config(args.model)
     except (ValueError, OSError) as error:
@@ -175,8 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         device = resolve_device(args.device)
     except ValueError as error:
-        parser.error(f"--device: {error}")
-    dtype = DTYPES[args.dtype]
+        parser.error(f"argument --device: {error}")
+    dtype = getattr(torch, DTYPES[args.dtype])
     policies = list(POLICIES) if "all" in args.recompute else list(dict.fromkeys(args.recompute))
     baselines = list(dict.fromkeys(args.baseline))
 

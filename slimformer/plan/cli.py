@@ -7,18 +7,15 @@ for every uniform policy and the plans ``sf.plan`` picks.
 import argparse
 from pathlib import Path
 
-import torch
-from rich.console import Console
-
-from slimformer.kernels.dispatch import resolve_device
-from slimformer.memory.measure import format_bytes
-from slimformer.plan.optimizer import OPTIMIZERS
-from slimformer.plan.planner import choose, ladder, largest_batch, parse_budget, profile, synthetic_batch
+from slimformer._cli_args import output_file, positive_int
 
 __all__ = ["main"]
 
 HEADS = {"mlm": "BertForMaskedLM", "cls": "BertForSequenceClassification", "token": "BertForTokenClassification"}
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}  # autocast dtype: torch's name
+# slimformer.plan.optimizer.OPTIMIZERS (tests/test_cli.py checks they agree), named here so that
+# building the parser imports no torch
+OPTIMIZERS = ("adamw", "adamw-fused", "adamw-in-backward")
 
 _EPILOG = """\
 The model is built from the config with random weights in fp32 (--dtype runs the step
@@ -41,27 +38,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="bert-base", help="bert-base, bert-large or a path to a config.json")
     parser.add_argument("--head", choices=sorted(HEADS), default="mlm", help="the training head (default mlm)")
-    parser.add_argument("--layers", type=int, help="override the config's number of layers")
-    parser.add_argument("--seq", type=int, default=512, help="sequence length (default 512)")
+    parser.add_argument("--layers", type=positive_int, help="override the config's number of layers")
+    parser.add_argument("--seq", type=positive_int, default=512, help="sequence length (default 512)")
     parser.add_argument("--budget", required=True, help="memory budget, e.g. 16GiB, 80GB or a number of bytes")
-    parser.add_argument("--batch", type=int, help="plan this batch (default: the largest that fits)")
+    parser.add_argument("--batch", type=positive_int, help="plan this batch (default: the largest that fits)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="autocast dtype (default fp32: none)")
     parser.add_argument("--unpad", action="store_true", help="patch with unpad=True (inputs have no padding here)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    parser.add_argument("--plot", type=Path, help="write the plot of peak vs batch to this .png")
+    parser.add_argument("--plot", type=output_file, metavar="PNG", help="write the plot of peak vs batch to this .png")
     return parser
 
 
-def _build(args, device: torch.device):
+def _build(args, config, device):
     import transformers
 
-    from slimformer.memory.cli import bert_config
-
-    config = bert_config(args.model)
     if args.layers is not None:
-        if args.layers < 1:
-            raise SystemExit(f"--layers must be at least 1, got {args.layers}")
         config.num_hidden_layers = args.layers
     config.max_position_embeddings = max(config.max_position_embeddings, args.seq)
     model = getattr(transformers, HEADS[args.head])(config)
@@ -72,6 +64,8 @@ def plot(profile_, flops, budget: int, chosen_batches: list[int], path: Path, ti
     """Predicted step peak vs batch: every uniform policy, the plan sf.plan picks at each
     batch where one fits, and the budget."""
     import matplotlib
+
+    from slimformer.plan.planner import ladder
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -98,25 +92,40 @@ def plot(profile_, flops, budget: int, chosen_batches: list[int], path: Path, ti
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    # The checks that need torch or transformers, still before any work: usage errors like argparse's.
+    import torch
+    from rich.console import Console
+
+    from slimformer.kernels.dispatch import resolve_device
+    from slimformer.memory.cli import bert_config
+    from slimformer.memory.measure import format_bytes
+    from slimformer.plan.planner import choose, largest_batch, parse_budget, profile, synthetic_batch
+
     try:
         budget = parse_budget(args.budget)
     except (TypeError, ValueError) as error:
-        raise SystemExit(f"--budget: {error}") from None
-    if args.seq < 1 or (args.batch is not None and args.batch < 1):
-        raise SystemExit("--seq and --batch must be at least 1")
-    device = (
-        resolve_device(args.device) if args.device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+        parser.error(f"argument --budget: {error}")
+    try:
+        config = bert_config(args.model)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        parser.error(f"argument --device: {error}")
+    autocast = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
+
     console = Console()
-    model = _build(args, device)
+    model = _build(args, config, device)
     example = synthetic_batch(model, 2, args.seq, device)
     with console.status("measuring") as status:
         profile_, flops = profile(
             model,
             example,
             optimizer=args.optimizer,
-            autocast=DTYPES[args.dtype],
+            autocast=autocast,
             unpad=args.unpad,
             progress=lambda text: status.update(f"measuring: {text}"),
         )
@@ -127,7 +136,7 @@ def main(argv=None) -> int:
         return 1
     batch = args.batch or most
     try:
-        chosen = choose(profile_, flops, budget, batch, unpad=args.unpad, autocast=DTYPES[args.dtype])
+        chosen = choose(profile_, flops, budget, batch, unpad=args.unpad, autocast=autocast)
     except ValueError as error:
         console.print(f"[red]{error}")
         return 1

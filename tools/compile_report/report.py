@@ -30,6 +30,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slimformer._cli_args import output_file, positive_int
 from tools.results import RESULTS, ROOT
 
 # tools.compile_report.tutorial's measurement of Triton's tutorial, which the report quotes (git-ignored).
@@ -700,11 +701,11 @@ def main(argv=None) -> int:
     parser.add_argument("--family", choices=FAMILIES, nargs="+")
     parser.add_argument("--arch", nargs="+", default=["sm90", "sm80"], choices=["sm90", "sm80", "sm86"])
     parser.add_argument("--ci", action="store_true", help="only the CI's representative cases")
-    parser.add_argument("-j", "--jobs", type=int, default=max(1, min(4, (os.cpu_count() or 2) - 1)))
+    parser.add_argument("-j", "--jobs", type=positive_int, default=max(1, min(4, (os.cpu_count() or 2) - 1)))
     parser.add_argument("--no-cache", action="store_true", help="recompile everything")
     parser.add_argument("--tag", default="", help="suffix of the report's file names, e.g. before-9d633e7")
     add_output_arguments(parser)
-    parser.add_argument("--json", type=Path, help="also write every record as JSON to this file")
+    parser.add_argument("--json", type=output_file, help="also write every record as JSON to this file")
     parser.add_argument("--no-report", action="store_true", help="write no markdown / plot")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
