@@ -9,9 +9,11 @@ import functools
 import itertools
 import math
 import os
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1066,3 +1068,87 @@ def test_nan_and_inf_propagate_like_sdpa_on_gpu(where):
     ours, sdpa = _sdpa_and_ours(q.cuda(), k.cuda(), v.cuda(), grad.cuda(), **kwargs)
     for name, got, expected in zip(("out", "dq", "dk", "dv"), ours, sdpa):
         assert torch.equal(got.isnan(), expected.isnan()), name
+
+
+def _window_inputs(seq=200, head_dim=16):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, seq, head_dim, generator=gen) for _ in range(4)]
+
+
+@pytest.mark.parametrize("window", [2**31 - 1, 2**40, sys.maxsize, 2**63, np.int64(2**62)], ids=str)
+def test_a_window_past_the_sequence_limits_nothing(backend, window):
+    # Windows >= seq are clamped to seq before the kernels add it to int32 block offsets
+    # (unclamped, 2**31 - 1 wrapped and left every row with no key: zeros).
+    q, k, v, grad = _window_inputs()
+    got = _forward_backward(lambda q, k, v: attention(q, k, v, window=window), q, k, v, grad)
+    whole = _forward_backward(lambda q, k, v: attention(q, k, v, window=199), q, k, v, grad)
+    assert got[0].abs().amax() > 0.1
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, whole):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize(
+    "window, error, message",
+    [
+        (-1, ValueError, "window must be >= 0 .*got -1"),
+        (-(2**63), ValueError, "window must be >= 0"),
+        (2.0, TypeError, "window must be an int, got float 2.0"),
+        (True, TypeError, "window must be an int, got bool True"),
+        ("8", TypeError, "window must be an int, got str '8'"),
+        (torch.tensor(8), TypeError, "window must be an int, got Tensor"),
+    ],
+    ids=str,
+)
+def test_bad_window_raises_naming_it(window, error, message):
+    q = torch.randn(1, 1, 4, 8)
+    with pytest.raises(error, match=message):
+        attention(q, q, q, window=window)
+
+
+def _poison_key(x: torch.Tensor, key: int) -> torch.Tensor:
+    x = x.clone()
+    x[:, :, key, 3] = math.nan
+    return x
+
+
+@pytest.mark.parametrize("poisoned", ["k", "v", "kv"])
+def test_a_padding_key_is_never_read(backend, poisoned):
+    # A NaN in a padding key's k or v reaches no output and no gradient, on both paths:
+    # the call equals the one with that key's values finite, and its dk and dv are zero.
+    q, k, v, grad = _window_inputs()
+    padding = torch.zeros(1, 200, dtype=torch.bool)
+    padding[0, 150:] = True
+    q[0, 1, 7, 2] = math.nan  # a NaN row, whose p is NaN for every key it reads
+    bad_k = _poison_key(k, 170) if "k" in poisoned else k
+    bad_v = _poison_key(v, 170) if "v" in poisoned else v
+    for kwargs in (dict(), dict(is_causal=True), dict(window=40)):
+
+        def fn(q, k, v):
+            return attention(q, k, v, key_padding_mask=padding, **kwargs)
+
+        got = _forward_backward(fn, q, bad_k, bad_v, grad)
+        clean = _forward_backward(fn, q, k, v, grad)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, clean):
+            assert torch.equal(a.isnan(), b.isnan()), f"{name} {kwargs}: NaNs where the clean call has none"
+            torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0, msg=f"{name} {kwargs}")
+        assert not got[0][0, 0].isnan().any() and got[0][0, 1, 7].isnan().all()
+        assert (got[2][:, :, 150:] == 0).all() and (got[3][:, :, 150:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "key, kwargs",
+    [(100, dict(window=5)), (190, dict(window=5)), (3, dict(window=0)), (150, dict(is_causal=True))],
+    ids=str,
+)
+def test_a_nan_key_reaches_the_rows_that_may_attend_it(backend, key, kwargs):
+    # Its score is replaced by -inf for every row that may not attend it, on both paths
+    # (SDPA's NaN + -inf mask would make every row NaN).
+    q, k, v, grad = _window_inputs()
+    got = _forward_backward(lambda q, k, v: attention(q, k, v, **kwargs), q, _poison_key(k, key), v, grad)
+    rows = torch.arange(200)
+    if "window" in kwargs:
+        reads = (rows - key).abs() <= kwargs["window"]
+    else:
+        reads = rows >= key
+    assert torch.equal(got[0].isnan().any(-1), reads.expand(1, 2, 200))
+    assert got[1][:, :, reads].isnan().all(-1).all()  # dq of the rows that read it

@@ -1171,3 +1171,39 @@ def test_compiled_varlen_kernels_match_the_reference_on_gpu(monkeypatch, dtype):
     for name in expected:
         scale = expected[name].abs().max().item()
         torch.testing.assert_close(got[name] / scale, expected[name] / scale, **tolerance, msg=name)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"position_buckets": 1}, ValueError, "position_buckets must be <= 0 (no buckets) or >= 2, got 1"),
+        ({"position_buckets": True}, TypeError, "position_buckets must be an int, got bool True"),
+        ({"position_buckets": 8.0}, TypeError, "position_buckets must be an int, got float 8.0"),
+        ({"max_relative_positions": "64"}, TypeError, "max_relative_positions must be an int, got str '64'"),
+        (
+            {"position_buckets": 8, "max_relative_positions": 5},
+            ValueError,
+            "max_relative_positions must differ from position_buckets // 2 + 1 = 5 when position_buckets=8 > 0",
+        ),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("varlen", [False, True])
+def test_bad_bucket_arguments_raise_naming_them(kwargs, error, message, varlen):
+    tensors = _small(pos_key=torch.randn(4, 16, 16), pos_query=torch.randn(4, 16, 16))
+    with pytest.raises(error, match=re.escape(message)):
+        if varlen:
+            q = tensors["query"][0].transpose(0, 1)
+            cu = torch.tensor([0, 8], dtype=torch.int32)
+            varlen_disentangled_attention(q, q, q, cu, 8, tensors["pos_key"], tensors["pos_query"], **kwargs)
+        else:
+            disentangled_attention(**tensors, **kwargs)
+
+
+def test_bucket_arguments_take_numpy_integers():
+    import numpy as np
+
+    tensors = _small()
+    expected = disentangled_attention(**tensors, position_buckets=8, max_relative_positions=32)
+    got = disentangled_attention(**tensors, position_buckets=np.int64(8), max_relative_positions=np.int32(32))
+    assert torch.equal(got, expected)

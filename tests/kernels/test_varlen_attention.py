@@ -2,7 +2,10 @@
 tensor's dtype for PyTorch's own error), through the interpreted kernels and the reference."""
 
 import itertools
+import math
+import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -315,3 +318,62 @@ def test_memory_kept_is_q_k_v_out_lse():
     shapes = sorted(tuple(t.shape) for t in saved)
     assert shapes == sorted([(12, 2, 16)] * 4 + [(2, 12), (), (3,), (3,)]), shapes
     assert out.is_contiguous()
+
+
+def _windowed(q, k, v, do, cu, max_len, window):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = varlen_attention(q, k, v, cu, cu, max_len, max_len, window=window)
+    return (out.detach(), *torch.autograd.grad(out, (q, k, v), do))
+
+
+@pytest.mark.parametrize("window", [2**31 - 1, 2**40, sys.maxsize, 2**63, np.int64(2**62)], ids=str)
+def test_a_window_past_the_longest_sequence_limits_nothing(backend, window):
+    lengths = [200, 37]
+    q, k, v, do = _inputs(lengths, 2, 1, 16, torch.float32)
+    cu = _cu_seqlens(lengths)
+    got = _windowed(q, k, v, do, cu, 200, window)
+    whole = _windowed(q, k, v, do, cu, 200, 199)
+    assert got[0].abs().amax() > 0.1
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, whole):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_another_sequences_keys_are_never_read(backend, window):
+    # NaN in every key and value of sequence 0 reaches nothing of sequence 1, which has
+    # a NaN row of its own
+    lengths = [70, 90]
+    q, k, v, do = _inputs(lengths, 2, 2, 16, torch.float32)
+    cu = _cu_seqlens(lengths)
+    q[100, 1, 4] = math.nan
+    bad_k, bad_v = k.clone(), v.clone()
+    bad_k[:70], bad_v[:70] = math.nan, math.nan
+    got = _windowed(q, bad_k, bad_v, do, cu, 90, window)
+    clean = _windowed(q, k, v, do, cu, 90, window)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, clean):
+        torch.testing.assert_close(a[70:], b[70:], equal_nan=True, rtol=0, atol=0, msg=name)
+    assert got[0][:70].isnan().all()
+    assert got[0][70:, 0].isfinite().all() and got[0][100, 1].isnan().all()
+
+
+@pytest.mark.parametrize(
+    "window, error, message",
+    [
+        (-1, ValueError, "window must be >= 0 .*got -1"),
+        (1.5, TypeError, "window must be an int, got float 1.5"),
+        (False, TypeError, "window must be an int, got bool False"),
+    ],
+    ids=str,
+)
+def test_bad_window_raises_naming_it(window, error, message):
+    q, k, v, _ = _inputs([4], 1, 1, 8, torch.float32)
+    cu = _cu_seqlens([4])
+    with pytest.raises(error, match=message):
+        varlen_attention(q, k, v, cu, cu, 4, 4, window=window)
+
+
+def test_max_seqlen_takes_a_numpy_integer(backend):
+    q, k, v, _ = _inputs([5, 3], 1, 1, 8, torch.float32)
+    cu = _cu_seqlens([5, 3])
+    expected = varlen_attention(q, k, v, cu, cu, 5, 5)
+    assert torch.equal(varlen_attention(q, k, v, cu, cu, np.int64(5), np.int32(5), window=np.int16(9)), expected)

@@ -30,8 +30,10 @@ decided from the masks alone, never from the scores: a row of very negative scor
 (``scale=2e4``) gives SDPA's answer. A row with no allowed key gets o = 0 and
 lse = +inf; with lse = +inf every p_ij of that row is exp(−inf) = 0, so the backward
 gives the row, and the keys it would have seen, zero gradient without a special case.
-NaN and inf in q, k, v, ``scale`` or an additive mask propagate as in SDPA (a NaN mask
-value masks nothing).
+NaN and inf in q, ``scale``, an additive mask (a NaN value masks nothing) or the keys a
+row may attend propagate as in SDPA; padding keys are never read (zeroed as they are
+loaded, so a NaN there reaches nothing), and a key masked for a row only has its score
+replaced by −inf (``attention``'s docstring says what that leaves to the block config).
 
 The kernels read q, k, v through their strides (only head_dim must be contiguous), so
 the heads of a fused QKV projection are used in place (on sm_90 the forward reads them

@@ -25,6 +25,7 @@ from slimformer.kernels.attention.tiles import (
     atomic_add_rows,
     dot,
     dropout_words,
+    key_padding,
     load_row_stat,
     load_rows,
     load_sequence_rows,
@@ -32,6 +33,7 @@ from slimformer.kernels.attention.tiles import (
     sequence,
     store_rows,
     tile_ids,
+    without_padding,
 )
 from slimformer.kernels.philox import dropout_mma_apply, dropout_threshold_and_scale
 
@@ -338,6 +340,10 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     k = load_rows(K + tile_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = load_rows(V + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
+    if HAS_KPM:
+        padding = key_padding(KPM, off_b, stride_kpb, stride_kpn, pid_n * BLOCK_N, offs_n, seq_k)
+        k = without_padding(k, padding)
+        v = without_padding(v, padding)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -540,6 +546,9 @@ def _attention_bwd_dkdv_kernel(
                 HAS_WINDOW,
             )
 
+    if HAS_KPM:  # nothing read a padding key: zero, even where a NaN row's p is NaN
+        dk = without_padding(dk, padding)
+        dv = without_padding(dv, padding)
     store_rows(
         DK + tile_n[:, None] * stride_dks + offs_d[None, :],
         (dk * sm_scale).to(DK.dtype.element_ty),
@@ -633,6 +642,10 @@ def _attention_bwd_dq_tile(
             BLOCK_D,
             EDGE,
         )
+    if HAS_KPM:
+        padding = key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, offs_n, seq_k)
+        k = without_padding(k, padding)
+        v = without_padding(v, padding)
     qk = dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = masked_scores(

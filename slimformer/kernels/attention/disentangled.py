@@ -50,6 +50,7 @@ import triton.language as tl
 from einops import rearrange
 
 from slimformer.kernels import dispatch
+from slimformer.kernels.attention.interface import checked_int
 from slimformer.kernels.attention.launch import empty_forward, empty_output, head_strides, reference_dtype
 from slimformer.kernels.attention.ops import check_cu_seqlens, last_dim_contiguous, runs_kernels
 from slimformer.kernels.attention.reference import as_batch_of_one, sequences
@@ -1150,10 +1151,21 @@ def _check_tensor(name: str, x, dim: int, dtype: torch.dtype | None, device) -> 
         raise ValueError(f"{name} must be on query's device {device}, got {x.device}")
 
 
-def _check_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return int(value)
+def _checked_buckets(position_buckets, max_relative_positions) -> tuple[int, int]:
+    """The bucket arguments as ints, checked where DeBERTa-v2's log buckets are defined:
+    they divide by ``position_buckets // 2`` and by log((max_relative_positions − 1) /
+    (position_buckets // 2)) when both are positive."""
+    position_buckets = checked_int("position_buckets", position_buckets)
+    max_relative_positions = checked_int("max_relative_positions", max_relative_positions)
+    if position_buckets == 1:
+        raise ValueError("position_buckets must be <= 0 (no buckets) or >= 2, got 1")
+    if position_buckets > 0 and max_relative_positions == position_buckets // 2 + 1:
+        raise ValueError(
+            f"max_relative_positions must differ from position_buckets // 2 + 1 = {position_buckets // 2 + 1} "
+            f"when position_buckets={position_buckets} > 0 (its log buckets divide by log(1) = 0), "
+            f"got {max_relative_positions}"
+        )
+    return position_buckets, max_relative_positions
 
 
 def disentangled_attention(
@@ -1198,9 +1210,11 @@ def disentangled_attention(
 
     Raises:
         TypeError: non-tensors, dtypes other than the four or not matching, a non-bool
-            key_padding_mask, non-int bucket arguments.
+            key_padding_mask, bucket arguments that are not integers (bools included).
         ValueError: wrong ranks or shapes, head_dim outside [1, 256], positions of an odd or
             different number of rows, a span that does not match ``position_buckets``,
+            ``position_buckets`` = 1 or ``max_relative_positions`` = position_buckets // 2 + 1
+            with position_buckets > 0 (DeBERTa-v2's log buckets divide by zero there),
             dropout_p outside [0, 1), different devices.
     """
     _check_tensor("query", query, 4, None, getattr(query, "device", None))
@@ -1230,10 +1244,9 @@ def disentangled_attention(
             raise TypeError(f"{name} must be bool (True = padding), got {mask.dtype}")
         if mask.shape != (batch, seq):
             raise ValueError(f"{name} must be (batch, {seq_name}) = {(batch, seq)}, got {tuple(mask.shape)}")
-    position_buckets = _check_int("position_buckets", position_buckets)
+    position_buckets, max_relative_positions = _checked_buckets(position_buckets, max_relative_positions)
     span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
     scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
-    max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
     index = _shared_index(seq_q, seq_k, span, position_buckets, max_relative_positions, query.device)
     query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None
@@ -1333,13 +1346,12 @@ def varlen_disentangled_attention(
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
     _check_tensor("cu_seqlens", cu_seqlens, 1, torch.int32, query.device)
-    max_seqlen = _check_int("max_seqlen", max_seqlen)
+    max_seqlen = checked_int("max_seqlen", max_seqlen)
     if max_seqlen < 1:
         raise ValueError(f"max_seqlen must be >= 1, got {max_seqlen}")
-    position_buckets = _check_int("position_buckets", position_buckets)
+    position_buckets, max_relative_positions = _checked_buckets(position_buckets, max_relative_positions)
     span = _check_positions(pos_key, pos_query, query, heads, head_dim, position_buckets)
     scale = _check_dropout_and_scale(dropout_p, scale, head_dim, pos_key, pos_query)
-    max_relative_positions = _check_int("max_relative_positions", max_relative_positions)
     index = _shared_index(max_seqlen, max_seqlen, span, position_buckets, max_relative_positions, query.device)
     query, key, value, pos_key, pos_query = _last_dims_contiguous(query, key, value, pos_key, pos_query)
     seed = new_dropout_seed(query.device, query.detach(), "attention") if dropout_p > 0.0 else None

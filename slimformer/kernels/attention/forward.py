@@ -26,12 +26,14 @@ from slimformer.kernels.attention.tiles import (
     LOG2E,
     dot,
     dropout_words,
+    key_padding,
     load_head_rows,
     load_sequence_rows,
     masked_scores,
     sequence,
     store_rows,
     tile_ids,
+    without_padding,
 )
 from slimformer.kernels.philox import dropout_mma_apply, dropout_threshold_and_scale
 
@@ -106,6 +108,9 @@ def _attention_fwd_tile(
             EDGE,
             TMA,
         )
+    if HAS_KPM:
+        padding = key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, offs_n, seq_k)
+        k = without_padding(k, padding)
     qk = dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = masked_scores(
@@ -168,6 +173,8 @@ def _attention_fwd_tile(
             EDGE,
             TMA,
         )
+    if HAS_KPM:
+        v = without_padding(v, padding)
     p = p.to(v.dtype)
     if HAS_DROPOUT:
         words0, words1, byte = dropout_words(

@@ -219,19 +219,33 @@ def attention(
         window: a sliding window: query i attends keys j with |j - i| <= window only
             (ModernBERT's local layers: ``config.local_attention // 2``), combined with the
             other masks. The kernels visit only the key blocks within the window of some
-            query of a block, so the work grows with the window, not with seq_k.
+            query of a block, so the work grows with the window, not with seq_k. Any
+            integer (numpy's too, not bool); a window of max(seq_q, seq_k) or more limits
+            nothing (it is clamped to that, so even ``sys.maxsize`` is safe).
 
     Returns:
         (..., heads, seq_q, head_dim) in query's dtype (under autocast q, k and v are
         first cast to the autocast dtype, as for SDPA); for 4-d inputs stored as
         (batch, seq_q, heads, head_dim) so that merging the heads is a view. Rows with
-        no allowed key are zero (as SDPA gives), and so is their gradient. NaN and inf
-        in the inputs, ``scale`` or the mask propagate as in SDPA.
+        no allowed key are zero (as SDPA gives), and so is their gradient.
+
+    NaN and inf (the same on the kernels and the reference path): a non-finite q_i,
+    ``scale``, additive mask value (NaN masks nothing) or k_j / v_j of a key j that row i
+    may attend reaches o_i, as in SDPA. A key that is padding (``key_padding_mask``) is
+    never read, unlike in SDPA: a NaN in its k or v reaches no output and no gradient, and
+    its own dk, dv are 0. A key excluded for row i by ``is_causal``, ``window`` or
+    ``attn_mask`` (False, or <= -2**15) gets the score −inf for that row, so a NaN in its
+    k never reaches o_i (SDPA's NaN + −inf would); a non-finite v_j there, and in backward
+    any non-finite value of q, k, v or the upstream gradient, may still reach the rows and
+    keys it shares a block with through 0 · NaN, and which those are depends on the path
+    and the block config (key blocks outside every window / causal range of a block are
+    never read). Zero, or mark as padding, keys whose values may be non-finite.
 
     Raises:
         TypeError: a non-tensor or nested input, dtypes other than
             float16/bfloat16/float32/float64 or not matching, a mask of the wrong dtype, a
-            dropout_p or scale that is not a real number.
+            dropout_p or scale that is not a real number, a window that is not an integer
+            (or is a bool).
         RuntimeError: an attn_mask tensor with is_causal=True, as SDPA raises (its fused
             CPU and CUDA backends accept 4-d calls; its math reference and the
             documentation refuse them).
@@ -239,7 +253,8 @@ def attention(
             value head_dim other than query's is not supported), kv heads that do not
             divide the query heads, head_dim outside [1, 256], dropout_p outside [0, 1),
             a mask that does not broadcast or requires grad, tensors on different
-            devices, a CausalBias for other sequence lengths or with is_causal=True.
+            devices, a CausalBias for other sequence lengths or with is_causal=True, a
+            negative window.
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
@@ -285,7 +300,7 @@ def attention(
     relative_bias = _checked_relative_bias(
         relative_bias, attn_mask, query, heads, max(seq_q + seq_k - 1, 0), "seq_q + seq_k - 1"
     )
-    window = _checked_window(window)
+    window = _checked_window(window, max(seq_q, seq_k))
     if query.dim() != 4:
         attn_mask = _mask_as_batch_heads(attn_mask, batch_shape)
         if key_padding_mask is not None:
@@ -310,15 +325,23 @@ def attention(
     return out.view(*batch_shape, heads, seq_q, head_dim)
 
 
-def _checked_window(window) -> int | None:
-    """``window`` checked: None, or an int >= 0."""
+def checked_int(name: str, value) -> int:
+    """``value`` as a Python int: any integer (numpy's too), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _checked_window(window, longest: int) -> int | None:
+    """``window`` checked (None, or an int >= 0) and clamped to ``longest``, the longest
+    sequence: |j − i| < longest for every pair, so a larger window excludes nothing, and
+    the clamped one keeps the kernels' int32 bounds (start + BLOCK + window) from overflowing."""
     if window is None:
         return None
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"window must be an int or None, got {type(window).__name__}")
+    window = checked_int("window", window)
     if window < 0:
         raise ValueError(f"window must be >= 0 (keys with |j - i| <= window), got {window}")
-    return window
+    return min(window, longest)
 
 
 def _checked_relative_bias(
@@ -440,11 +463,11 @@ def self_attention(
     return rearrange(out, "b h s d -> b s (h d)")
 
 
-def _check_max_seqlen(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+def _checked_max_seqlen(name: str, value) -> int:
+    value = checked_int(name, value)
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 def varlen_attention(
@@ -493,7 +516,9 @@ def varlen_attention(
         relative_bias: (heads, max_seqlen_q + max_seqlen_k - 1) float, as in ``attention``:
             row i and key j of a sequence (counted from its start) get
             ``relative_bias[h, j - i + max_seqlen_q - 1]``.
-        window: a sliding window within each sequence, as in ``attention``.
+        window: a sliding window within each sequence, as in ``attention`` (clamped to
+            max(max_seqlen_q, max_seqlen_k)). NaN and inf as in ``attention``; another
+            sequence's keys are never read.
 
     Returns:
         (total_q, heads, head_dim) in query's dtype, contiguous; with ``return_lse``,
@@ -501,12 +526,12 @@ def varlen_attention(
 
     Raises:
         TypeError: non-tensors, dtypes other than float16/bfloat16/float32/float64 or
-            not matching, cu_seqlens not int32, max_seqlen not an int.
+            not matching, cu_seqlens not int32, max_seqlen or window not an integer.
         ValueError: wrong ranks or shapes, kv heads not dividing heads, head_dim outside
             [1, 256], different devices, cu_seqlens of different lengths, not 1-d, not
             starting at 0, decreasing, not ending at the row count, a sequence longer than
             max_seqlen (on CUDA these value checks are device-side asserts: no host sync),
-            dropout_p outside [0, 1) or, with dropout, ceil(max_seqlen_q / 16) ·
+            a negative window, dropout_p outside [0, 1) or, with dropout, ceil(max_seqlen_q / 16) ·
             ceil(max_seqlen_k / 16) · 16 > 2**32 (a sequence's Philox counters are 32-bit).
     """
     for name, tensor in (("query", query), ("key", key), ("value", value)):
@@ -538,8 +563,8 @@ def varlen_attention(
             f"cu_seqlens_k must have cu_seqlens_q's {cu_seqlens_q.numel()} entries (one sequence each), "
             f"got {cu_seqlens_k.numel()}"
         )
-    _check_max_seqlen("max_seqlen_q", max_seqlen_q)
-    _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    max_seqlen_q = _checked_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _checked_max_seqlen("max_seqlen_k", max_seqlen_k)
     _check_dropout_p(dropout_p, max_seqlen_q, max_seqlen_k)
     scale = _checked_scale(scale, head_dim)
     relative_bias = _checked_relative_bias(
@@ -550,7 +575,7 @@ def varlen_attention(
         max(max_seqlen_q + max_seqlen_k - 1, 0),
         "max_seqlen_q + max_seqlen_k - 1",
     )
-    window = _checked_window(window)
+    window = _checked_window(window, max(max_seqlen_q, max_seqlen_k))
     query, key, value = last_dim_contiguous(query), last_dim_contiguous(key), last_dim_contiguous(value)
     seed = new_dropout_seed(query.device, query.detach(), "varlen_attention") if dropout_p > 0.0 else None
     out, lse = run_varlen_attention(

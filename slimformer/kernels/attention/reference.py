@@ -93,6 +93,18 @@ def relative_positions(start: int, stop: int, n_keys: int, seq_q: int, device) -
     return torch.arange(n_keys, device=device) - rows + (seq_q - 1)
 
 
+def _without_padding(key_padding_mask: torch.Tensor | None, kv_heads: int, *keys: torch.Tensor) -> torch.Tensor | None:
+    """Zeroes the padding keys' rows of the (batch · kv_heads, seq_k, head_dim) stacks
+    ``keys`` in place, as the kernels never read them (a NaN or inf there reaches nothing);
+    returns the (batch · kv_heads, seq_k, 1) padding mask, or None without one."""
+    if key_padding_mask is None:
+        return None
+    padding = key_padding_mask.repeat_interleave(kv_heads, 0)[:, :, None]
+    for x in keys:
+        x.masked_fill_(padding, 0.0)
+    return padding
+
+
 def _dropout_keep_block(
     seed: torch.Tensor, first_stream: int, batch_heads: int, seq_k: int, start: int, stop: int, n_keys: int, p: float
 ) -> torch.Tensor:
@@ -149,6 +161,7 @@ def _attention_fwd_blocks(
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     k_all, v_all = _reference_grouped_rows(k, kv_heads, 0, seq_k), _reference_grouped_rows(v, kv_heads, 0, seq_k)
+    _without_padding(key_padding_mask, kv_heads, k_all, v_all)
     for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
         n_keys = min(seq_k, stop) if is_causal else seq_k
         q_rows = _reference_grouped_rows(q, kv_heads, start, stop)
@@ -259,6 +272,7 @@ def _attention_bwd_blocks(
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     k_all, v_all = _reference_grouped_rows(k, kv_heads, 0, seq_k), _reference_grouped_rows(v, kv_heads, 0, seq_k)
+    padding = _without_padding(key_padding_mask, kv_heads, k_all, v_all)
     dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
     keep_scale = dropout_threshold(dropout_p)[1] if seed is not None else 1.0
     for start, stop in _reference_query_blocks(batch, heads, seq_q, seq_k):
@@ -300,6 +314,9 @@ def _attention_bwd_blocks(
         dk_all[:, :n_keys].baddbmm_(ds.mT, q_rows)
         dq_rows = torch.bmm(ds, k_all[:, :n_keys]).mul_(scale)
         dq[:, :, start:stop].copy_(dq_rows.view(batch, heads, stop - start, head_dim))
+    if padding is not None:  # nothing read a padding key: zero, even where a NaN row's p is NaN
+        dk_all.masked_fill_(padding, 0.0)
+        dv_all.masked_fill_(padding, 0.0)
     dk.copy_(dk_all.mul_(scale).view(batch, kv_heads, seq_k, head_dim))
     dv.copy_(dv_all.view(batch, kv_heads, seq_k, head_dim))
 

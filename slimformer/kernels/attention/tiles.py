@@ -116,6 +116,21 @@ def load_row_stat(ptrs, rows, n_rows, other, CHECK_ROWS: tl.constexpr):
 
 
 @triton.jit
+def key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, cols, seq_k):
+    """Nonzero where key ``cols`` (counted from ``start_n``) is padding or past seq_k."""
+    kpm_row = KPM + off_b * stride_kpb + tl.cast(start_n, tl.int64) * stride_kpn
+    return tl.load(kpm_row + (cols - start_n) * stride_kpn, mask=cols < seq_k, other=1)
+
+
+@triton.jit
+def without_padding(x, padding):
+    """A (keys, BLOCK_D) tile with the rows of padding keys zeroed: such a key is never
+    read, so a NaN or inf in its k or v reaches no output and no gradient (a 0 · NaN in
+    a dot would carry it to every row of the tile)."""
+    return tl.where(padding[:, None] == 0, x, 0.0)
+
+
+@triton.jit
 def masked_scores(
     qk,
     rows,
@@ -153,9 +168,7 @@ def masked_scores(
     """
     s = qk * qk_scale
     if HAS_KPM:
-        kpm_row = KPM + off_b * stride_kpb + tl.cast(start_n, tl.int64) * stride_kpn
-        padding = tl.load(kpm_row + (cols - start_n) * stride_kpn, mask=cols < seq_k, other=1)
-        s = tl.where(padding == 0, s, float("-inf"))
+        s = tl.where(key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, cols, seq_k) == 0, s, float("-inf"))
     if MASK_KIND != 0:
         mask_tile = (
             MASK
