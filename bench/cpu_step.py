@@ -117,11 +117,13 @@ def measure_peaks(columns=None, log=print) -> dict[str, tuple[int, int, int]]:
         gc.collect()
         with peak_memory("cpu") as peak:
             loss = trainee.forward_loss()
-            after_forward = peak.current_bytes()
+            peak.mark("forward")
             loss.backward()
             del loss
-            backward_peak = peak.peak_so_far()
+            peak.mark("backward")
             trainee.optimizer.step()
+        forward, backward = peak.marks
+        after_forward, backward_peak = forward.live, max(forward.top, backward.top)
         results[name] = (after_forward, backward_peak, peak.bytes)
         log(
             f"peak {name}: forward {after_forward / MiB:,.0f} MiB, fwd+bwd {backward_peak / MiB:,.0f} MiB, "

@@ -30,8 +30,9 @@ and 2 rows, and picks per-layer recompute policies that fit a budget. Five secti
 How a step is measured: a deep copy of the model, patched and set to the policies
 (HF baselines unpatched, ``attn_implementation`` "eager" or "sdpa"), a fresh optimizer
 (``torch.optim.AdamW``, ``fused=True``, or ``sf.plan.optimizer_in_backward``), two
-steps; the second one inside ``slimformer.memory.peak_memory("cpu")`` (live tensor
-storages, after ``zero_grad(set_to_none=True)`` and ``gc.collect()``); the step's total
+steps; the second one inside ``slimformer.memory.peak_memory("cpu")`` (the CPU
+allocator's events through torch.profiler, after ``zero_grad(set_to_none=True)`` and
+``gc.collect()``); the step's total
 is that peak plus the storages of the parameters, buffers, optimizer state and batch.
 Times: process CPU time of a step, one intra-op thread, variants interleaved round
 after round, median with min-max.
@@ -461,10 +462,8 @@ def accuracy(bench: Bench, grid: Grid, main: Setup) -> list[str]:
         f"{len(points)} configurations ({mixed} mixed plans) from {len(setups)} profiles. *Total* is the step's "
         "peak with parameters, buffers, optimizer state and batch; *dynamic* is the peak above them (what the "
         "step allocates: gradients, activations, transients). Errors are predicted / measured - 1. *Allocator*: "
-        "the same step's total with its peak read from the CPU allocator's events (torch.profiler "
-        "`profile_memory`) instead of the dispatch-mode count that `sf.plan` measures with; it also sees the "
-        "temporaries made inside an op (slimformer's custom ops run their PyTorch reference on CPU, whose "
-        "inner tensors a dispatch mode does not see) and inside kernels.",
+        "a further step's total with its peak replayed from the CPU allocator's events by this bench's own "
+        "code (`bench.compile_memory`), a check on `peak_memory`, which reads the same events.",
         "",
         f"- total (target ±{TARGET_ERROR:g}%): {spread([p.error for p in points])}",
         f"- dynamic part: {spread([p.dynamic_error for p in points])}",
@@ -812,7 +811,7 @@ def _header(
         "policies (HF baselines unpatched), with a fresh optimizer (`torch.optim.AdamW`, `fused=True`, or "
         "`slimformer.plan.optimizer_in_backward`), random weights, dropout 0.1, training mode, HF's loss (masked "
         "LM: 15% of the tokens labelled; classification: one label per row). Two steps run; the second inside "
-        "`slimformer.memory.peak_memory('cpu')` (bytes of live tensor storages, counted by a dispatch mode) after "
+        "`slimformer.memory.peak_memory('cpu')` (the CPU allocator's events, through torch.profiler) after "
         "`zero_grad(set_to_none=True)` and `gc.collect()`. A step's total peak is that peak plus the storages "
         "of the parameters, buffers, optimizer state and batch, the quantity `sf.plan` predicts. Predictions "
         "come from one `slimformer.plan.profile` per model, seq, dtype, padding and optimizer (measured at 1 "

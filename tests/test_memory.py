@@ -184,5 +184,5 @@ def test_peak_memory_on_cpu_counts_live_tensor_bytes_above_the_start():
         c = torch.empty(3000)  # 4000 + 12000 = 16000 live: the peak
         del b, view, c
         d = torch.empty(100)
-    assert peak.bytes == 16000 and peak.method == "live tensor storages"
+    assert peak.bytes == 16000 and peak.method == "CPU allocator events (torch.profiler)"
     del d

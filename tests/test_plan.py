@@ -4,7 +4,7 @@ apply, max_batch, the optimizer knob, and errors that change nothing.
 "Measured" is a real training step (forward, backward, optimizer step after a warm-up
 step) under ``slimformer.memory.peak_memory``, plus what persists across steps
 (parameters, buffers, optimizer state, the batch): what ``plan.peak_bytes`` predicts.
-On CPU both count live tensor storages, so they agree to the byte; the tests allow 1%.
+Both read the allocator (on CPU its events, through torch.profiler); the tests allow 1%.
 """
 
 import copy
@@ -318,19 +318,6 @@ def test_envelope_keeps_the_moment_that_is_largest_at_some_token_count():
     assert envelope(5) == pytest.approx(100) and envelope(30) == pytest.approx(300)
     assert sorted((round(a.intercept), round(a.slope)) for a in envelope.lines) == [(0, 10), (100, 0)]
     assert len(envelope.lines) == 2  # the 5 + 1 per token moment is below the other two everywhere
-
-
-def test_peak_memory_split_and_moment():
-    with peak_memory("cpu") as peak:
-        a = torch.ones(1000)  # 4000 bytes
-        b = torch.ones(1000)
-        del b
-        assert peak.moment() == 8000
-        assert peak.split() == (4000, 8000)
-        c = torch.ones(10)
-        assert peak.split() == (4040, 4040)
-        del a, c
-    assert peak.bytes == 8000
 
 
 def test_cli_help():

@@ -185,18 +185,23 @@ def plan_rows(base, sizes: dict, device, dry_run: bool) -> dict:
         for layer, policy in zip(layers, policies):
             layer.recompute = policy
         predicted = plan_profile.predict(policies, sizes["batch"]).peak_bytes
-        measured = _measured_step_peak(model, inputs, device)
+        measured, allocator = _measured_step_peak(model, inputs, device)
         result["rows"][label] = {
             "policies": ", ".join(f"{p} x{policies.count(p)}" for p in dict.fromkeys(policies)),
             "predicted_bytes": predicted,
             "peak_bytes": measured,
             "error": predicted / measured - 1 if measured else None,
+            "max_memory_allocated": allocator,
+            "error_vs_max_memory_allocated": predicted / allocator - 1 if allocator else None,
         }
     return result
 
 
-def _measured_step_peak(model, inputs: dict, device) -> int:
-    """A training step's peak as ``sf.plan`` counts it."""
+def _measured_step_peak(model, inputs: dict, device) -> tuple[int, int | None]:
+    """A training step's peak as ``sf.plan`` counts it (the allocator's peak above the step's
+    start, plus the storages of what persists), and ``torch.cuda.max_memory_allocated``
+    over the step itself (everything the allocator holds: also what else is on the device,
+    cuBLAS's workspace say; None off CUDA)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the plan rows share one model
     step = training_step(model, optimizer, inputs, device)
     for _ in range(WARMUP_STEPS):
@@ -206,7 +211,8 @@ def _measured_step_peak(model, inputs: dict, device) -> int:
     tensors = [*model.parameters(), *model.buffers(), *inputs.values()]
     tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     persistent = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return peak.bytes + sum(persistent.values())
+    allocator = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return peak.bytes + sum(persistent.values()), allocator
 
 
 def infer_column(name: str, base, sizes: dict, device, dry_run: bool, calls: int) -> tuple[dict, torch.Tensor]:

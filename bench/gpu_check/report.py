@@ -376,14 +376,22 @@ def _model_md(model: dict) -> list[str]:
             lines += [
                 f"Profile measured in {plan['profile_s']} s.",
                 "",
-                "| plan | policies | predicted GiB | measured GiB | error |",
-                "|---|---|---|---|---|",
+                "Measured: the allocator's peak over the step above its start plus the storages of what persists "
+                "(what the prediction counts); max_memory_allocated: the allocator's own peak over the step, "
+                "everything on the device included.",
+                "",
+                "| plan | policies | predicted GiB | measured GiB | error | max_memory_allocated GiB | error |",
+                "|---|---|---|---|---|---|---|",
             ]
             for label, r in plan["rows"].items():
                 measured = "–" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.3f}"
                 error = "–" if r["error"] is None else f"{100 * r['error']:+.2f}%"
+                allocator = r.get("max_memory_allocated")
+                allocator_error = r.get("error_vs_max_memory_allocated")
                 lines.append(
-                    f"| {label} | {r['policies']} | {r['predicted_bytes'] / 2**30:.3f} | {measured} | {error} |"
+                    f"| {label} | {r['policies']} | {r['predicted_bytes'] / 2**30:.3f} | {measured} | {error} | "
+                    f"{'–' if allocator is None else f'{allocator / 2**30:.3f}'} | "
+                    f"{'–' if allocator_error is None else f'{100 * allocator_error:+.2f}%'} |"
                 )
     return lines
 

@@ -26,7 +26,7 @@ inputs), and returns a ``MemoryReport`` that prints as a rich table:
   above what was allocated before it (activations, gradients and temporaries), and of
   the same step followed by AdamW's update (its state allocated by a warm-up step
   before, as in training), measured by ``slimformer.memory.peak_memory``:
-  ``torch.cuda.max_memory_allocated`` on CUDA, the bytes of live tensor storages on CPU.
+  ``torch.cuda.max_memory_allocated`` on CUDA, the CPU allocator's events elsewhere.
   This, not the kept activations, decides whether a run fits. Where the update raises
   the peak above the forward+backward's, the gradients and the update's temporaries set
   it, not the activations, and no recompute policy lowers it: the table says so. The
@@ -56,7 +56,7 @@ from rich.table import Table
 from torch import nn
 
 from slimformer.memory.measure import ActivationMemory, _tensors, format_bytes, measure_activation_memory
-from slimformer.memory.peak import peak_memory
+from slimformer.memory.peak import METHODS as PEAK_METHODS, peak_memory
 
 __all__ = [
     "MemoryReport",
@@ -73,7 +73,6 @@ __all__ = [
 
 ADAMW_STATE_BYTES = 8  # exp_avg and exp_avg_sq, fp32, per trainable parameter
 _TIMED_STEPS = 5
-_PEAK_METHODS = {"cuda": "max_memory_allocated", "cpu": "live tensor bytes"}
 _TEXT_WIDTH = 1000  # str(report): as wide as the table wants; tables do not expand
 
 
@@ -211,7 +210,7 @@ class MemoryReport:
                 "Head + loss: the whole forward minus the base model's forward measured alone (its output counts "
                 "here when the head keeps it)."
             )
-        methods = {_PEAK_METHODS[m.device.split(":")[0]] for m in self.models if m.peak_bytes is not None}
+        methods = {PEAK_METHODS[m.device.split(":")[0]] for m in self.models if m.peak_bytes is not None}
         if methods:
             lines.append(
                 "Step peak: the most allocated during a forward+backward (after a warm-up step), above what was "
@@ -268,6 +267,21 @@ def _arguments(inputs: Any) -> tuple[tuple, dict]:
     if isinstance(inputs, (tuple, list)):
         return tuple(inputs), {}
     return (inputs,), {}
+
+
+def _without_cache(model: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` for a forward that takes it and is not told: a
+    decoder (Llama, GPT-2 ...) would otherwise fill a KV cache in the forward that catches
+    its layers' inputs, and each layer measured alone would attend to that cache too."""
+    import inspect
+
+    if "use_cache" in kwargs:
+        return kwargs
+    try:
+        takes = "use_cache" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {**kwargs, "use_cache": False} if takes else kwargs
 
 
 def _named_layers(model: nn.Module, layers: Sequence[str] | None) -> list[tuple[str, nn.Module]]:
@@ -367,9 +381,10 @@ def _step(model: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> 
     model.zero_grad(set_to_none=True)
     with peak_memory(device) as peak:
         step()
-        backward_peak = peak.peak_so_far()
+        peak.mark("backward done")
         if optimizer is not None:
             optimizer.step()
+    backward_peak = peak.marks[0].top
     update_peak = None if optimizer is None else peak.bytes
     del optimizer  # frees its state
     if device.type != "cuda":
@@ -421,6 +436,7 @@ def measure_model(
     (``measurement_steps(model)`` times), e.g. a progress bar's update.
     """
     args, kwargs = _arguments(inputs)
+    kwargs = _without_cache(model, kwargs)
     named = _named_layers(model, layers)
     parameters = list(model.parameters())
     trainable = [p for p in parameters if p.requires_grad]

@@ -31,14 +31,11 @@ per-parameter step's temporaries at that moment.
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from slimformer.memory.measure import _tensors
 from slimformer.memory.peak import peak_memory
 from slimformer.plan.optimizer import OptimizerCost
 
@@ -252,21 +249,15 @@ class MemoryProfile:
 
 
 class _StepRecorder:
-    """Splits one measured step into stages (see the module docstring)."""
+    """Splits one measured step into stages (see the module docstring): the hooks mark the
+    allocator's record (``PeakMemory.mark``), and ``intervals`` reads it after the step."""
 
     def __init__(self, peak, layers: list[nn.Module], params: list[nn.Parameter], in_backward: OptimizerCost | None):
         self.peak = peak
-        # phase, stage, start, end, peak, the peak of each op in between (above the step's start)
-        self.intervals: list[tuple[str, str, int, int, int, list[int]]] = []
-        self.label = (FORWARD, EMBEDDINGS)
-        self.start = 0
-        self.samples: list[int] = []
-        # (label of the forward that made them, label where freed: a later forward or RELEASE) -> bytes
-        self.freed_later: dict[tuple[str, str], int] = {}
-        self.watched: set[int] = set()
         self.forward_stages: list[tuple[str, int]] = []  # (stage name, layer index), in order
         self.grads: dict[str, int] = {}
         self.seen: set[nn.Parameter] = set()
+        self.label = (FORWARD, EMBEDDINGS)  # the stage running now
         self.in_backward = in_backward
         self.handles = []
         for index, layer in enumerate(layers):
@@ -276,9 +267,9 @@ class _StepRecorder:
             self.handles.append(param.register_post_accumulate_grad_hook(self._grad_hook))
 
     def close(self, label: tuple[str, str]) -> None:
-        live, top = self.peak.split()
-        self.intervals.append((*self.label, self.start, live, top, self.samples))
-        self.label, self.start, self.samples = label, live, []
+        """The stage running now ends here; ``label`` begins."""
+        self.peak.mark(("stage", label))
+        self.label = label
 
     def _pre_hook(self, index):
         def hook(module, args):
@@ -288,7 +279,7 @@ class _StepRecorder:
             self.close((FORWARD, stage))
             hidden = _first_grad_tensor(args)
             if hidden is not None:  # its gradient is ready when this application's backward ends
-                hidden.register_hook(lambda grad, before=stage: self._backward_ended(before))
+                hidden.register_hook(lambda grad, before=stage: self.close((BACKWARD, f"before {before}")))
 
         return hook
 
@@ -302,50 +293,49 @@ class _StepRecorder:
 
         return hook
 
-    def watch(self, storage) -> None:
-        """Note which forward stage made ``storage``, to credit it if autocast's exit frees it."""
-        key = storage.data_ptr()
-        if self.label[0] == FORWARD and key not in self.watched and storage.nbytes():
-            self.watched.add(key)
-            weakref.finalize(storage, self._freed, key, self.label[1], storage.nbytes())
-
-    def _freed(self, key: int, label: str, size: int) -> None:
-        self.watched.discard(key)
-        if self.label[0] in (FORWARD, RELEASE) and self.label[1] != label:
-            where = RELEASE if self.label[0] == RELEASE else self.label[1]
-            self.freed_later[(label, where)] = self.freed_later.get((label, where), 0) + size
-
-    def _backward_ended(self, stage: str) -> None:
-        self.close((BACKWARD, f"before {stage}"))
-
     def _grad_hook(self, param: nn.Parameter) -> None:
         if param not in self.seen:
             self.seen.add(param)
             stage = self.label[1]
             self.grads[stage] = self.grads.get(stage, 0) + param.grad.numel() * param.grad.element_size()
         if self.in_backward is not None:
+            # the per-parameter step's temporaries, on top of what is allocated now (it is not run)
             size = param.numel() * param.element_size()
-            self.samples.append(self.peak.current_bytes() + self.in_backward.temporaries([size]))
+            self.peak.mark(("extra", self.in_backward.temporaries([size])))
             param.grad = None
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
 
-
-class _OpMoments(TorchDispatchMode):
-    """Appends each op's peak (``PeakMemory.moment``) to the recorder's current interval."""
-
-    def __init__(self, recorder: _StepRecorder):
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in _tensors(out):
-            self.recorder.watch(tensor.untyped_storage())
-        self.recorder.samples.append(self.recorder.peak.moment())
-        return out
+    def intervals(self) -> tuple[list[tuple[str, str, int, int, int, list[int]]], dict[tuple[str, str], int]]:
+        """From the marks, after the step: (phase, stage label, start, end, peak, the
+        allocator's moments in between) per stage run, all above the step's start; and the
+        bytes a forward stage allocated that a later forward stage (or the autocast exit)
+        freed: (label of the maker, label of the freeing stage or ``RELEASE``) -> bytes."""
+        intervals = []
+        label, start, top, moments = (FORWARD, EMBEDDINGS), 0, 0, []
+        made: dict[int, tuple[str, int]] = {}  # address -> (forward stage label, bytes), of live allocations
+        freed_later: dict[tuple[str, str], int] = {}
+        for mark in self.peak.marks:
+            for address, size in mark.events:
+                if size > 0:
+                    if label[0] == FORWARD:
+                        made[address] = (label[1], size)
+                    continue
+                maker = made.pop(address, None)
+                if maker is not None and label[0] in (FORWARD, RELEASE) and label[1] != maker[0]:
+                    where = RELEASE if label[0] == RELEASE else label[1]
+                    freed_later[(maker[0], where)] = freed_later.get((maker[0], where), 0) + maker[1]
+            moments += mark.moments
+            top = max(top, mark.top)
+            kind, value = mark.label
+            if kind == "extra":  # a moment of its own: what is allocated now plus the optimizer's temporaries
+                moments.append(mark.live + value)
+                continue
+            intervals.append((*label, start, mark.live, top, moments))
+            label, start, top, moments = value, mark.live, mark.live, []
+        return intervals, freed_later
 
 
 def _first_grad_tensor(value):
@@ -362,6 +352,7 @@ def _first_grad_tensor(value):
 
 def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | None], dict, dict, dict]:
     """Merge the recorder's raw intervals into one (start, end, peak) per (phase, stage)."""
+    intervals, freed_later = recorder.intervals()
     names = [EMBEDDINGS] + [stage for stage, _ in recorder.forward_stages] + [HEAD]
     layer_of = [None] + [index for _, index in recorder.forward_stages] + [None]
     position = {name: i for i, name in enumerate(names)}
@@ -375,7 +366,7 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
         return position[label]
 
     merged: dict[tuple[str, int], list] = {}
-    for phase, label, start, end, top, samples in recorder.intervals:
+    for phase, label, start, end, top, samples in intervals:
         if phase == RELEASE:
             continue  # its frees are credited to the stages that made them
         key = (phase, stage_of(label))
@@ -390,7 +381,7 @@ def _stage_intervals(recorder: _StepRecorder) -> tuple[list[str], list[int | Non
         index = stage_of(label)
         grads[index] = grads.get(index, 0) + size
     frees: dict[int, dict[int, int]] = {}  # maker stage -> {where: bytes}
-    for (label, where), size in recorder.freed_later.items():
+    for (label, where), size in freed_later.items():
         maker = stage_of(label)
         at = len(names) if where == RELEASE else stage_of(where)
         if at != maker:
@@ -404,18 +395,17 @@ def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, devi
     """One forward and backward of ``model`` on ``batch``, split into stages."""
     for param in params:
         param.grad = None
-    with peak_memory(device) as peak:
+    with peak_memory(device, moments=True) as peak:
         recorder = _StepRecorder(peak, layers, params, in_backward)
         try:
             context = torch.autocast(device.type, autocast) if autocast is not None else contextlib.nullcontext()
-            with _OpMoments(recorder):
-                with context:
-                    loss = loss_fn(model, batch)
-                    recorder.close((RELEASE, ""))
-                recorder.close((BACKWARD, HEAD))
-                loss.backward()
-                del loss
-                recorder.close((BACKWARD, "end"))
+            with context:
+                loss = loss_fn(model, batch)
+                recorder.close((RELEASE, ""))
+            recorder.close((BACKWARD, HEAD))
+            loss.backward()
+            del loss
+            recorder.close((BACKWARD, "end"))
         finally:
             recorder.remove()
     for param in params:
