@@ -345,7 +345,7 @@ _RACE_ROWS = 256
 _RACE_CUTOFF = 20.0
 # candidates -> the candidates that passed the screen
 _SCREENED: dict[tuple, tuple[str, ...]] = {}
-# (candidates, threads, K, N, row class) -> ProductChoice
+# (int32 only, threads, N, K, row class) -> ProductChoice
 _CHOICES: dict[tuple, ProductChoice] = {}
 
 
@@ -381,18 +381,22 @@ def _screened(candidates: tuple[str, ...]) -> tuple[str, ...]:
     return _SCREENED[candidates]
 
 
-def _row_class(m: int) -> int:
-    """GEMMs whose row counts share a class share a choice: up to 16 rows, up to 128, more."""
-    return 16 if m <= 16 else 128 if m <= 128 else _RACE_ROWS
-
-
 def choose_product(m: int, weight: torch.Tensor, int32: bool = False) -> ProductChoice:
     """The exact product to run ``(m, K) @ weight (N, K)ᵀ`` with on this CPU: the fastest of the
     exact candidates that pass the screen (``_screened``), raced on ``min(m, 256)`` rows of
-    this weight once per process, thread count, (K, N) and row class; or the one that
-    ``$SLIMFORMER_CPU_INT8_GEMM`` names (``auto``, the default, measures; a name that is not a
-    product or not exact here is a ValueError). ``int32``: only the products that return
-    int32 (a forced ``onednn`` leaves their choice measured)."""
+    this weight once per process, thread count, (K, N) and row class (up to 16 rows, up to
+    128, more); or the one that ``$SLIMFORMER_CPU_INT8_GEMM`` names when the choice is made
+    (``auto``, the default, measures; a name that is not a product or not exact here is a
+    ValueError). ``int32``: only the products that return int32 (a forced ``onednn`` leaves
+    their choice measured)."""
+    key = (int32, torch.get_num_threads(), *weight.shape, 16 if m <= 16 else 128 if m <= 128 else _RACE_ROWS)
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _choose(m, weight, int32)
+    return choice
+
+
+def _choose(m: int, weight: torch.Tensor, int32: bool) -> ProductChoice:
     exact = exact_products()
     candidates = tuple(name for name in (INT32_PRODUCTS if int32 else PRODUCTS) if name in exact)
     forced = os.environ.get(PRODUCT_ENV, "auto")
@@ -401,14 +405,9 @@ def choose_product(m: int, weight: torch.Tensor, int32: bool = False) -> Product
             raise ValueError(f"${PRODUCT_ENV} must be one of auto, {', '.join(PRODUCTS)}, got {forced!r}")
         if forced not in exact:
             raise ValueError(f"${PRODUCT_ENV}: {forced!r} does not sum exactly on this CPU ({cpu_isa()})")
-        if forced in candidates:
-            return ProductChoice(forced, math.nan, math.nan)
-    n, k = weight.shape
-    key = (candidates, torch.get_num_threads(), k, n, _row_class(m))
-    choice = _CHOICES.get(key)
-    if choice is None:
-        choice = _CHOICES[key] = _race(_screened(candidates), min(max(m, 1), _RACE_ROWS), weight)
-    return choice
+    if forced in candidates:
+        return ProductChoice(forced, math.nan, math.nan)
+    return _race(_screened(candidates), min(max(m, 1), _RACE_ROWS), weight)
 
 
 def _race(candidates: tuple[str, ...], rows: int, weight: torch.Tensor) -> ProductChoice:
@@ -450,7 +449,7 @@ def int8_gemm_is_fast() -> bool:
 
 def chosen_products() -> dict[str, str]:
     """The products this process chose so far, for reports: ``"K x N, rows <= R"`` -> name."""
-    return {f"{k} x {n}, rows <= {rows}": choice.product for (_, _, k, n, rows), choice in _CHOICES.items()}
+    return {f"{k} x {n}, rows <= {rows}": choice.product for (*_, n, k, rows), choice in _CHOICES.items()}
 
 
 def cpu_isa() -> str:

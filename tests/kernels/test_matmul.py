@@ -152,6 +152,7 @@ def test_int8_mm_without_vnni_is_exact(monkeypatch, k, precision):
     # Off VNNI CPUs the int32 product is summed by sgemm in slices of K: exact while every
     # partial sum stays below 2^24, which -128 · -128 products over 1025+ terms would pass.
     monkeypatch.setenv(int8_cpu.PRODUCT_ENV, "sgemm")
+    monkeypatch.setattr(int8_cpu, "_CHOICES", {})
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: precision)
     gen = torch.Generator().manual_seed(k)
     a = torch.randint(-128, 128, (7, k), generator=gen, dtype=torch.int8)
@@ -181,6 +182,7 @@ def int8_product(request, monkeypatch):
     if request.param not in int8_cpu.exact_products():
         pytest.skip(f"{request.param} does not sum exactly on this CPU ({int8_cpu.cpu_isa()})")
     monkeypatch.setenv(int8_cpu.PRODUCT_ENV, request.param)
+    monkeypatch.setattr(int8_cpu, "_CHOICES", {})  # the variable is read when a choice is made
     return request.param
 
 
