@@ -1,4 +1,4 @@
-"""W8A8 and W8A16 on CPU in fused C loops around an exact int8 GEMM (``int8_mm``).
+"""W8A8 and W8A16 on CPU in fused C loops around an exact int8 GEMM chosen by measuring it.
 
 The PyTorch statement of the CPU path (``matmul._quantize_rows_reference`` and the int8
 branch of ``matmul._gemm_reference``) takes about fifteen whole-tensor ops per Linear,
@@ -9,8 +9,9 @@ BERT's sizes. These functions compute exactly the same values in one pass each:
   has one), ``scale = absmax / 127`` (1 below ``MIN_ROW_ABSMAX`` or for NaN), and
   ``q = int8(bits(x * smooth / scale + 1.5·2^23))``: the IEEE division, then the add
   that rounds half to even, whose low byte is the rounded integer.
-- ``int8_gemm(q, weight, x_scale, w_scale, bias)``: ``acc = q @ weightᵀ`` exactly (oneDNN's
-  packed int8 GEMM where the CPU has VNNI or AMX, giving fp32(acc); else ``int8_mm``), then
+- ``int8_gemm(q, weight, x_scale, w_scale, bias)``: ``acc = q @ weightᵀ`` exactly (the product
+  ``choose_product`` picks: oneDNN's packed int8 GEMM, giving fp32(acc), torch._int_mm or
+  sgemm slices, giving int32), then
   ``fma(fp32(acc) * x_scale[m], w_scale[n], bias[n])`` in the accumulator's own
   memory: the reference's ``mul_`` then ``addcmul`` (which fuses its multiply-add);
   ``-ffp-contract=off`` keeps the compiler from fusing anything else.
@@ -27,6 +28,13 @@ BERT's sizes. These functions compute exactly the same values in one pass each:
   ``fma((256·fp32(acc_hi) + fp32(acc_lo)) * x_scale[m], w_scale[n], bias[n])`` in the
   first M rows of the accumulator's memory. ``weight_only_gemm`` remains for K past
   ``matmul.MAX_SPLIT_IN_FEATURES``.
+
+Which exact product runs is measured, not read from the CPU's flags: a CPU can have the
+instructions while oneDNN runs its reference code for them (``ref_int8`` for qlinear on AMD
+Zen 4, 300-900x slower than fp32). ``exact_products`` keeps the candidates that sum exactly
+here, ``_screened`` drops those far slower than fp32 on a small problem, once per process,
+and ``choose_product`` races the rest once per (K, N, row class). Every candidate gives the
+same bits, so the choice changes speed only; W8A16's split runs where ``int8_gemm_is_fast``.
 
 The loops are plain C (``c_loops``: compiled once per machine, called through ctypes).
 They run on torch's own OpenMP runtime with ``torch.get_num_threads()`` threads. Allocation,
