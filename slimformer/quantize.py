@@ -1,7 +1,9 @@
 """Model-level FP16/INT8 conversion, SmoothQuant calibration, save/load and fidelity.
 
 ``quantize(model, mode)`` swaps every ``nn.Linear`` for a ``Linear8bit`` (modes "int8",
-"int8-weight-only") or ``Linear16bit`` ("fp16", "bf16") in place. Embeddings,
+"int8-weight-only") or ``Linear16bit`` ("fp16", "bf16") in place and puts the model in
+eval mode (``model.eval()``: the quantized layers are for inference, and a model left in
+training mode would keep its dropout on). Embeddings,
 LayerNorm and softmax are not Linears and stay as they are; the classifier and LM
 heads stay float by default (``DEFAULT_SKIP``). Every replacement is built before
 the first one is swapped in, so an error leaves the model untouched. In a
@@ -24,7 +26,10 @@ state_dict, less the empty ``smooth`` of unsmoothed "int8" layers) plus
 transformers' record of it (``slimformer.integrations.hf.quantizer``), so that
 ``model.save_pretrained(dir)`` writes the same state_dict with the modes in
 ``config.json``'s ``quantization_config`` and ``from_pretrained(dir)`` reloads it;
-``load_quantized`` reads such a directory too.
+``load_quantized`` reads such a directory too. There the int8 weights are flattened to
+(out_features · in_features,) (``checkpoint_format`` 2): transformers without slimformer,
+which skips a quant_method it does not know, then refuses them as mismatched shapes
+instead of loading int8 values into float Linears.
 ``fidelity_report`` measures each quantized layer's SQNR on the float model's own
 inputs to that layer, and the agreement of the two models' outputs.
 """
@@ -57,6 +62,10 @@ WEIGHTS_FILE = "model.safetensors"
 # save_pretrained's file, and the quant_method under which transformers knows slimformer.
 TRANSFORMERS_CONFIG_FILE = "config.json"
 TRANSFORMERS_QUANT_METHOD = "slimformer"
+# quantization_config's "checkpoint_format": 1, int8 weights saved (out, in), as before it
+# existed (a record without one); 2, flattened to (out * in,), a shape no float nn.Linear takes.
+TRANSFORMERS_CHECKPOINT_FORMATS = (1, 2)
+TRANSFORMERS_CHECKPOINT_FORMAT = 2
 _CONFIG_FORMAT = 1
 # SmoothQuant factors are kept within this range of 1 so no channel is scaled to nothing.
 _MAX_SMOOTH_RATIO = 1e4
@@ -246,7 +255,9 @@ def quantize(
         arguments; a tuple/list: positional ones; else the single argument) for SmoothQuant.
     smooth_alpha: SmoothQuant's migration strength in [0, 1] (default 0.5 with
         calibration); needs calibration.
-    Returns ``model``. Raises ValueError on an unknown mode, no Linear left to convert,
+    Returns ``model``, in eval mode (every module's ``training`` False: quantized layers are
+    for inference, and dropout left on would take the outputs far from the float model's).
+    Raises ValueError on an unknown mode, no Linear left to convert,
     a calibration that yields nothing, a bad smooth_alpha, a non-finite weight, or a
     transformers model quantized by another method (the model is then unchanged);
     TypeError on a bad model or skip.
@@ -275,6 +286,7 @@ def quantize(
     replacements = {name: _convert(name, linear, mode, smooth.get(name)) for name, linear in linears.items()}
     swap_modules(model, {alias: replacements[name] for name in replacements for alias in aliases[name]})
     _record_in_transformers(model)
+    model.eval()
     if mode == "int8" and any(layer.weight.is_cpu for layer in replacements.values()):
         _warn_once_if_int8_is_slow_here()
     return model
@@ -368,10 +380,12 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
 
     directory: what ``save_quantized`` wrote, or what a transformers model's
     ``save_pretrained`` wrote after slimformer quantized it (its ``config.json`` holds the
-    record; ``from_pretrained`` loads it too, without a float model). ``model`` must have
+    record; ``from_pretrained`` loads it too, without a float model; its int8 weights, flat
+    there since ``checkpoint_format`` 2, get their (out, in) shape back). ``model`` must have
     the architecture that was saved (its float weights are replaced, in place, on the
     device they are on). Everything is checked before the first module is swapped, so an
-    error leaves ``model`` untouched. Returns ``model``. Every error names the file (and
+    error leaves ``model`` untouched. Returns ``model``, in eval mode (as ``quantize``
+    leaves it). Every error names the file (and
     the module, where one is at fault): FileNotFoundError without the record or the
     weights; ValueError for a file that cannot be read (not a directory, truncated or
     corrupt safetensors, a config that is not JSON or not a slimformer config, a
@@ -388,10 +402,12 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
         kind = "a file" if directory.exists() else "missing"
         error = ValueError if directory.exists() else FileNotFoundError
         raise error(f"load_quantized needs the directory save_quantized wrote, got {str(directory)!r} ({kind})")
-    modules, config_path = _read_config(directory)
+    modules, config_path, checkpoint_format = _read_config(directory)
     modes, aliases = recorded_conversions(model, modules, config_path)
     weights_path = directory / WEIGHTS_FILE
     state = _read_weights(weights_path)
+    if checkpoint_format >= 2:
+        _unflatten_int8_weights(model, modes, aliases, state)
     replacements = {}
     for first, mode in modes.items():
         if mode == "int8":
@@ -408,7 +424,7 @@ def load_quantized(model: nn.Module, directory: str | Path) -> nn.Module:
     # name, load through that name).
     model.load_state_dict(state, strict=False)
     _record_in_transformers(model)
-    return model
+    return model.eval()
 
 
 def recorded_conversions(
@@ -438,15 +454,16 @@ def recorded_conversions(
     return modes, {first: aliases[first] for first in modes}
 
 
-def _read_config(directory: Path) -> tuple[dict[str, str], Path]:
-    """{module name: mode} and the file it came from: ``save_quantized``'s config, else the
+def _read_config(directory: Path) -> tuple[dict[str, str], Path, int]:
+    """{module name: mode}, the file it came from and the layout of the int8 weights
+    (``TRANSFORMERS_CHECKPOINT_FORMATS``): ``save_quantized``'s config (format 1), else the
     slimformer quantization_config of ``save_pretrained``'s config.json; errors name the file."""
     path = directory / CONFIG_FILE
     if path.exists():
         config = _read_json(path)
         if not isinstance(config, dict) or config.get("format") != _CONFIG_FORMAT:
             raise ValueError(f"{path} is not a slimformer quantization config (format {_CONFIG_FORMAT})")
-        return checked_modes(config.get("modules"), path), path
+        return checked_modes(config.get("modules"), path), path, 1
     path = directory / TRANSFORMERS_CONFIG_FILE
     if not path.exists():
         raise FileNotFoundError(
@@ -461,7 +478,32 @@ def _read_config(directory: Path) -> tuple[dict[str, str], Path]:
             f"{path} has no slimformer quantization_config (quant_method {method!r}): a float or otherwise "
             "quantized checkpoint, which transformers' from_pretrained loads"
         )
-    return checked_modes(quantization.get("modules"), path), path
+    checkpoint_format = checked_checkpoint_format(quantization.get("checkpoint_format", 1), path)
+    return checked_modes(quantization.get("modules"), path), path, checkpoint_format
+
+
+def checked_checkpoint_format(value, source) -> int:
+    """``value`` if it is one of ``TRANSFORMERS_CHECKPOINT_FORMATS``; else ValueError naming ``source``."""
+    if isinstance(value, bool) or value not in TRANSFORMERS_CHECKPOINT_FORMATS:
+        raise ValueError(
+            f"{source}: checkpoint_format must be one of {TRANSFORMERS_CHECKPOINT_FORMATS}, got {value!r} "
+            "(written by a newer slimformer?)"
+        )
+    return value
+
+
+def _unflatten_int8_weights(model: nn.Module, modes, aliases, state: dict[str, torch.Tensor]) -> None:
+    """Give the flat int8 weights of ``state`` (checkpoint_format 2) their Linears' (out, in)
+    shape; a weight of another size is left for the strict load to report."""
+    for first, mode in modes.items():
+        if mode not in INT8_MODES:
+            continue
+        linear = model.get_submodule(first)
+        shape = (linear.out_features, linear.in_features)
+        for key in (f"{alias}.weight" for alias in aliases[first]):
+            weight = state.get(key)
+            if weight is not None and weight.dim() == 1 and weight.numel() == math.prod(shape):
+                state[key] = weight.view(shape)
 
 
 def _read_json(path: Path):

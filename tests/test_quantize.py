@@ -241,8 +241,12 @@ def test_calibration_must_reach_every_linear():
 
 def test_calibration_restores_training_mode_and_removes_hooks():
     model = tiny_bert().train()
-    quantize(model, "int8", calibration=batches(1))
+    query = model.encoder.layer[0].attention.self.query
+    calibrate_activations(model, {"encoder.layer.0.attention.self.query": query}, batches(1))
     assert model.training and model.encoder.layer[0].training
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    quantize(model, "int8", calibration=batches(1))  # which then leaves the model in eval mode
+    assert not any(m.training for m in model.modules())
     assert all(not m._forward_pre_hooks for m in model.modules())
 
 

@@ -6,7 +6,8 @@ with transformers (``register_quantization_config`` / ``register_quantizer``), s
 - ``AutoModel.from_pretrained(float_dir, quantization_config=SlimformerInt8Config("int8"))``
   quantizes on load, to the same bits as ``slimformer.quantize`` of the float model;
 - ``model.save_pretrained(dir)`` writes the quantized state_dict (int8 weights, bfloat16
-  scales, SmoothQuant factors; as ``save_quantized``) and, in config.json's
+  scales, SmoothQuant factors; as ``save_quantized``, but each int8 weight flattened to
+  (out_features · in_features,), ``checkpoint_format`` 2) and, in config.json's
   ``quantization_config``, the record of which module has which mode;
 - ``AutoModel.from_pretrained(dir)`` reloads it without a float copy of any quantized
   Linear: transformers builds the model on the meta device, the recorded nn.Linears are
@@ -24,9 +25,18 @@ works the same way.
 Memory: loading a saved int8 model holds the int8 model and little else. Quantizing on
 load peaks above a float load: transformers maps the whole float file, and every page
 of it that was read stays resident until the load ends; save the quantized model once
-and load that. transformers only knows "slimformer" once this module is imported
-(``import slimformer`` does it): before, it loads such a checkpoint as a float model,
-with a warning.
+and load that.
+
+transformers only knows "slimformer" once this module is imported (``import slimformer``
+does it). Without it, transformers warns "Unknown quantization type, got slimformer",
+skips the quantization and builds the float model, which would take int8 values into its
+float Linears (an int8 weight loads into a float one of the same shape). The flat int8
+weights prevent that: their shape is no float Linear's, so the load report lists them as
+mismatched and ``from_pretrained`` raises RuntimeError (unless called with
+``ignore_mismatched_sizes=True``, which initializes those Linears afresh, as the report
+says). A checkpoint whose quantized layers are all 16-bit holds float weights of the
+Linears' shapes, which load into float Linears as the values they are. Records written before
+``checkpoint_format`` existed (format 1: int8 weights (out, in)) still load with slimformer.
 """
 
 import copy
@@ -44,7 +54,9 @@ from slimformer.layers.linear import FLOAT16_MODES, Linear8bit, Linear16bit
 from slimformer.quantize import (
     DEFAULT_SKIP,
     MODES,
+    TRANSFORMERS_CHECKPOINT_FORMAT,
     TRANSFORMERS_QUANT_METHOD,
+    checked_checkpoint_format,
     checked_modes,
     linears_to_convert,
     quantized_modules,
@@ -70,10 +82,14 @@ class SlimformerInt8Config(QuantizationConfigMixin):
         then only tell how they were chosen). None: the rule above decides.
     smoothed_modules: the "int8" modules of the record that carry SmoothQuant factors
         (``quantize(..., calibration=...)``; calibration cannot run inside a load).
+    checkpoint_format: how a saved record's int8 weights are laid out
+        (``slimformer.quantize.TRANSFORMERS_CHECKPOINT_FORMATS``): 2, flattened, as
+        ``save_pretrained`` writes them now (the default); 1, (out, in), a record that has
+        none (``from_dict``), written before the flat layout.
 
-    Raises ValueError on an unknown mode or quant_method, a bad record, or smoothed
-    modules outside the record's "int8" ones; TypeError if modules_to_not_convert is not
-    a sequence of names.
+    Raises ValueError on an unknown mode, quant_method or checkpoint_format, a bad record,
+    or smoothed modules outside the record's "int8" ones; TypeError if
+    modules_to_not_convert is not a sequence of names.
     """
 
     def __init__(
@@ -83,9 +99,11 @@ class SlimformerInt8Config(QuantizationConfigMixin):
         modules: dict[str, str] | None = None,
         smoothed_modules: Sequence[str] = (),
         quant_method: str = TRANSFORMERS_QUANT_METHOD,
+        checkpoint_format: int = TRANSFORMERS_CHECKPOINT_FORMAT,
     ) -> None:
         if quant_method != TRANSFORMERS_QUANT_METHOD:
             raise ValueError(f"quant_method must be {TRANSFORMERS_QUANT_METHOD!r}, got {quant_method!r}")
+        checked_checkpoint_format(checkpoint_format, "SlimformerInt8Config")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         _check_names("modules_to_not_convert", modules_to_not_convert)
@@ -100,6 +118,14 @@ class SlimformerInt8Config(QuantizationConfigMixin):
         self.modules_to_not_convert = list(modules_to_not_convert)
         self.modules = None if modules is None else dict(modules)
         self.smoothed_modules = sorted(smoothed_modules)
+        self.checkpoint_format = checkpoint_format
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        """The config of a dict (config.json's ``quantization_config``); a record without
+        ``checkpoint_format`` has format 1, the layout written before the field existed."""
+        config_dict = {"checkpoint_format": 1, **config_dict}
+        return super().from_dict(config_dict, return_unused_kwargs=return_unused_kwargs, **kwargs)
 
 
 def _check_names(name: str, value) -> None:
@@ -133,8 +159,11 @@ class SlimformerHfQuantizer(HfQuantizer):
                 raise ValueError(f"model has no torch.nn.Linear left to quantize (modules_to_not_convert={skip})")
             modes = dict.fromkeys(linears, config.mode)
         smoothed = set(config.smoothed_modules)
+        flat = self.pre_quantized and config.checkpoint_format >= 2
         skeletons = {
-            first: _skeleton(model.get_submodule(first), mode, smoothed=not smoothed.isdisjoint(aliases[first]))
+            first: _skeleton(
+                model.get_submodule(first), mode, smoothed=not smoothed.isdisjoint(aliases[first]), flat=flat
+            )
             for first, mode in modes.items()
         }
         swap_modules(model, {alias: skeletons[first] for first in skeletons for alias in aliases[first]})
@@ -150,11 +179,16 @@ class SlimformerHfQuantizer(HfQuantizer):
         return _QuantizeOnLoad()
 
     def _process_model_after_weight_loading(self, model, **kwargs):
+        for layer in model.modules():
+            if isinstance(layer, Linear8bit) and layer.weight.dim() == 1:  # loaded flat (checkpoint_format 2)
+                layer.weight = layer.weight.view(layer.out_features, layer.in_features)
         _write_record(self.quantization_config, model)
         return model
 
     def get_state_dict_and_metadata(self, model):
-        """Refuse to save a quantized tied Linear (``save_pretrained`` calls this first)."""
+        """The state_dict ``save_pretrained`` writes: the model's, each int8 weight flattened
+        (``checkpoint_format`` 2), which replaces a ``state_dict=`` given to it, as for
+        transformers' other quantizers. Refuses a quantized tied Linear."""
         tied = [name for name in _tied_linears(model) if isinstance(model.get_submodule(name), _QUANTIZED)]
         if tied:
             raise ValueError(
@@ -162,7 +196,12 @@ class SlimformerHfQuantizer(HfQuantizer):
                 "on load, so their quantized copies cannot be saved: quantize with them skipped (skip=, "
                 "modules_to_not_convert=; slimformer's default skips the heads)"
             )
-        return None, {}
+        state = model.state_dict()
+        for name, layer in model.named_modules(remove_duplicate=False):
+            if isinstance(layer, Linear8bit) and f"{name}.weight" in state:
+                state[f"{name}.weight"] = state[f"{name}.weight"].reshape(-1)
+        model.config.quantization_config.checkpoint_format = TRANSFORMERS_CHECKPOINT_FORMAT
+        return state, {}
 
     def _dequantize(self, model, dtype=None):
         """Swap every slimformer layer back for an nn.Linear of its dequantized weight (smoothing undone)."""
@@ -212,13 +251,17 @@ def _tied_linears(model) -> list[str]:
     return sorted(name for name in names if isinstance(model.get_submodule(name), (nn.Linear, *_QUANTIZED)))
 
 
-def _skeleton(linear: nn.Linear, mode: str, *, smoothed: bool) -> nn.Module:
-    """The empty layer of ``mode`` for ``linear``, on its device (meta, in a transformers load)."""
+def _skeleton(linear: nn.Linear, mode: str, *, smoothed: bool, flat: bool) -> nn.Module:
+    """The empty layer of ``mode`` for ``linear``, on its device (meta, in a transformers load);
+    ``flat``: an int8 layer's weight (out * in,), as checkpoint_format 2 saves it, until loaded."""
     sizes = (linear.in_features, linear.out_features, linear.bias is not None, linear.weight.device)
     if mode in FLOAT16_MODES:
         return Linear16bit(*sizes, FLOAT16_MODES[mode])
     bias_dtype = None if linear.bias is None else linear.bias.dtype
-    return Linear8bit(*sizes, bias_dtype, mode=mode, smoothed=smoothed)
+    layer = Linear8bit(*sizes, bias_dtype, mode=mode, smoothed=smoothed)
+    if flat:
+        layer.weight = layer.weight.reshape(-1)
+    return layer
 
 
 def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
@@ -232,6 +275,7 @@ def _float_linear(layer: nn.Module, dtype: torch.dtype) -> nn.Linear:
 
 
 def _write_record(config: SlimformerInt8Config, model: nn.Module) -> None:
+    config.checkpoint_format = TRANSFORMERS_CHECKPOINT_FORMAT
     config.modules = quantized_modules(model)
     config.smoothed_modules = sorted(
         name
