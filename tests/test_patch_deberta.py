@@ -53,8 +53,11 @@ V3 = dict(
     position_biased_input=False,
 )
 TINY = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+# transformers' own test config: no relative attention, and "none" for the position terms.
+PLAIN = dict(relative_attention=False, pos_att_type="none", position_biased_input=True)
 # The variants of the attention the kernel must equal: v2's separate position projections, one
-# term alone, unbucketed positions, no relative attention, v2-xlarge's conv layer.
+# term alone, unbucketed positions, no relative attention (terms named, which count in the
+# scale, or "none"), v2-xlarge's conv layer.
 VARIANTS = {
     "v3": {},
     "v2-separate-projections": dict(share_att_key=False),
@@ -62,6 +65,7 @@ VARIANTS = {
     "p2c-only": dict(pos_att_type=["p2c"]),
     "unbucketed": dict(position_buckets=-1, max_relative_positions=6),
     "no-relative-attention": dict(relative_attention=False, position_biased_input=True),
+    "plain-attention": PLAIN,
     "conv-layer": dict(conv_kernel_size=3, norm_rel_ebd="none"),
 }
 
@@ -262,7 +266,7 @@ def _unpadded_gradients_match(name, ids, mask, refuse=lambda: None, **config):
     _assert_grads_close(grads, {k: p.grad for k, p in expected.items() if p.grad is not None})
 
 
-@pytest.mark.parametrize("variant", ["v3", "c2p-only", "unbucketed"])
+@pytest.mark.parametrize("variant", ["v3", "c2p-only", "unbucketed", "plain-attention"])
 def test_unpadded_model_matches_hfs_at_the_real_tokens(variant, original_refused):
     ids, mask = _batch(_config())
     _unpadded_gradients_match("DebertaV2ForTokenClassification", ids, mask, original_refused, **VARIANTS[variant])
@@ -305,9 +309,30 @@ def test_unsupported_attention_is_left_with_the_reason():
     assert "not a DeBERTa-v2 layer verified" in left["encoder.layer.0"]
 
 
-def test_int8_quantized_patched_model_stays_close():
-    reference = _model("DebertaV2ForSequenceClassification").eval()
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "pos_att_type", ["none", None, ["c2p", "p2c"], ["p2p"]], ids=["none", "None", "c2p-p2c", "p2p"]
+)
+def test_plain_attention_layers_fuse(name, pos_att_type, original_refused):
+    # without relative attention HF computes no position term, whatever pos_att_type names
+    reference = _model(name, **{**PLAIN, "pos_att_type": pos_att_type}).eval()
+    keys = list(reference.state_dict())
+    model = patch(copy.deepcopy(reference))
+    assert not [item.name for item in patch_summary(model).left if ".encoder" in f".{item.name}"]
+    assert all(isinstance(layer, FusedDebertaV2LayerMixin) for layer in model.base_model.encoder.layer)
+    assert list(model.state_dict()) == keys
+    assert_eval_outputs_match(reference, model, *_batch(model.config), original_refused)
+    unpatch(model)
+    assert type(model.base_model.encoder) is hf.DebertaV2Encoder
+    assert all(type(layer) is hf.DebertaV2Layer for layer in model.base_model.encoder.layer)
+    assert list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("config", [{}, PLAIN], ids=["v3", "plain-attention"])
+def test_int8_quantized_patched_model_stays_close(config):
+    reference = _model("DebertaV2ForSequenceClassification", **config).eval()
     model = sf.quantize(patch(copy.deepcopy(reference)), "int8")
+    assert all(isinstance(layer, FusedDebertaV2LayerMixin) for layer in model.deberta.encoder.layer)
     ids, mask = _batch(model.config)
     with torch.no_grad():
         got, want = model(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits

@@ -28,6 +28,12 @@ padded query rows attend to every key with equal weight (all their scores are
 ``finfo.min``); the kernel gives them that too (``query_padding_mask``), so every output
 position equals HF's.
 
+A config without relative attention (``relative_attention=False``, as in transformers' own
+test config, ``pos_att_type="none"``) has plain attention layers and no relative-position
+embeddings: they run the same kernel with no position term, which keeps HF's padded query
+rows, and the scale HF gives them, 1 / sqrt(head_dim · (1 + the c2p / p2c named in
+pos_att_type)).
+
 With ``unpad=True``, ``DebertaV2Model`` becomes ``UnpaddedDebertaV2Model``
 (``DebertaV2Unpadding``): the real tokens only, every sequence at its own relative positions
 through ``varlen_disentangled_attention``. A batch with padding between two tokens of a row
@@ -37,7 +43,8 @@ with v2-xlarge's conv layer.
 Left, with the reason in the summary: ``DebertaV2Embeddings`` (its mask multiply sits
 between the LayerNorm and the dropout), DeBERTa-v1 (``DebertaLayer``: a fused in_proj and
 another position layout), activations other than gelu / gelu_new / gelu_pytorch_tanh /
-relu, head dims above 256, and classes that only look like a DeBERTa-v2 layer or encoder.
+relu, head dims above 256, position terms other than c2p and p2c with relative attention,
+and classes that only look like a DeBERTa-v2 layer or encoder.
 """
 
 import torch
@@ -233,8 +240,10 @@ def _class_name(module: nn.Module) -> tuple[str, str]:
 def _deberta_layer_problem(layer: nn.Module) -> str | None:
     """Why ``layer`` (a DebertaV2Layer) cannot be fused, or None."""
     attn = layer.attention.self
-    unknown = [term for term in attn.pos_att_type if term not in _POSITION_TERMS]
-    if unknown:
+    # HF adds a position term for "c2p" and "p2c" only, and only with relative attention ("none":
+    # neither); without it the layer is plain attention, whose scale still counts the terms named.
+    unknown = [term for term in attn.pos_att_type if term not in (*_POSITION_TERMS, "none")]
+    if attn.relative_attention and unknown:
         return f"pos_att_type {unknown} has no fused kernel (supported: c2p, p2c)"
     if attn.relative_attention and not attn.share_att_key:
         for term, name in zip(_POSITION_TERMS, ("pos_key_proj", "pos_query_proj")):
