@@ -43,16 +43,31 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from slimformer._cli_args import positive_int
+
+SHAPE = (4, 4, 512)  # layers, batch, seq
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.compile_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=positive_int, default=SHAPE[0])
+    parser.add_argument("--batch", type=positive_int, default=SHAPE[1])
+    parser.add_argument("--seq", type=positive_int, default=SHAPE[2])
+    parser.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns (names as in the table)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from slimformer._cli_args import positive_int
 from slimformer.memory.cli import bert_config, bert_inputs, build_bert
 from slimformer.patch import patch
 from slimformer.recompute import POLICIES
 
-SHAPE = (4, 4, 512)  # layers, batch, seq
 HF_BUDGETS = (0.5, 0.1)
 EAGER_MASK_POLICY = "qkv+mlp"  # the policy also measured compiled with the eager attention's mask
 KEPT_TOLERANCE = 0.10  # compiled kept bytes at most 10% above eager's
@@ -222,11 +237,7 @@ def target_lines(results: dict[str, StepMemory]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.compile_memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=positive_int, default=SHAPE[0])
-    parser.add_argument("--batch", type=positive_int, default=SHAPE[1])
-    parser.add_argument("--seq", type=positive_int, default=SHAPE[2])
-    parser.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns (names as in the table)")
+    parser = _parser()
     args = parser.parse_args(argv)
     shape = (args.layers, args.batch, args.seq)
     print("\n".join(lines(measure(*shape, selected=args.columns), shape)))

@@ -34,10 +34,25 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from slimformer._cli_args import positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.cpu_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--skip-peak", action="store_true")
+    parser.add_argument("--skip-time", action="store_true")
+    parser.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns (HF eager is always in)")
+    parser.add_argument("--profile", metavar="COLUMN", help="print torch.profiler's table for a policy or 'HF eager'")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from torch import nn
 
-from slimformer._cli_args import positive_int
 from slimformer.memory import peak_memory
 from slimformer.memory.cli import bert_config, bert_inputs, build_bert
 from slimformer.patch import patch
@@ -223,12 +238,7 @@ def profile(policy: str, rows: int = 25) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cpu_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--skip-peak", action="store_true")
-    parser.add_argument("--skip-time", action="store_true")
-    parser.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns (HF eager is always in)")
-    parser.add_argument("--profile", metavar="COLUMN", help="print torch.profiler's table for a policy or 'HF eager'")
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.profile:
         print(profile(args.profile))

@@ -59,19 +59,34 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from slimformer._cli_args import positive_int
+from tools.results import add_output_arguments, refuse_to_replace, shown
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.deberta", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny dims, a smoke run of every part (seconds)")
+    parser.add_argument(
+        "--rounds", type=positive_int, default=None, help="interleaved timing rounds (default 7; quick 2)"
+    )
+    add_output_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from torch import nn
 
 import slimformer as sf
 from bench.compile_memory import _allocations, _running_peak
 from bench.harness import device_name, git_revision
-from slimformer._cli_args import positive_int
 from slimformer.integrations.hf.deberta import FusedDebertaV2LayerMixin
 from slimformer.memory import measure_activation_memory
 from slimformer.plan import profile, synthetic_batch
 from slimformer.plan.planner import choose, largest_batch
 from slimformer.recompute import POLICIES
-from tools.results import add_output_arguments, refuse_to_replace, shown
 
 MiB, GiB = 2**20, 2**30
 DEBERTA_V3_BASE = dict(
@@ -586,12 +601,7 @@ def report(settings: Settings, rounds: int, log) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.deberta", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny dims, a smoke run of every part (seconds)")
-    parser.add_argument(
-        "--rounds", type=positive_int, default=None, help="interleaved timing rounds (default 7; quick 2)"
-    )
-    add_output_arguments(parser)
+    parser = _parser()
     args = parser.parse_args(argv)
     rounds = args.rounds if args.rounds is not None else (2 if args.quick else 7)
     if rounds < 1:

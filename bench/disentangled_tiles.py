@@ -19,10 +19,25 @@ import math
 import time
 from pathlib import Path
 
+from slimformer._cli_args import output_dir, positive_float
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.disentangled_tiles", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=output_dir, required=True, help="folder for disentangled-tiles.{md,json}")
+    parser.add_argument(
+        "--budget", type=positive_float, default=200.0, help="seconds before no new configuration starts"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a report already in --out")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 
 import slimformer as sf
-from slimformer._cli_args import output_dir, positive_float
 from slimformer.kernels.attention import disentangled
 
 SHAPE = (8, 12, 512, 64)
@@ -104,12 +119,7 @@ def _write(out: Path, report: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.disentangled_tiles", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=output_dir, required=True, help="folder for disentangled-tiles.{md,json}")
-    parser.add_argument(
-        "--budget", type=positive_float, default=200.0, help="seconds before no new configuration starts"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace a report already in --out")
+    parser = _parser()
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench.disentangled_tiles times the compiled kernels: it needs a CUDA GPU")

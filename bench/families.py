@@ -33,15 +33,43 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimformer._cli_args import positive_int
+from tools.results import add_output_arguments, refuse_to_replace, shown
+
+FAMILY_NAMES = ("BERT", "DistilBERT", "MPNet", "ModernBERT", "ALBERT")  # FAMILIES' keys, known before torch
+
+
+def _family_names(text: str) -> list[str]:
+    """An argparse type: a comma-separated subset of FAMILY_NAMES."""
+    families = [name.strip() for name in text.split(",") if name.strip()]
+    if not families or any(name not in FAMILY_NAMES for name in families):
+        raise argparse.ArgumentTypeError(f"expected some of {list(FAMILY_NAMES)}, comma-separated, got {text!r}")
+    return families
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.families", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--families",
+        type=_family_names,
+        default=list(FAMILY_NAMES),
+        help=f"comma-separated subset of {list(FAMILY_NAMES)}",
+    )
+    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (default 3)")
+    add_output_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from tqdm.auto import tqdm
 
 import slimformer as sf
 from bench.harness import device_name
 from bench.unpad import BATCH, MAX_LEN, SPEEDUP, sentence_lengths
-from slimformer._cli_args import positive_int
 from slimformer.memory import measure_activation_memory
-from tools.results import add_output_arguments, refuse_to_replace, shown
 
 SEQ, MLM_LAYERS, MLM_BATCH, LABELLED = 512, 2, 4, 0.15
 TARGETS = {"none": 0.25, "qkv+mlp": 0.08}
@@ -310,15 +338,9 @@ def report(families: list[str], rounds: int, log=print) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.families", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated subset of {list(FAMILIES)}")
-    parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds (default 3)")
-    add_output_arguments(parser)
+    parser = _parser()
     args = parser.parse_args(argv)
-    families = [name.strip() for name in args.families.split(",") if name.strip()]
-    unknown = [name for name in families if name not in FAMILIES]
-    if unknown or not families:
-        parser.error(f"--families must name some of {list(FAMILIES)}, got {args.families!r}")
+    families = args.families
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     path = Path(args.out) / RESULT_FILE

@@ -21,10 +21,34 @@ import statistics
 import time
 from collections.abc import Callable
 
+from slimformer._cli_args import positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.host_overhead",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, else float32)"
+    )
+    parser.add_argument("--rounds", type=positive_int, default=15, help="rounds per measurement (default 15)")
+    parser.add_argument("--calls", type=positive_int, default=50, help="calls per round (default 50)")
+    parser.add_argument("--large", action="store_true", help="BERT-base-sized tensors instead of tiny ones")
+    parser.add_argument(
+        "-k", dest="only", action="append", help="run only the groups whose title contains this (repeatable)"
+    )
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 import torch.nn.functional as F
-
-from slimformer._cli_args import positive_int
 
 
 @torch.library.custom_op("slimformer_bench::noop_clone", mutates_args=())
@@ -182,22 +206,7 @@ def _table(title: str, rows: list[tuple[str, str, str, str]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m bench.host_overhead",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawTextHelpFormatter,
-    )
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available, else cpu)")
-    parser.add_argument(
-        "--dtype", default=None, help="float32, float16, bfloat16 (default: bfloat16 on CUDA, else float32)"
-    )
-    parser.add_argument("--rounds", type=positive_int, default=15, help="rounds per measurement (default 15)")
-    parser.add_argument("--calls", type=positive_int, default=50, help="calls per round (default 50)")
-    parser.add_argument("--large", action="store_true", help="BERT-base-sized tensors instead of tiny ones")
-    parser.add_argument(
-        "-k", dest="only", action="append", help="run only the groups whose title contains this (repeatable)"
-    )
-    parser.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
+    parser = _parser()
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -38,16 +38,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
+from tools.results import add_output_arguments, refuse_to_replace, shown
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.int8_inference", description=__doc__.split("\n\n")[0])
+    add_output_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from safetensors.torch import save_model  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from safetensors.torch import save_model
 
-from bench.harness import device_name, device_slug  # noqa: E402
-from tools.results import add_output_arguments, refuse_to_replace, shown  # noqa: E402
+from bench.harness import device_name, device_slug
 
 BATCHES = (1, 8, 32)
 SEQ = 128
@@ -319,8 +330,7 @@ def int8_inference_section(device: torch.device, plot_path: Path, log=print) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.int8_inference", description=__doc__.split("\n\n")[0])
-    add_output_arguments(parser)
+    parser = _parser()
     args = parser.parse_args(argv)
     device = torch.device("cpu")
     name = device_name(device)

@@ -31,12 +31,23 @@ import sys
 import time
 from collections import defaultdict
 
+from tools.results import add_output_arguments, refuse_to_replace, shown
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
+    add_output_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.harness import device_name, device_slug
 from bench.int8_inference import SEQ, _load, _timing_batch
-from tools.results import add_output_arguments, refuse_to_replace, shown
 
 BATCHES = (1, 8)
 # Profiled forwards per variant and batch size, after one warm-up forward each.
@@ -181,8 +192,7 @@ def int8_profile_section(log=print) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.int8_profile", description=__doc__.split("\n\n")[0])
-    add_output_arguments(parser)
+    parser = _parser()
     args = parser.parse_args(argv)
     name = device_name(torch.device("cpu"))
     markdown = args.out / f"{device_slug(name, 'cpu')}-int8-profile.md"

@@ -20,10 +20,24 @@ import argparse
 import copy
 import gc
 
+from slimformer._cli_args import fraction, positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.mlm_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--seq", type=positive_int, default=512)
+    parser.add_argument("--masked", type=fraction, default=0.15)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 
 import slimformer as sf
-from slimformer._cli_args import fraction, positive_int
 from slimformer.memory import format_bytes, measure_activation_memory
 
 COLUMNS = {"HF eager": None, "slimformer none": "none", "slimformer qkv+mlp": "qkv+mlp"}
@@ -91,11 +105,7 @@ def mlm_memory_section(device: torch.device, log=print) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.mlm_memory", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=positive_int, default=2)
-    parser.add_argument("--batch", type=positive_int, default=4)
-    parser.add_argument("--seq", type=positive_int, default=512)
-    parser.add_argument("--masked", type=fraction, default=0.15)
+    parser = _parser()
     args = parser.parse_args(argv)
     models = _models(args.layers)
     inputs = _inputs(models["HF eager"][0].config.vocab_size, args.batch, args.seq, args.masked)

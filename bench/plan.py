@@ -59,12 +59,32 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
+from slimformer._cli_args import positive_int
+from tools.results import add_output_arguments, refuse_to_replace, shown
+
+SECTIONS = ("accuracy", "monotonic", "fits", "floor", "side")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny dims and a few configurations (about 2 minutes)")
+    parser.add_argument("--skip", nargs="+", choices=SECTIONS, default=[], metavar="SECTION", help=f"of {SECTIONS}")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="timing rounds (fits, side by side)")
+    parser.add_argument(
+        "--budgets", type=positive_int, default=None, help="budgets of the monotonic section (20; quick 5)"
+    )
+    add_output_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from torch import nn
 
 from bench.compile_memory import _allocations, _running_peak
 from bench.harness import device_name, git_revision
-from slimformer._cli_args import positive_int
 from slimformer.layers.policies import POLICIES
 from slimformer.patch import patch
 from slimformer.plan import (
@@ -78,9 +98,7 @@ from slimformer.plan import (
 from slimformer.plan.optimizer import InBackwardOptimizer, make_optimizer
 from slimformer.plan.planner import Rung, choose
 from slimformer.plan.profile import MemoryProfile, Prediction
-from tools.results import add_output_arguments, refuse_to_replace, shown
 
-SECTIONS = ("accuracy", "monotonic", "fits", "floor", "side")
 VOCAB = 30522  # real BERT's: the masked-LM logits and the embedding's gradient are a large part of a step
 DIMS = {  # hidden, heads, FFN, vocab
     "base": (768, 12, 3072, VOCAB),
@@ -824,14 +842,7 @@ def _header(
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny dims and a few configurations (about 2 minutes)")
-    parser.add_argument("--skip", nargs="+", choices=SECTIONS, default=[], metavar="SECTION", help=f"of {SECTIONS}")
-    parser.add_argument("--rounds", type=positive_int, default=3, help="timing rounds (fits, side by side)")
-    parser.add_argument(
-        "--budgets", type=positive_int, default=None, help="budgets of the monotonic section (20; quick 5)"
-    )
-    add_output_arguments(parser)
+    parser = _parser()
     args = parser.parse_args(argv)
     markdown: Path = args.out / ("cpu-plan-quick.md" if args.quick else "cpu-plan.md")
     refuse_to_replace(parser, [markdown], args.overwrite)

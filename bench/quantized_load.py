@@ -34,9 +34,22 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from slimformer._cli_args import positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.quantized_load", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=positive_int, default=12, help="encoder layers (default 12, BERT-base)")
+    parser.add_argument("--hidden", type=positive_int, default=768, help="hidden size (default 768; heads of 64)")
+    parser.add_argument("--vocab", type=positive_int, default=30522, help="vocabulary size (default 30522)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
+import torch
 
 MiB = 2**20
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,11 +156,7 @@ def _table(results: list[dict], config) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.quantized_load", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=positive_int, default=12, help="encoder layers (default 12, BERT-base)")
-    parser.add_argument("--hidden", type=positive_int, default=768, help="hidden size (default 768; heads of 64)")
-    parser.add_argument("--vocab", type=positive_int, default=30522, help="vocabulary size (default 30522)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser = _parser()
     args = parser.parse_args(argv)
     from transformers import BertConfig
 

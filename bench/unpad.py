@@ -45,10 +45,22 @@ import gc
 import statistics
 import time
 
+from slimformer._cli_args import positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench.unpad", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--layers", type=positive_int, default=2)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from transformers import BertConfig, BertForSequenceClassification
 
-from slimformer._cli_args import positive_int
 from slimformer.memory import measure_activation_memory
 from slimformer.patch import patch
 from slimformer.quantize import quantize, sqnr_db
@@ -311,9 +323,7 @@ def int8_lines(times: dict[str, list[float]], agreement: dict[str, float], round
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.unpad", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--layers", type=positive_int, default=2)
+    parser = _parser()
     args = parser.parse_args(argv)
     print("\n".join(report_lines(args.layers, args.rounds)))
     return 0

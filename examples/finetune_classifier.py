@@ -30,6 +30,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimformer.layers.policies import POLICIES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import existing_dir, positive_float, positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python examples/finetune_classifier.py", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("model_dir", nargs="?", type=existing_dir, help="HF BERT folder (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--epochs", type=positive_int, default=8)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate of the head")
+    parser.add_argument("--encoder-lr", type=positive_float, default=5e-5, help="learning rate of the encoder")
+    parser.add_argument("--train-encoder", action="store_true", help="fine-tune the encoder too (slower)")
+    parser.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default=None,
+        metavar="POLICY",
+        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -38,10 +68,6 @@ from torch import nn
 import slimformer as sf
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import quantize
-from slimformer.recompute import POLICIES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arguments import existing_dir, positive_float, positive_int  # noqa: E402
 
 LABELS = ("sport", "business", "science/tech", "politics/world")
 QUANT_MODES = ("int8", "int8-weight-only")
@@ -294,23 +320,7 @@ def render(rows: list[Row], title: str) -> Table:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python examples/finetune_classifier.py", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("model_dir", nargs="?", type=existing_dir, help="HF BERT folder (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--epochs", type=positive_int, default=8)
-    parser.add_argument("--batch-size", type=positive_int, default=16)
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="learning rate of the head")
-    parser.add_argument("--encoder-lr", type=positive_float, default=5e-5, help="learning rate of the encoder")
-    parser.add_argument("--train-encoder", action="store_true", help="fine-tune the encoder too (slower)")
-    parser.add_argument(
-        "--recompute",
-        choices=POLICIES,
-        default=None,
-        metavar="POLICY",
-        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
+    parser = _parser()
     args = parser.parse_args(argv)
     # Set before transformers is imported (in ``finetune``): a local folder needs no network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

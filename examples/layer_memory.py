@@ -13,15 +13,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from slimformer.layers.policies import POLICIES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python examples/layer_memory.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=positive_int, default=512, help="sequence length (default 512)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from tqdm.auto import tqdm
 
 import slimformer as sf
 from slimformer.memory import measure_activation_memory
-from slimformer.recompute import POLICIES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arguments import positive_int  # noqa: E402
 
 HIDDEN, HEADS, FFN = 768, 12, 3072
 
@@ -56,8 +67,7 @@ def layer_memory(seq: int) -> dict[tuple[str, str], float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python examples/layer_memory.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seq", type=positive_int, default=512, help="sequence length (default 512)")
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.seq < 1:
         parser.error(f"--seq must be at least 1, got {args.seq}")

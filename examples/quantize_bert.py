@@ -32,6 +32,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import positive_int, unit_float
+
+MODES = ("float", "fp16", "int8", "int8-weight-only")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python examples/quantize_bert.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", nargs="?", type=Path, help="HF BERT folder (default: all-MiniLM-L6-v2)")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per mode (median reported)")
+    parser.add_argument("--smooth-alpha", type=unit_float, default=None, help="SmoothQuant strength for int8")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -42,10 +62,6 @@ from slimformer.kernels.dispatch import resolve_device
 from slimformer.layers.linear import Linear8bit, Linear16bit
 from slimformer.quantize import fidelity_report, quantize, quantized_modules, save_quantized
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arguments import positive_int, unit_float  # noqa: E402
-
-MODES = ("float", "fp16", "int8", "int8-weight-only")
 GPU_BASELINE = "fp16-torch"
 TOP_K = 5
 MAX_TOKENS = 128
@@ -550,13 +566,7 @@ def render(rows: list[Row], title: str) -> Table:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python examples/quantize_bert.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", nargs="?", type=Path, help="HF BERT folder (default: all-MiniLM-L6-v2)")
-    parser.add_argument("--batch-size", type=positive_int, default=32)
-    parser.add_argument("--repeats", type=positive_int, default=10, help="timed runs per mode (median reported)")
-    parser.add_argument("--smooth-alpha", type=unit_float, default=None, help="SmoothQuant strength for int8")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser = _parser()
     args = parser.parse_args(argv)
     # Set before transformers is imported (in ``compare``): a local folder needs no network.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

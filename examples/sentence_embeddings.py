@@ -27,17 +27,35 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import existing_dir, positive_int
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python examples/sentence_embeddings.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "path", nargs="?", type=existing_dir, help="sentence-transformers model folder (default: MiniLM)"
+    )
+    parser.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
+    parser.add_argument("--batch-size", type=positive_int, default=16, help="pairs per step (default 16)")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
+from quantize_bert import SENTENCES, default_model_dir  # the quantization example's 200 sentences, offline
 from rich.console import Console
 from rich.table import Table
 
 import slimformer as sf
 from slimformer.memory import measure_activation_memory
-
-# The sentences of the quantization example: 200 distinct, offline.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arguments import existing_dir, positive_int  # noqa: E402
-from quantize_bert import SENTENCES, default_model_dir  # noqa: E402
 
 MODES = ("int8", "int8-weight-only")
 
@@ -96,21 +114,6 @@ def retrieval(model, data: dict) -> tuple[torch.Tensor, float]:
     positives = model.encode(data["positive"], convert_to_tensor=True, normalize_embeddings=True)
     nearest = (anchors @ positives.T).argmax(1)
     return anchors, (nearest == torch.arange(len(nearest), device=nearest.device)).float().mean().item()
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python examples/sentence_embeddings.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 2)[2],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "path", nargs="?", type=existing_dir, help="sentence-transformers model folder (default: MiniLM)"
-    )
-    parser.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
-    parser.add_argument("--batch-size", type=positive_int, default=16, help="pairs per step (default 16)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -46,15 +46,59 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slimformer.layers.policies import POLICIES
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _arguments import positive_float, positive_int, probability
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python examples/train_bert_mlm.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--hidden", type=positive_int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
+    parser.add_argument("--steps", type=positive_int, default=100)
+    parser.add_argument(
+        "--dropout", type=probability, default=None, help="hidden and attention dropout (default: 0.1, BERT's)"
+    )
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--patch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="swap slimformer's fused layers in (default) or train plain HF BERT",
+    )
+    parser.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default=None,
+        metavar="POLICY",
+        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
+    )
+    parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
+    parser.add_argument("--log-every", type=positive_int, default=25, help="print the mean loss every N steps")
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="intra-op threads, torch.set_num_threads (default torch's, one per core); "
+        "the README's 1.7x is measured with --threads 1",
+    )
+    parser.add_argument("--no-memory-report", dest="memory_report", action="store_false")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 from rich.console import Console
 from tqdm.auto import tqdm
 
 import slimformer as sf
-from slimformer.recompute import POLICIES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arguments import positive_float, positive_int, probability  # noqa: E402
 
 # Standard-library modules whose docstrings make the corpus (all present in every CPython).
 STDLIB_MODULES = (
@@ -381,41 +425,7 @@ def _is_patched(model) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python examples/train_bert_mlm.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=positive_int, default=2)
-    parser.add_argument("--hidden", type=positive_int, default=128)
-    parser.add_argument("--heads", type=positive_int, default=2)
-    parser.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
-    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step")
-    parser.add_argument("--steps", type=positive_int, default=100)
-    parser.add_argument(
-        "--dropout", type=probability, default=None, help="hidden and attention dropout (default: 0.1, BERT's)"
-    )
-    parser.add_argument("--lr", type=positive_float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--patch",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="swap slimformer's fused layers in (default) or train plain HF BERT",
-    )
-    parser.add_argument(
-        "--recompute",
-        choices=POLICIES,
-        default=None,
-        metavar="POLICY",
-        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
-    )
-    parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
-    parser.add_argument("--log-every", type=positive_int, default=25, help="print the mean loss every N steps")
-    parser.add_argument(
-        "--threads",
-        type=positive_int,
-        default=None,
-        help="intra-op threads, torch.set_num_threads (default torch's, one per core); "
-        "the README's 1.7x is measured with --threads 1",
-    )
-    parser.add_argument("--no-memory-report", dest="memory_report", action="store_false")
+    parser = _parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.recompute is not None and not args.patch:

@@ -28,14 +28,44 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
-import slimformer as sf
-from slimformer.recompute import POLICIES
+from slimformer.layers.policies import POLICIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _arguments import output_file, positive_float, positive_int, probability  # noqa: E402
-from train_bert_mlm import SPECIALS, build_corpus, build_model, build_vocabulary, minilm_tokenizer_dir, token_blocks  # noqa: E402
+from _arguments import output_file, positive_float, positive_int, probability
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python examples/trainer_mlm.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--hidden", type=positive_int, default=128)
+    parser.add_argument("--heads", type=positive_int, default=2)
+    parser.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step, over all processes")
+    parser.add_argument("--steps", type=positive_int, default=50)
+    parser.add_argument("--dropout", type=probability, default=0.1, help="hidden and attention dropout (BERT's 0.1)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--recompute",
+        choices=POLICIES,
+        default="none",
+        metavar="POLICY",
+        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
+    )
+    parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
+    parser.add_argument("--losses", type=output_file, help="write the loss of every step here (JSON), from rank 0")
+    parser.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary folder)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
+import torch
+from train_bert_mlm import SPECIALS, build_corpus, build_model, build_vocabulary, minilm_tokenizer_dir, token_blocks
+
+import slimformer as sf
 
 MASK_FRACTION = 0.15
 
@@ -105,27 +135,7 @@ def make_trainer(args: argparse.Namespace, model, dataset, output_dir: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python examples/trainer_mlm.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=positive_int, default=2)
-    parser.add_argument("--hidden", type=positive_int, default=128)
-    parser.add_argument("--heads", type=positive_int, default=2)
-    parser.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
-    parser.add_argument("--batch", type=positive_int, default=16, help="sequences per step, over all processes")
-    parser.add_argument("--steps", type=positive_int, default=50)
-    parser.add_argument("--dropout", type=probability, default=0.1, help="hidden and attention dropout (BERT's 0.1)")
-    parser.add_argument("--lr", type=positive_float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--recompute",
-        choices=POLICIES,
-        default="none",
-        metavar="POLICY",
-        help=f"recompute policy of the patched layers: {', '.join(POLICIES)} (default none)",
-    )
-    parser.add_argument("--word-vocab", action="store_true", help="word vocabulary even if MiniLM's tokenizer is there")
-    parser.add_argument("--losses", type=output_file, help="write the loss of every step here (JSON), from rank 0")
-    parser.add_argument("--output-dir", default=None, help="the Trainer's output_dir (default: a temporary folder)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser = _parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

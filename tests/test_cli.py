@@ -273,27 +273,87 @@ def test_plan_knows_the_optimizers_of_the_planner():
     assert cli.OPTIMIZERS == OPTIMIZERS
 
 
-# python -m of these: --help is answered before torch is imported (lazy imports after parsing)
-LIGHT_HELP = ["slimformer.plan", "slimformer.memory", "bench.report", "bench.gpu_check", "tools.compile_report"]
-_HELP_CHECK = """
+# Every command, as a shell runs it (``python -m NAME`` or ``python examples/NAME.py``): --help and a
+# usage error are answered before torch and the other heavy libraries are imported (in well under a
+# second): the parser is built from the standard library and light modules only, and parsed before the
+# heavy imports (a module's ``if __name__ == "__main__":`` above them, or a package's lazy imports).
+COMMANDS = [
+    *[f"bench.{name}" for name in ("compile_memory", "cpu_step", "deberta", "disentangled_tiles", "families")],
+    *[f"bench.{name}" for name in ("host_overhead", "int8_inference", "int8_profile", "mlm_memory", "plan")],
+    *[f"bench.{name}" for name in ("quantized_load", "report", "unpad", "gpu_check")],
+    *[f"examples/{name}.py" for name in ("finetune_classifier", "layer_memory", "quantize_bert")],
+    *[f"examples/{name}.py" for name in ("sentence_embeddings", "train_bert_mlm", "trainer_mlm")],
+    "tools.compile_report", "tools.compile_report.tutorial", "slimformer.plan", "slimformer.memory",
+]  # fmt: skip
+HEAVY = ("torch", "transformers", "triton", "numpy", "matplotlib")
+_LIGHT_CHECK = f"""
 import runpy, sys
-heavy = []
-for module in sys.argv[1:]:
-    sys.argv = [module, "--help"]
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit:
-        pass
-    heavy += [f"{module} imported {name}" for name in ("torch", "transformers") if name in sys.modules]
-print(heavy, file=sys.stderr)
+command, *argv = sys.argv[1:]
+sys.argv = [command, *argv]
+try:
+    if command.endswith(".py"):
+        runpy.run_path(command, run_name="__main__")
+    else:
+        runpy.run_module(command, run_name="__main__", alter_sys=True)
+except SystemExit as exit:
+    print("exit code", exit.code, file=sys.stderr)
+print("imported", [name for name in {HEAVY!r} if name in sys.modules], file=sys.stderr)
 """
 
 
-def test_help_imports_no_torch():
+def _shell_command(path: Path) -> str:
+    """How a shell runs the command line in ``path``: ``python -m bench.plan``, ``examples/layer_memory.py``,
+    ``python -m tools.compile_report`` (a package's ``__main__.py``)."""
+    relative = path.relative_to(ROOT)
+    if relative.parts[0] == "examples":
+        return relative.as_posix()
+    parts = relative.with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__main__" else parts)
+
+
+def test_every_command_is_checked_for_a_light_help():
+    found = {
+        _shell_command(path)
+        for folder in ("bench", "examples", "tools")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.name == "__main__.py" or MAIN_GUARD in path.read_text()
+    }
+    assert found <= set(COMMANDS), sorted(found - set(COMMANDS))
+    parsers = {  # the files that build a parser belong to a listed command (its module or its package)
+        path.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".")
+        for folder in ("bench", "examples", "tools")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if "argparse.ArgumentParser(" in path.read_text()
+    }
+    dotted = [command.removesuffix(".py").replace("/", ".") for command in COMMANDS]
+    assert all(any(f"{m}.".startswith(f"{c}.") for c in dotted) for m in parsers), sorted(parsers)
+
+
+def _run_light(command: str, argv: list[str]) -> tuple[int, str, str]:
     result = subprocess.run(
-        [sys.executable, "-c", _HELP_CHECK, *LIGHT_HELP], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _LIGHT_CHECK, command, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
-    assert result.returncode == 0 and result.stderr.strip().splitlines()[-1] == "[]", result.stderr
+    assert result.returncode == 0, result.stderr
+    *err, code, imported = result.stderr.splitlines()
+    return int(code.removeprefix("exit code ")), "\n".join(err), imported
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_and_a_usage_error_import_nothing_heavy(command):
+    code, err, imported = _run_light(command, ["--help"])
+    assert code == 0 and imported == "imported []", (err, imported)
+    required = {"tools.compile_report.tutorial": ["06-fused-attention.py"], "slimformer.plan": ["--budget", "1GiB"]}
+    required["bench.disentangled_tiles"] = ["--out", "unused"]
+    code, err, imported = _run_light(command, [*required.get(command, []), "--no-such-option"])
+    errors = [line for line in err.splitlines() if ": error: " in line]
+    assert code == 2 and imported == "imported []", (err, imported)
+    assert len(errors) == 1 and "unrecognized arguments: --no-such-option" in errors[0], err
+
+
+def test_families_names_are_its_families():
+    from bench import families
+
+    assert families.FAMILY_NAMES == tuple(families.FAMILIES)
 
 
 def test_import_slimformer_is_light_and_exposes_every_public_name():

@@ -16,11 +16,27 @@ import json
 import sys
 from pathlib import Path
 
+from tools.compile_report.report import TUTORIAL_REFERENCE, loads_text
+from tools.results import refuse_to_replace, shown
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.compile_report.tutorial", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("path", help="a copy of python/tutorials/06-fused-attention.py")
+    parser.add_argument("--commit", default="unknown", help="the triton-lang/triton commit the copy is from")
+    parser.add_argument("--overwrite", action="store_true", help=f"replace {shown(TUTORIAL_REFERENCE)}")
+    return parser
+
+
+if __name__ == "__main__":  # --help and usage errors come before the imports below, which load torch
+    _parser().parse_args()
+
 import torch
 
 from tools.compile_report.capture import DEVICES, capture, load_module_from_file
 from tools.compile_report.figures import tile_instructions
-from tools.compile_report.report import TUTORIAL_REFERENCE, loads_text
 from tools.compile_report.sass import analyse
 
 MODULE = "triton_tutorial_fused_attention"
@@ -77,14 +93,7 @@ def measure(path: str, arch: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from tools.results import refuse_to_replace, shown
-
-    parser = argparse.ArgumentParser(
-        prog="python -m tools.compile_report.tutorial", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("path", help="a copy of python/tutorials/06-fused-attention.py")
-    parser.add_argument("--commit", default="unknown", help="the triton-lang/triton commit the copy is from")
-    parser.add_argument("--overwrite", action="store_true", help=f"replace {shown(TUTORIAL_REFERENCE)}")
+    parser = _parser()
     args = parser.parse_args(argv)
     if not Path(args.path).is_file():
         parser.error(f"path must be a copy of 06-fused-attention.py, got {args.path!r}, which is no file")
