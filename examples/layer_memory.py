@@ -69,8 +69,6 @@ def layer_memory(seq: int) -> dict[tuple[str, str], float]:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.seq < 1:
-        parser.error(f"--seq must be at least 1, got {args.seq}")
     kept = layer_memory(args.seq)
     print(f"bytes per token per hidden unit, BERT-base layer, seq {args.seq}, dropout 0.1, fp32")
     print("| layer | post-LN | pre-LN |\n|---|---|---|")
