@@ -281,6 +281,22 @@ def _plot(variants: list[Variant], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _products_line() -> str:
+    """Which exact int8 products this CPU has and which the measured choice ran."""
+    from collections import Counter
+
+    from slimformer.kernels import int8_cpu
+
+    chosen = Counter(int8_cpu.chosen_products().values())
+    shown = ", ".join(
+        f"`{name}` for {count} of {chosen.total()} (K, N, rows) classes" for name, count in chosen.items()
+    )
+    return (
+        f"int8 GEMM: exact here {', '.join(f'`{n}`' for n in int8_cpu.exact_products())}; "
+        f"chosen by measurement: {shown or 'none'}; int8 GEMMs fast here: {int8_cpu.int8_gemm_is_fast()}."
+    )
+
+
 def int8_inference_section(device: torch.device, plot_path: Path, log=print) -> list[str]:
     """Measure (CPU path, one thread), write the plot to ``plot_path``, return the markdown lines."""
     from slimformer.kernels.int8_cpu import cpu_isa
@@ -320,6 +336,8 @@ def int8_inference_section(device: torch.device, plot_path: Path, log=print) -> 
         f"`bench/int8_inference.py`: process CPU time of one forward, variants interleaved in each round "
         f"({rounds}), torch {torch.__version__}{_onnx_runtime_version()}. Fidelity: sentence embeddings (mean-pooled) of "
         f"{FIDELITY_SENTENCES} sentences vs fp32. Plot: `{plot_path.name}`.",
+        "",
+        _products_line(),
         "",
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),

@@ -348,8 +348,9 @@ _SCREEN_SHAPE = (16, 128, 128)
 _SCREEN_FACTOR = 50.0
 # Rows the race runs at: from about this many rows up, the ranking no longer changes.
 _RACE_ROWS = 256
-# In a race, a product whose first run takes this many times the fastest first run so far
+# A race's rounds; a product whose first run takes this many times the fastest first run
 # is not run again.
+_RACE_ROUNDS = 5
 _RACE_CUTOFF = 20.0
 # candidates -> the candidates that passed the screen
 _SCREENED: dict[tuple, tuple[str, ...]] = {}
@@ -391,9 +392,9 @@ def _screened(candidates: tuple[str, ...]) -> tuple[str, ...]:
 
 def choose_product(m: int, weight: torch.Tensor, int32: bool = False) -> ProductChoice:
     """The exact product to run ``(m, K) @ weight (N, K)ᵀ`` with on this CPU: the fastest of the
-    exact candidates that pass the screen (``_screened``), raced on ``min(m, 256)`` rows of
-    this weight once per process, thread count, (K, N) and row class (up to 16 rows, up to
-    128, more); or the one that ``$SLIMFORMER_CPU_INT8_GEMM`` names when the choice is made
+    exact candidates that pass the screen (``_screened``), raced (``_race``) on ``min(m, 256)``
+    rows of this weight once per process, thread count, (K, N) and row class (up to 16 rows,
+    up to 128, more); or the one that ``$SLIMFORMER_CPU_INT8_GEMM`` names when the choice is made
     (``auto``, the default, measures; a name that is not a product or not exact here is a
     ValueError). ``int32``: only the products that return int32 (a forced ``onednn`` leaves
     their choice measured)."""
@@ -419,18 +420,24 @@ def _choose(m: int, weight: torch.Tensor, int32: bool) -> ProductChoice:
 
 
 def _race(candidates: tuple[str, ...], rows: int, weight: torch.Tensor) -> ProductChoice:
-    """The fastest of ``candidates`` on (rows, K) @ weightᵀ, with the fp32 GEMM's time beside it."""
+    """The fastest of ``candidates`` on (rows, K) @ weightᵀ, with the fp32 GEMM's time beside it:
+    on one thread (the products' ranking, not a busy machine's thread-pool stalls), the
+    candidates interleaved over ``_RACE_ROUNDS`` rounds, the best round of each."""
     q = _random_int8(rows, weight.shape[1])
-    first, times = {}, {}
-    for name in candidates:
-        start = time.perf_counter()
-        PRODUCTS[name](q, weight)
-        first[name] = time.perf_counter() - start
-        if first[name] <= _RACE_CUTOFF * min(first.values()):
-            times[name] = _best_us(lambda name=name: PRODUCTS[name](q, weight), warm_up=False)
     x, w = q.float(), weight.float()
-    best = min(times, key=times.get)
-    return ProductChoice(best, times[best], _best_us(lambda: torch.mm(x, w.t())))
+    runs = {name: (lambda name=name: PRODUCTS[name](q, weight)) for name in candidates}
+    runs["fp32"] = lambda: torch.mm(x, w.t())
+    with _one_thread():
+        first = {name: _best_us(run, 1, warm_up=False) for name, run in runs.items()}  # the warm-ups
+        fastest = min(first.values())
+        runs = {name: run for name, run in runs.items() if name == "fp32" or first[name] <= _RACE_CUTOFF * fastest}
+        best = dict.fromkeys(runs, math.inf)
+        for _ in range(_RACE_ROUNDS):
+            for name, run in runs.items():
+                best[name] = min(best[name], _best_us(run, 1, warm_up=False))
+    fp32_us = best.pop("fp32")
+    winner = min(best, key=best.get)
+    return ProductChoice(winner, best[winner], fp32_us)
 
 
 # (candidates) -> whether int8 GEMMs are fast
