@@ -366,3 +366,19 @@ def test_import_slimformer_is_light_and_exposes_every_public_name():
     )
     result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_package_function_named_like_its_module_stays_the_function_once_the_module_is_imported():
+    # importing slimformer.memory.report (the module) binds the package attribute to it unless
+    # the package keeps it: sf.memory.report must stay the report function
+    check = (
+        "import sys, slimformer as sf, slimformer.memory.report, slimformer.plan.profile, slimformer.patch, "
+        "slimformer.plan.planner, slimformer.quantize, slimformer.recompute\n"
+        "plan_package = sys.modules['slimformer.plan']\n"
+        "names = [sf.memory.report, plan_package.profile, sf.plan, sf.patch, sf.quantize, sf.recompute]\n"
+        "from slimformer.memory import report\n"
+        "assert all(callable(f) and not isinstance(f, type(sf)) for f in [*names, report]), names\n"
+        "print('ok')"
+    )
+    result = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "ok", result.stderr

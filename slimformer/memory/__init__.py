@@ -4,6 +4,8 @@ CUDA (``peak_memory``). ``python -m slimformer.memory`` (``cli``) reports a HF B
 patched; it alone imports the conversion, when it runs."""
 
 import importlib
+import sys
+import types
 
 # Public name -> its module, imported on first use (PEP 562): ``python -m slimformer.memory``
 # builds its parser (and answers --help) before torch is imported.
@@ -24,6 +26,19 @@ __all__ = [
     "peak_memory",
     "report",
 ]
+
+
+class _Package(types.ModuleType):
+    """Importing slimformer.memory.report (the module) would bind the package's ``report`` to it;
+    the package's ``report`` is the report function, so the binding is left out."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "report" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):
