@@ -340,10 +340,6 @@ def _attention_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     k = load_rows(K + tile_n[:, None] * stride_ks + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
     v = load_rows(V + tile_n[:, None] * stride_vs + offs_d[None, :], offs_n, seq_k, offs_d, HEAD_DIM, BLOCK_D, True)
-    if HAS_KPM:
-        padding = key_padding(KPM, off_b, stride_kpb, stride_kpn, pid_n * BLOCK_N, offs_n, seq_k)
-        k = without_padding(k, padding)
-        v = without_padding(v, padding)
     seed = 0
     if HAS_DROPOUT:
         seed = tl.load(SEED)
@@ -546,7 +542,10 @@ def _attention_bwd_dkdv_kernel(
                 HAS_WINDOW,
             )
 
-    if HAS_KPM:  # nothing read a padding key: zero, even where a NaN row's p is NaN
+    if HAS_KPM:
+        # A key's dk, dv read only its own k, v (a padding key's score is −inf, so its p is 0):
+        # zeroing them here keeps a NaN in a padding key's k or v, or a NaN row's p, out of them.
+        padding = key_padding(KPM, off_b, stride_kpb, stride_kpn, pid_n * BLOCK_N, offs_n, seq_k)
         dk = without_padding(dk, padding)
         dv = without_padding(dv, padding)
     store_rows(
@@ -624,28 +623,29 @@ def _attention_bwd_dq_tile(
         k = load_sequence_rows(K, offs_n, stride_ks, seq_k, offs_d, HEAD_DIM, BLOCK_D, EDGE)
         v = load_sequence_rows(V, offs_n, stride_vs, seq_k, offs_d, HEAD_DIM, BLOCK_D, EDGE)
     else:
+        # A padding key's k and v load as zeros (its row index moved past seq_k), or a NaN in
+        # them would reach dq through its ds of 0 and through dp (0 · NaN).
+        rows = offs_n
+        if HAS_KPM:
+            rows = tl.where(key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, offs_n, seq_k) == 0, offs_n, seq_k)
         k = load_rows(
             K + first_col * stride_ks + tile_n[:, None] * stride_ks + offs_d[None, :],
-            offs_n,
+            rows,
             seq_k,
             offs_d,
             HEAD_DIM,
             BLOCK_D,
-            EDGE,
+            EDGE or HAS_KPM,
         )
         v = load_rows(
             V + first_col * stride_vs + tile_n[:, None] * stride_vs + offs_d[None, :],
-            offs_n,
+            rows,
             seq_k,
             offs_d,
             HEAD_DIM,
             BLOCK_D,
-            EDGE,
+            EDGE or HAS_KPM,
         )
-    if HAS_KPM:
-        padding = key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, offs_n, seq_k)
-        k = without_padding(k, padding)
-        v = without_padding(v, padding)
     qk = dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = masked_scores(

@@ -108,9 +108,6 @@ def _attention_fwd_tile(
             EDGE,
             TMA,
         )
-    if HAS_KPM:
-        padding = key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, offs_n, seq_k)
-        k = without_padding(k, padding)
     qk = dot(q, tl.trans(k), None, PRECISION, UPCAST)
     if EDGE or MASK_KIND != 0 or HAS_KPM:
         s = masked_scores(
@@ -174,7 +171,9 @@ def _attention_fwd_tile(
             TMA,
         )
     if HAS_KPM:
-        v = without_padding(v, padding)
+        # A padding key's score is −inf (masked_scores), its p 0; its v zeroed too, or 0 · NaN
+        # would reach every row. The mask is read again here, not kept live across the tile.
+        v = without_padding(v, key_padding(KPM, off_b, stride_kpb, stride_kpn, start_n, offs_n, seq_k))
     p = p.to(v.dtype)
     if HAS_DROPOUT:
         words0, words1, byte = dropout_words(
