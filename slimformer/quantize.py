@@ -296,14 +296,15 @@ _warned_int8_is_slow = False
 
 
 def _warn_once_if_int8_is_slow_here() -> None:
-    """Once per process: W8A8 on a CPU without VNNI or AMX is no faster than fp32."""
+    """Once per process: W8A8 where no exact int8 GEMM measured fast here (``int8_cpu.int8_gemm_is_fast``)
+    is no faster than fp32."""
     global _warned_int8_is_slow
     if _warned_int8_is_slow or int8_cpu.int8_gemm_is_fast():
         return
     _warned_int8_is_slow = True
     warnings.warn(
-        f"slimformer 'int8' on this CPU ({int8_cpu.cpu_isa()}) is slower than fp32: without VNNI or AMX "
-        "an int8 GEMM that sums exactly is no faster than an fp32 one, and W8A8 adds the per-token "
+        f"slimformer 'int8' on this CPU ({int8_cpu.cpu_isa()}) is slower than fp32: no int8 GEMM that sums exactly "
+        "measured under half an fp32 GEMM's time here (without VNNI or AMX none does), and W8A8 adds the per-token "
         "quantization (1.1-1.2x fp32's latency on an AMD EPYC with AVX2). Faster here: the fp32 model, "
         "or 'int8-weight-only' (int8 weights, the fp32 GEMM on such CPUs); docs/quantization.md",
         UserWarning,
