@@ -15,9 +15,9 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
-import types
 import warnings
 
+from slimformer._lazy import make_lazy
 from slimformer._version import __version__
 
 # Public name -> the module defining it, imported on first use (PEP 562), so that importing
@@ -116,32 +116,8 @@ def _register_with_transformers() -> None:
 
 
 # slimformer.plan, .patch, .quantize and .recompute are modules whose public name in the
-# package is their function (sf.plan(...)): importing such a module would bind the package's
-# attribute to the module; the package leaves it unbound, and __getattr__ gives the function.
-_FUNCTION_OVER_MODULE = ("patch", "plan", "quantize", "recompute")
-
-
-class _Package(types.ModuleType):
-    def __setattr__(self, name: str, value) -> None:
-        if name in _FUNCTION_OVER_MODULE and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'slimformer' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name])
-    value = module if name == "memory" else getattr(module, name)  # sf.memory is the subpackage itself
-    globals()[name] = value  # found directly from now on
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+# package is their function (sf.plan(...)).
+make_lazy(__name__, _LAZY, ("patch", "plan", "quantize", "recompute"))
 
 
 class _RegisterAfterLoading(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -12,20 +12,20 @@ measurements, and the per-layer recompute policies that fit it in a budget.
 ``python -m slimformer.plan --help``: the command line.
 """
 
-import importlib
-import sys
-import types
+from slimformer._lazy import make_lazy
 
 # Public name -> its module, imported on first use (PEP 562): ``python -m slimformer.plan``
 # builds its parser (and answers --help) before torch is imported.
 _LAZY = {
-    **dict.fromkeys(["OPTIMIZERS", "InBackwardOptimizer", "OptimizerCost", "optimizer_in_backward"], "optimizer"),
+    **dict.fromkeys(
+        ["OPTIMIZERS", "InBackwardOptimizer", "OptimizerCost", "optimizer_in_backward"], "slimformer.plan.optimizer"
+    ),
     **dict.fromkeys(
         ["Plan", "ladder", "max_batch", "max_seq", "parse_budget", "plan", "plannable_layers", "profile"],
-        "planner",
+        "slimformer.plan.planner",
     ),
-    "synthetic_batch": "planner",
-    **dict.fromkeys(["MemoryProfile", "Prediction"], "profile"),
+    "synthetic_batch": "slimformer.plan.planner",
+    **dict.fromkeys(["MemoryProfile", "Prediction"], "slimformer.plan.profile"),
 }
 
 __all__ = [
@@ -47,26 +47,4 @@ __all__ = [
 ]
 
 
-class _Package(types.ModuleType):
-    """Importing slimformer.plan.profile (the module) would bind the package's ``profile`` to it;
-    the package's ``profile`` is the planner's function, so the binding is left out."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name == "profile" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+make_lazy(__name__, _LAZY, ("profile",))
