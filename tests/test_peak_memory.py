@@ -118,3 +118,12 @@ def test_cuda_marks_take_the_profilers_events_only_where_they_agree_with_the_sta
     marks = cuda_marks([("forward", 600, 800), ("backward", 1600, 1600)], events, [15, 25])
     assert marks[0].moments == (800,) and marks[0].events == ()
     assert marks[1].moments == (1600,)  # 600 + 1000
+
+
+def test_a_cpu_measurement_prints_nothing(capfd):
+    # kineto writes a line to stderr at each profiler start and stop; a measurement must not
+    x = torch.randn(64, 64, requires_grad=True)
+    with peak_memory("cpu"):
+        (x @ x).sum().backward()
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""

@@ -27,6 +27,8 @@ the allocator's events in between).
 
 import bisect
 import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -263,7 +265,37 @@ def peak_memory(device: torch.device | str, *, moments: bool = False, _cuda_api=
 def _profiler():
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    return _Quiet(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+
+
+class _Quiet:
+    """A profiler whose start and stop print nothing: kineto writes a line to stderr at each
+    (its USDT log, which KINETO_LOG_LEVEL does not switch off), and a measurement should not
+    print. Only those two calls run with stderr closed."""
+
+    def __init__(self, profiler):
+        self.profiler = profiler
+
+    def __enter__(self):
+        with _stderr_closed():
+            return self.profiler.__enter__()
+
+    def __exit__(self, *exc_info):
+        with _stderr_closed():
+            return self.profiler.__exit__(*exc_info)
+
+
+@contextlib.contextmanager
+def _stderr_closed():
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _emit_mark(index: int) -> None:
