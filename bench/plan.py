@@ -2,8 +2,8 @@
 
 ``slimformer.plan`` predicts the peak of a training step (forward, backward and the
 optimizer's update; every byte alive at the worst moment: parameters, buffers,
-optimizer state, the batch, gradients, activations, transients) from measurements at 1
-and 2 rows, and picks per-layer recompute policies that fit a budget. Five sections:
+optimizer state, the batch, gradients, activations, transients) from measurements at 1,
+2 and 4 rows, and picks per-layer recompute policies that fit a budget. Five sections:
 
 1. accuracy: predicted vs measured step peak on a grid of HF BERTs (``BertForMaskedLM``
    and ``BertForSequenceClassification``, BERT-base and BERT-large dims, vocab 30522,
@@ -105,7 +105,7 @@ DIMS = {  # hidden, heads, FFN, vocab
     "large": (1024, 16, 4096, VOCAB),
     "tiny": (128, 2, 512, 1000),  # --quick only
 }
-EXAMPLE_ROWS = 2  # rows of the example batch each profile is measured on (at 1 and 2 of them)
+EXAMPLE_ROWS = 2  # rows of the example batch each profile is measured on (at 1, 2 and 4 rows: cycled)
 UNPAD_REAL = {"even": (0.75, 0.75), "uneven": (0.9, 0.5)}  # real tokens per row, as a fraction of seq
 TARGET_ERROR = 3.0  # percent
 FIT_FRACTIONS = (0.5, 0.35, 0.25)
@@ -500,7 +500,7 @@ def accuracy(bench: Bench, grid: Grid, main: Setup) -> list[str]:
             f"{_mib(_dynamic(p.prediction))} | {_mib(p.measured.dynamic)} | {p.dynamic_error:+.2f}% | "
             f"{_mib(p.measured.allocator)} | {p.allocator_error:+.2f}% | {p.prediction.moment} |"
         )
-    lines += ["", "Per profile (each measured once, at 1 and 2 rows under every policy):", ""]
+    lines += ["", "Per profile (each measured once, at 1, 2 and 4 rows under every policy):", ""]
     lines += [
         "| profile | seconds | points | max \\|error\\| | max \\|error\\| vs allocator |",
         "|---|---|---|---|---|",

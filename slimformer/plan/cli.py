@@ -20,8 +20,8 @@ OPTIMIZERS = ("adamw", "adamw-fused", "adamw-in-backward")
 _EPILOG = """\
 The model is built from the config with random weights in fp32 (--dtype runs the step
 under torch.autocast in that dtype), patched by slimformer.patch for the measurement.
-The planner measures the step at 1 and 2 rows under every recompute policy (a few
-forwards and backwards of the whole model: about a minute for BERT-base at seq 512 on
+The planner measures the step at 1, 2 and 4 rows under every recompute policy (a few
+forwards and backwards of the whole model: a few minutes for BERT-base at seq 512 on
 a CPU) and predicts every other batch and per-layer mix from them. The budget counts
 every byte of a step: parameters, optimizer state, gradients, activations, transients.
 On CPU the bytes are live tensor storages; on CUDA, torch.cuda's allocator statistics.

@@ -3,8 +3,8 @@ budget at the least extra compute, with the predicted step peak and what it is m
 
 How a plan is chosen, monotonic by construction:
 
-1. ``measure``: the model's step is measured at 1 and 2 rows of the example batch under
-   every policy (``slimformer.plan.profile``), on the model itself (patched in place by
+1. ``measure``: the model's step is measured at 1, 2 and 4 rows of the example batch
+   under every policy (``slimformer.plan.profile``), on the model itself (patched in place by
    ``sf.patch`` for the measurement and unpatched after, if it was not patched).
 2. Each layer's policies are put on a chain: ordered by the extra FLOPs they spend
    (``slimformer.plan.flops``), keeping only those that keep fewer bytes than every
@@ -180,11 +180,17 @@ class _Batch:
         return out
 
     def tokens(self, batch: dict) -> float:
+        return self.size(batch)[0]
+
+    def size(self, batch: dict) -> tuple[float, float]:
+        """(tokens, pairs): the batch's tokens (real ones when unpadded) and Σ over rows of
+        the row's tokens² (its attention's query-key pairs)."""
         mask = batch.get("attention_mask")
         if self.unpadded and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            return float(mask.sum())
+            real = mask.sum(dim=1, dtype=torch.float64)
+            return float(real.sum()), float(real.square().sum())
         ids = _sequence_tensors(batch)[0]
-        return float(ids.shape[0] * ids.shape[1])
+        return float(ids.shape[0] * ids.shape[1]), float(ids.shape[0] * ids.shape[1] ** 2)
 
     def row_bytes(self) -> int:
         return sum(v[:1].numel() * v.element_size() for v in self.example.values() if isinstance(v, torch.Tensor))
@@ -218,14 +224,18 @@ def profile(
     autocast: torch.dtype | None = None,
     loss_fn: Callable[[nn.Module, dict], torch.Tensor] | None = None,
     unpad: bool = False,
-    rows: Sequence[int] = (1, 2),
+    rows: Sequence[int] = (1, 2, 4),
     seqs: Sequence[int] | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> tuple[MemoryProfile, list[LayerFlops]]:
-    """Measure ``model``'s step memory at ``rows`` rows of ``example_batch`` (or at its
-    first row cut to each of ``seqs``), leaving the model as it was (its policies,
-    gradients, mode, random state; patched for the measurement if it was not). Returns
-    the profile and each forward stage's layer FLOPs (see ``slimformer.plan.flops``)."""
+    """Measure ``model``'s step memory at ``rows`` rows of ``example_batch`` (its rows
+    repeated in order), leaving the model as it was (its policies, gradients, mode, random
+    state; patched for the measurement if it was not). With ``seqs``, at ``rows`` rows of
+    the longest of them and at the first two of ``rows`` of each shorter one (the example
+    cut to it) where one of those holds as many tokens as a batch of the longest: 1 row
+    of s beside 2 rows of s/2 tell what grows with each row's tokens²
+    (``slimformer.plan.profile``). Returns the profile and each forward stage's layer
+    FLOPs (see ``slimformer.plan.flops``)."""
     check_optimizer(optimizer)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -249,21 +259,24 @@ def profile(
             loss = loss_fn or _default_loss
             model.train()
             try:
-                if seqs is None:
-                    make, points, seq = batches.make, rows, batches.seq
-                else:
-                    make, points, seq = (lambda s: batches.make(1, s)), seqs, max(seqs)
+                seq = batches.seq if seqs is None else max(seqs)
+                points = [(n, seq) for n in rows]
+                longest = {batches.tokens(batches.make(*point)) for point in points}
+                for short in sorted(set(seqs or ())):
+                    more = [(n, short) for n in rows[:2]]
+                    if short < seq and any(batches.tokens(batches.make(*point)) in longest for point in more):
+                        points += more  # else (unpadded rows of other lengths) no run pairs with one above
                 full_tokens = batches.tokens(batches.example) / batches.rows
                 profile_ = measure_profile(
                     model,
                     layers,
-                    make,
-                    batches.tokens,
+                    lambda point: batches.make(*point),
+                    batches.size,
                     loss,
                     optimizer=cost,
                     autocast=autocast,
                     policies=POLICIES,
-                    rows=points,
+                    points=points,
                     row_bytes=batches.row_bytes(),
                     row_tokens=full_tokens * (seq / batches.seq),
                     seq=seq,
@@ -295,13 +308,13 @@ class Rung:
 def ladder(profile_: MemoryProfile, flops: list[LayerFlops], batch: int, seq: int | None = None) -> list[Rung]:
     """The ladder of step 3 in the module docstring, rungs with a lower peak only."""
     seq = seq or profile_.seq
-    tokens = profile_.tokens(batch, seq)
+    tokens, pairs = profile_.tokens(batch, seq), profile_.pairs(batch, seq)
     n = len(profile_.layers)
     stage_flops = dict(zip([i for i, layer in enumerate(profile_.stage_layer) if layer is not None], flops))
     chains = []
     for layer in range(n):
         stages = [i for i, owner in enumerate(profile_.stage_layer) if owner == layer]
-        kept = {p: sum(profile_.costs[(FORWARD, i, p)].delta(tokens) for i in stages) for p in profile_.policies}
+        kept = {p: sum(profile_.costs[(FORWARD, i, p)].delta(tokens, pairs) for i in stages) for p in profile_.policies}
         extra = {p: sum(stage_flops[i].extra(p) for i in stages) for p in profile_.policies}
         chain = []
         for policy in sorted(profile_.policies, key=lambda p: (extra[p], kept[p])):
@@ -607,7 +620,8 @@ def max_seq(
 ) -> tuple[int, Plan]:
     """The longest sequence (up to ``longest``: the example's, or the model's
     ``max_position_embeddings``) at which ``batch`` rows fit ``budget``, and its plan.
-    Measured on one row at half and all of ``longest`` positions, predicted in tokens."""
+    Measured at 1, 2 and 4 rows of ``longest`` positions (even: one less for an odd one)
+    and 1 and 2 rows of half of them, predicted in tokens and in each row's tokens²."""
     budget = parse_budget(budget)
     check_optimizer(optimizer)
     if example_batch is None:
@@ -616,7 +630,8 @@ def max_seq(
             raise ValueError("pass example_batch or longest= for a model without config.max_position_embeddings")
         example_batch = synthetic_batch(model, 1, longest)
     seq = _example_seq(example_batch)
-    profile_, flops = profile(model, example_batch, optimizer=optimizer, seqs=(max(1, seq // 2), seq), **kwargs)
+    seqs = (seq // 2, 2 * (seq // 2)) if seq >= 2 else (seq,)
+    profile_, flops = profile(model, example_batch, optimizer=optimizer, seqs=seqs, **kwargs)
     top = seq if longest is None else min(longest, seq)
     best = _largest(lambda s: ladder(profile_, flops, batch, s)[-1].prediction.peak_bytes <= budget, 1, top)
     if best < 1:

@@ -14,10 +14,19 @@ allocated (``delta``) and the most it allocates above its start (``excess``):
 * the gradients: a post-accumulate-grad hook on each trainable parameter records the
   stage in whose backward its gradient appears, and its bytes.
 
-Both numbers are affine in the number of tokens for slimformer's layers (nothing they
-keep or make grows with seq², and the references work block by block), so two
-measured batches give each stage's line (``Affine``), per recompute policy. A stage's
-numbers depend on its own layer's policy only, so any per-layer mix is predicted by
+What slimformer's layers keep grows with the number of tokens (nothing they keep grows
+with seq²), and what they make inside an op is affine in tokens too, up to a cap: the CPU
+references work in blocks of about 2**20 elements and ``linear_cross_entropy`` in chunks
+of at most 16 MiB of logits, so such a temporary grows with the batch, then stays. The
+profile measures at three sizes (1, 2 and 4 rows of the example) and fits each moment
+as the chords between them (``Envelope``), the last one carried on: exact where the
+caps are reached by the second size, above the allocator (never below) where they are
+reached later. The batches cycle through the example's rows, so what follows each
+row's labels or real tokens rather than the row count extrapolates as the example's
+mix where the 2- and 4-row batches hold that mix (an example of 2 rows). Along the sequence (``sf.max_seq``) a row's attention scores in the CPU reference
+grow with its tokens² while they fit one block: a run of 2 rows of half the sequence
+beside 1 row of all of it gives that term (``Affine.per_pair``). A stage's numbers
+depend on its own layer's policy only, so any per-layer mix is predicted by
 walking the stages with each one's policy (``MemoryProfile.predict``): the live bytes
 start at what persists (parameters, buffers, optimizer state, the batch), each stage
 adds its delta, and the peak is the largest ``live + excess`` met on the way, the
@@ -29,6 +38,7 @@ measured backward frees each gradient in its hook, as the real one does, and add
 per-parameter step's temporaries at that moment.
 """
 
+import bisect
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -47,46 +57,90 @@ EMBEDDINGS, HEAD = "embeddings", "head"
 
 @dataclasses.dataclass(frozen=True)
 class Affine:
-    """``intercept + slope * tokens`` (bytes)."""
+    """``intercept + slope * tokens + per_pair * pairs`` (bytes). ``pairs`` counts the
+    (query, key) positions of a batch's rows, Σ over rows of their tokens²: what a CPU
+    attention reference's blocks of scores grow with while a row's scores fit one block."""
 
     intercept: float
     slope: float
+    per_pair: float = 0.0
 
-    def __call__(self, tokens: float) -> float:
-        return self.intercept + self.slope * tokens
-
-    @classmethod
-    def fit(cls, points: Sequence[tuple[float, float]]) -> "Affine":
-        """Least squares through (tokens, bytes) points (at least two token counts)."""
-        xs, ys = [float(p[0]) for p in points], [float(p[1]) for p in points]
-        if len(set(xs)) < 2:
-            raise ValueError(f"a line needs two token counts, got {sorted(set(xs))}")
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
-        intercept = mean_y - slope * mean_x
-        return cls(intercept, slope)
+    def __call__(self, tokens: float, pairs: float = 0.0) -> float:
+        return self.intercept + self.slope * tokens + self.per_pair * pairs
 
 
 @dataclasses.dataclass(frozen=True)
 class Envelope:
-    """The most of several ``Affine`` lines: a stage's peak is the largest of its moments
-    (one per op), each affine in tokens, and which one is largest can change with the
-    token count (a weight-sized temporary at small batches, an activation at large)."""
+    """The most of several moments (one per op of a stage), each a piecewise line in
+    tokens: ``pieces[i]`` holds the moments' lines for token counts up to ``knots[i]`` (the
+    last piece beyond the last knot), each piece the chords between two measured sizes.
+    A stage's peak is the largest moment, and which one is largest can change with the
+    token count (a weight-sized temporary at small batches, an activation at large). A
+    moment need not be one line: a temporary capped by its op (``linear_cross_entropy``'s
+    chunk of logits, an attention reference's block of scores) grows, then stays; the
+    pieces follow it, and beyond the last measured size the last chord goes on. One
+    moment's envelope is a piecewise line (a stage's delta, its frees)."""
 
-    lines: tuple[Affine, ...]
+    pieces: tuple[tuple[Affine, ...], ...]
+    knots: tuple[float, ...] = ()
 
-    def __call__(self, tokens: float) -> float:
-        return max(line(tokens) for line in self.lines)
+    def __call__(self, tokens: float, pairs: float = 0.0) -> float:
+        lines = self.pieces[bisect.bisect_left(self.knots, tokens)]
+        return max(line(tokens, pairs) for line in lines)
 
     @classmethod
-    def fit(cls, runs: Sequence[tuple[float, Sequence[float]]]) -> "Envelope":
-        """From (tokens, [bytes at each moment]) per run: one line per moment when every run
-        has the same moments (the same ops), else one line through each run's largest.
-        Lines below another one at every token count are dropped."""
-        if len({len(values) for _, values in runs}) == 1 and runs[0][1]:
-            lines = [Affine.fit([(t, values[k]) for t, values in runs]) for k in range(len(runs[0][1]))]
-        else:
-            lines = [Affine.fit([(t, max(values, default=0)) for t, values in runs])]
+    def fit(cls, runs: Sequence[tuple[float | tuple[float, float], Sequence[float]]]) -> "Envelope":
+        """From (tokens or (tokens, pairs), [bytes at each moment]) per run, at least two
+        token counts. A piece pairs its two sizes' moments one by one (the same ops) when
+        their runs have as many, else it follows each run's largest (a loop whose length
+        follows the batch makes moments that do not pair). With two runs of equal tokens in
+        rows of different lengths, a moment's bytes are ``f(tokens) + per_pair * pairs``,
+        ``per_pair`` from those two, every run's moments paired (or their largest), and ``f``
+        the chords through the rest. Lines below another one at every size are dropped."""
+        points = [(float(x), 0.0) if isinstance(x, (int, float)) else (float(x[0]), float(x[1])) for x, _ in runs]
+        values = [[float(v) for v in moments] for _, moments in runs]
+        tokens = sorted({t for t, _ in points})
+        if len(tokens) < 2:
+            raise ValueError(f"a line needs two token counts, got {tokens}")
+        couples = [
+            (i, j) for i in range(len(points)) for j in range(i + 1, len(points))
+            if points[i][0] == points[j][0] and points[i][1] != points[j][1]
+        ]  # fmt: skip
+        everyone = _paired(values) if couples else None
+        pieces = []
+        for a, b in zip(tokens, tokens[1:]):
+            if everyone is None:
+                mine = [i for i, (t, _) in enumerate(points) if t in (a, b)]
+                columns, per_pairs = _paired([values[i] for i in mine]), None
+                chosen = [points[i] for i in mine]
+            else:
+                columns, chosen = everyone, points
+                per_pairs = [
+                    sum((ys[i] - ys[j]) / (points[i][1] - points[j][1]) for i, j in couples) / len(couples)
+                    for ys in columns
+                ]
+            lines = []
+            for k, ys in enumerate(columns):
+                per_pair = 0.0 if per_pairs is None else per_pairs[k]
+                at = {t: [y - per_pair * p for (u, p), y in zip(chosen, ys) if u == t] for t in (a, b)}
+                low, high = (sum(at[t]) / len(at[t]) for t in (a, b))
+                slope = (high - low) / (b - a)
+                lines.append(Affine(low - slope * a, slope, per_pair))
+            pieces.append(_upper(lines))
+        return cls(tuple(pieces), tuple(tokens[1:-1]))
+
+
+def _paired(values: list[list[float]]) -> list[list[float]]:
+    """Per moment, its bytes in each run, when every run has as many moments; else one
+    moment: each run's largest."""
+    if len({len(v) for v in values}) == 1 and values[0]:
+        return [list(column) for column in zip(*values)]
+    return [[max(v, default=0.0) for v in values]]
+
+
+def _upper(lines: list[Affine]) -> tuple[Affine, ...]:
+    """``lines`` less those below another one at every tokens >= 0 and pairs >= 0."""
+    if all(line.per_pair == 0 for line in lines):
         hull: list[Affine] = []  # the upper envelope over tokens >= 0, by slope ascending
         for line in sorted(set(lines), key=lambda line: (line.slope, -line.intercept)):
             if hull and hull[-1].slope == line.slope:
@@ -96,13 +150,20 @@ class Envelope:
             while len(hull) >= 2 and _meets(hull[-2], line) <= _meets(hull[-2], hull[-1]):
                 hull.pop()  # overtaken by the new line before it overtook its predecessor
             hull.append(line)
-        kept = hull
-        return cls(tuple(kept))
+        return tuple(hull)
+    kept: list[Affine] = []  # with a pairs term: those no other line is above in every coefficient
+    for line in sorted(set(lines), key=lambda line: (-line.intercept, -line.slope, -line.per_pair)):
+        if not any(k.slope >= line.slope and k.per_pair >= line.per_pair for k in kept):
+            kept.append(line)
+    return tuple(kept)
 
 
 def _meets(a: Affine, b: Affine) -> float:
     """Tokens where ``b`` (steeper) overtakes ``a``."""
     return (a.intercept - b.intercept) / (b.slope - a.slope)
+
+
+_NOTHING = Envelope(((Affine(0, 0),),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +177,9 @@ class StageCost:
     credited to the stage that made them, not to the stage where they happen to be freed;
     autocast's cache of cast weights is freed at the end of its region, likewise credited."""
 
-    delta: Affine
+    delta: Envelope
     excess: Envelope
-    frees: tuple[tuple[int, Affine], ...] = ()
+    frees: tuple[tuple[int, Envelope], ...] = ()
 
 
 @dataclasses.dataclass
@@ -167,6 +228,10 @@ class MemoryProfile:
         """Tokens in ``batch`` rows of ``seq`` positions (the profile's seq by default)."""
         return self.row_tokens * batch * (seq or self.seq) / self.seq
 
+    def pairs(self, batch: int, seq: int | None = None) -> float:
+        """(query, key) pairs in ``batch`` rows of ``seq`` positions: rows × their tokens²."""
+        return batch * (self.row_tokens * (seq or self.seq) / self.seq) ** 2
+
     def _policy(self, stage: int, policies: Sequence[str]) -> str:
         """The policy a stage runs under: its layer's; embeddings and head take their
         neighbouring layer's (what they were measured next to)."""
@@ -184,7 +249,7 @@ class MemoryProfile:
         unknown = set(policies) - set(self.policies)
         if unknown:
             raise ValueError(f"policies {sorted(unknown)} were not measured; measured: {self.policies}")
-        tokens = self.tokens(batch, seq)
+        size = (self.tokens(batch, seq), self.pairs(batch, seq))
         in_backward = self.optimizer.name == "adamw-in-backward"
         state = self.optimizer.state_bytes(self.trainable)
         base = {
@@ -201,18 +266,18 @@ class MemoryProfile:
         order = [(FORWARD, i) for i in range(n)] + [(BACKWARD, i) for i in reversed(range(n))]
         for phase, stage in order:
             if (phase, stage) == (BACKWARD, n - 1):  # the forward's autocast region has ended
-                live = self._free_later(n, policies, tokens, live, kept)
+                live = self._free_later(n, policies, size, live, kept)
             cost = self.costs[(phase, stage, self._policy(stage, policies))]
-            excess = cost.excess(tokens)
+            excess = cost.excess(*size)
             if phase == BACKWARD:
                 largest_transient = max(largest_transient, excess)
             if live + excess > best.peak_bytes:
                 best = self._moment(phase, stage, policies, base, kept, grads, live, excess)
-            delta = cost.delta(tokens)
+            delta = cost.delta(*size)
             live += delta
             if phase == FORWARD:
                 kept[stage] = delta
-                live = self._free_later(stage, policies, tokens, live, kept)
+                live = self._free_later(stage, policies, size, live, kept)
             else:
                 kept[stage] = 0.0
                 grads += 0 if in_backward else self.grads[stage]
@@ -223,12 +288,13 @@ class MemoryProfile:
         best.largest_backward_transient = round(largest_transient)
         return best
 
-    def _free_later(self, where: int, policies, tokens: float, live: float, kept: list[float]) -> float:
-        """``live`` less what earlier stages made and ``where`` frees (see ``StageCost.frees``)."""
+    def _free_later(self, where: int, policies, size: tuple[float, float], live: float, kept: list[float]) -> float:
+        """``live`` less what earlier stages made and ``where`` frees (see ``StageCost.frees``),
+        at ``size`` (tokens, pairs)."""
         for stage in range(min(where, len(self.stages))):
-            for at, size in self.costs[(FORWARD, stage, self._policy(stage, policies))].frees:
+            for at, freed in self.costs[(FORWARD, stage, self._policy(stage, policies))].frees:
                 if at == where:
-                    live, kept[stage] = live - size(tokens), kept[stage] - size(tokens)
+                    live, kept[stage] = live - freed(*size), kept[stage] - freed(*size)
         return live
 
     def _moment(self, phase, stage, policies, base, kept, grads, live, excess) -> Prediction:
@@ -414,35 +480,36 @@ def _run_step(model, batch, loss_fn, layers, params, autocast, in_backward, devi
 
 
 def _stage_cost(runs) -> StageCost:
-    """Fit one stage's runs: (tokens, delta, moments, {where: bytes freed later})."""
+    """Fit one stage's runs: ((tokens, pairs), delta, moments, {where: bytes freed later})."""
     wheres = sorted({at for *_, freed in runs for at in freed})
     return StageCost(
-        Affine.fit([(t, d) for t, d, _, _ in runs]),
-        Envelope.fit([(t, m) for t, _, m, _ in runs]),
-        tuple((at, Affine.fit([(t, freed.get(at, 0)) for t, _, _, freed in runs])) for at in wheres),
+        Envelope.fit([(x, [d]) for x, d, _, _ in runs]),
+        Envelope.fit([(x, m) for x, _, m, _ in runs]),
+        tuple((at, Envelope.fit([(x, [freed.get(at, 0)]) for x, _, _, freed in runs])) for at in wheres),
     )
 
 
 def measure_profile(
     model: nn.Module,
     layers: list[tuple[str, nn.Module]],
-    make_batch: Callable[[int], dict],
-    batch_tokens: Callable[[dict], float],
+    make_batch: Callable[[object], dict],
+    batch_size: Callable[[dict], tuple[float, float]],
     loss_fn: Callable[[nn.Module, dict], torch.Tensor],
     *,
     optimizer: OptimizerCost,
     autocast: torch.dtype | None,
     policies: Sequence[str],
-    rows: Sequence[int],
+    points: Sequence,
     row_bytes: int,
     row_tokens: float,
     seq: int,
     unpadded: bool,
     progress: Callable[[str], None] = lambda _: None,
 ) -> MemoryProfile:
-    """Measure ``model``'s stages under each policy at batches of ``rows`` rows (at least
-    two sizes) and fit them (see the module docstring). ``layers`` (name, module) are set
-    to each policy in turn; the caller restores them."""
+    """Measure ``model``'s stages under each policy on ``make_batch(point)`` for each of
+    ``points`` (at least two token counts; ``batch_size(batch)``: its (tokens, pairs)) and
+    fit them (see the module docstring). ``layers`` (name, module) are set to each policy
+    in turn; the caller restores them."""
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
     modules = [module for _, module in layers]
@@ -452,32 +519,32 @@ def measure_profile(
     shape = None
     for module in modules:
         module.recompute = policies[0]
-    _run_step(model, make_batch(rows[0]), loss_fn, modules, params, autocast, in_backward, device)  # warm-up
+    _run_step(model, make_batch(points[0]), loss_fn, modules, params, autocast, in_backward, device)  # warm-up
     for policy in policies:
         for module in modules:
             module.recompute = policy
-        for n in rows:
-            progress(f"{policy}, {n} rows")
-            batch = make_batch(n)
-            tokens = batch_tokens(batch)
+        for point in points:
+            progress(f"{policy}, {point}")
+            batch = make_batch(point)
+            size = batch_size(batch)
             names, layer_of, merged, step_grads, frees = _run_step(
                 model, batch, loss_fn, modules, params, autocast, in_backward, device
             )
             if shape is None:
                 shape, grads = (names, layer_of), step_grads
             elif (names, layer_of) != shape:
-                raise RuntimeError(f"the model ran different layers at {policy!r}, {n} rows: {names} vs {shape[0]}")
+                raise RuntimeError(f"the model ran different layers at {policy!r}, {point}: {names} vs {shape[0]}")
             for (phase, stage), (start, end, top, moments) in merged.items():
                 # the interval's own peak is a moment too: it holds what the per-op samples may miss
                 moments = [m - start for m in moments] + [top - start]
                 freed = frees.get(stage, {}) if phase == FORWARD else {}
-                samples.setdefault((phase, stage, policy), []).append((tokens, end - start, moments, freed))
+                samples.setdefault((phase, stage, policy), []).append((size, end - start, moments, freed))
     costs = {key: _stage_cost(runs) for key, runs in samples.items()}
     names, layer_of = shape
     for phase in (FORWARD, BACKWARD):  # a stage that made no interval (no hook between two others) costs nothing
         for stage in range(len(names)):
             for policy in policies:
-                costs.setdefault((phase, stage, policy), StageCost(Affine(0, 0), Envelope((Affine(0, 0),))))
+                costs.setdefault((phase, stage, policy), StageCost(_NOTHING, _NOTHING))
     fixed = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers())
     }
