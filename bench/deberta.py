@@ -24,10 +24,10 @@ a (seq, seq) tensor. One process, one intra-op thread throughout. Four parts:
    steady one. The largest batch in 16 GiB: for HF eager a linear fit, peak = a + b ·
    batch through its measured steps at batch 4 and 8 (the activations dominate both); for
    slimformer ``sf.plan``'s prediction (``slimformer.plan.profile`` of the 12-layer
-   patched model at 1 and 2 rows under every policy, predicted stage by stage: a line
+   patched model at 1, 2 and 4 rows under every policy, predicted stage by stage: a line
    through two batches would miss where the peak moves from the update to the backward),
-   whose prediction at batch 8 is shown beside the measurement (its bytes are counted by a
-   dispatch mode, which misses the custom ops' internal temporaries).
+   whose prediction at batch 8 is shown beside the measurement (both read from the
+   allocator).
 3. **Time**: forward + backward of the classification loss of the whole model at 2
    layers, batch 4 (the AdamW update, the same for both, left out), of one encoder layer
    alone at batch 4, and of one layer without attention dropout (a diagnostic: what the
@@ -382,7 +382,7 @@ def peak_lines(
         f"{_size(budget)}*: HF eager from a **linear fit** peak = a + b · batch through its measured steps at batch "
         f"{b0} and {b1} (a = {a / MiB:,.0f} MiB, b = {b / MiB:,.0f} MiB per row; `sf.plan` cannot profile HF's "
         "own layers, it patches them); slimformer from `sf.plan` (`slimformer.plan.profile` of the patched model, "
-        f"measured at 1 and 2 rows under every policy in {profile_seconds:.0f} s, then predicted per stage; its "
+        f"measured at 1, 2 and 4 rows under every policy in {profile_seconds:.0f} s, then predicted per stage; its "
         "bytes are counted by a dispatch mode, which does not see the temporaries inside the custom ops' CPU "
         "reference), with its prediction at this batch beside the measurement.",
         "",

@@ -12,7 +12,7 @@ synchronised: host time counts, as in training), and the step's peak
 ``torch.cuda.max_memory_allocated`` (weights, gradients and optimizer state included).
 
 The planner: ``sf.plan``'s profile of the same model (``slimformer.plan.profile``, measured
-at 1 and 2 rows) predicts the step peak at the training batch for uniform ``none`` and
+at 1, 2 and 4 rows) predicts the step peak at the training batch for uniform ``none`` and
 ``qkv+mlp`` and for the middle plan of its ladder; each is then run as the training
 columns are and its measured peak (above what was allocated before the step, plus the
 parameters, buffers, AdamW state and batch, as the prediction counts) set beside it.
