@@ -20,9 +20,9 @@ from tests.helpers import TINY_BERT
 transformers = pytest.importorskip("transformers")
 
 from slimformer.transformers_quantizer import SlimformerInt8Config  # noqa: E402
+from tests.test_quantize_transformers import NO_LOAD_ISSUES, _inputs  # noqa: E402
 
 MODES = ["int8", "int8-weight-only", "fp16", "bf16"]
-NO_LOAD_ISSUES = {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
 
 
 def _bert(cls=transformers.BertModel, seed=0):
@@ -31,17 +31,9 @@ def _bert(cls=transformers.BertModel, seed=0):
     return cls(transformers.BertConfig(**TINY_BERT)).train()
 
 
-def _batch(seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 100, (3, 11), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, 7:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
-
-
 def _hidden(model, batch=None):
     with torch.no_grad():
-        return model(**(batch or _batch())).last_hidden_state
+        return model(**(batch or _inputs())).last_hidden_state
 
 
 def _assert_follows(quantized, float_model):
@@ -69,7 +61,7 @@ def test_a_model_quantized_in_training_mode_gives_the_float_models_eval_outputs(
 def test_smoothquant_calibration_of_a_training_model_leaves_it_in_eval_mode():
     model = _bert()
     float_model = copy.deepcopy(model).eval()
-    quantize(model, "int8", calibration=[_batch(seed=2)])
+    quantize(model, "int8", calibration=[_inputs(seed=2)])
     assert _in_eval_mode(model)
     _assert_follows(model, float_model)
 
@@ -147,7 +139,7 @@ def test_transformers_without_slimformer_refuses_an_int8_checkpoint(tmp_path, mo
 
 
 def test_slimformer_loads_what_it_saved_as_before(tmp_path):
-    model = quantize(_bert(transformers.BertModel), "int8", calibration=[_batch(seed=2)])
+    model = quantize(_bert(transformers.BertModel), "int8", calibration=[_inputs(seed=2)])
     model.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["quantization_config"]["checkpoint_format"] == 2

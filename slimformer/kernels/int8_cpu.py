@@ -315,15 +315,13 @@ def exact_products() -> tuple[str, ...]:
     always; oneDNN's GEMM and torch._int_mm where oneDNN runs VNNI or AMX code."""
     onednn_here = torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
     return tuple(
-        name
-        for name, product in PRODUCTS.items()
-        if (name != "onednn" or onednn_here) and _sums_exactly(lambda q, w, product=product: product(q, w))
+        name for name, product in PRODUCTS.items() if (name != "onednn" or onednn_here) and _sums_exactly(product)
     )
 
 
 class ProductChoice(NamedTuple):
-    """The product chosen for a class of GEMMs, with the times that chose it: the best of
-    three runs, in µs, of it and of the fp32 GEMM of the same shape."""
+    """The product chosen for a class of GEMMs, with the times that chose it (``_race``): the
+    best round, in µs, of it and of the fp32 GEMM of the same shape."""
 
     product: str
     product_us: float
@@ -348,7 +346,7 @@ _SCREEN_SHAPE = (16, 128, 128)
 _SCREEN_FACTOR = 50.0
 # Rows the race runs at: from about this many rows up, the ranking no longer changes.
 _RACE_ROWS = 256
-# A race's rounds; a product whose first run takes this many times the fastest first run
+# A race's rounds; a product whose first run takes this many times the fastest product's
 # is not run again.
 _RACE_ROUNDS = 5
 _RACE_CUTOFF = 20.0
@@ -429,7 +427,7 @@ def _race(candidates: tuple[str, ...], rows: int, weight: torch.Tensor) -> Produ
     runs["fp32"] = lambda: torch.mm(x, w.t())
     with _one_thread():
         first = {name: _best_us(run, 1, warm_up=False) for name, run in runs.items()}  # the warm-ups
-        fastest = min(first.values())
+        fastest = min(first[name] for name in candidates)
         runs = {name: run for name, run in runs.items() if name == "fp32" or first[name] <= _RACE_CUTOFF * fastest}
         best = dict.fromkeys(runs, math.inf)
         for _ in range(_RACE_ROUNDS):
@@ -440,26 +438,23 @@ def _race(candidates: tuple[str, ...], rows: int, weight: torch.Tensor) -> Produ
     return ProductChoice(winner, best[winner], fp32_us)
 
 
-# (candidates) -> whether int8 GEMMs are fast
+# exact products -> whether int8 GEMMs are fast
 _FAST: dict[tuple, bool] = {}
 
 
 def int8_gemm_is_fast() -> bool:
     """Whether this CPU's fastest exact int8 product takes under half the fp32 GEMM's time on a
-    BERT-small Linear, (128, 384) @ (384, 384)ᵀ: measured once per process, on one thread. Where
-    it does (VNNI or AMX code in oneDNN: 9x on an AMD Zen 4), W8A8 gains and W8A16's split
+    BERT-small Linear, (128, 384) @ (384, 384)ᵀ: raced once per process (``_race``, one thread).
+    Where it does (VNNI or AMX code in oneDNN: 9x on an AMD Zen 4), W8A8 gains and W8A16's split
     (two int8 rows per row of x) beats the fp32 GEMM; where it does not, W8A8 still runs
     (exactly, no faster than fp32) and W8A16 runs as an fp32 GEMM. One answer per process,
     not per shape, because W8A16's two paths round differently."""
-    candidates = _screened(tuple(name for name in PRODUCTS if name in exact_products()))
-    if candidates not in _FAST:
-        q, weight = _random_int8(128, 384), _random_int8(384, 384)
-        x, w = q.float(), weight.float()
-        with _one_thread():
-            fp32_us = _best_us(lambda: torch.mm(x, w.t()))
-            int8_us = min(_best_us(lambda name=name: PRODUCTS[name](q, weight)) for name in candidates)
-        _FAST[candidates] = 2 * int8_us < fp32_us
-    return _FAST[candidates]
+    exact = exact_products()
+    fast = _FAST.get(exact)
+    if fast is None:
+        choice = _race(_screened(tuple(name for name in PRODUCTS if name in exact)), 128, _random_int8(384, 384))
+        fast = _FAST[exact] = 2 * choice.product_us < choice.fp32_us
+    return fast
 
 
 def chosen_products() -> dict[str, str]:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["bert_config", "bert_inputs", "bert_variants", "build_bert", "main"]
+__all__ = ["bert_config", "bert_inputs", "bert_variants", "build_bert", "checked_model_and_device", "main"]
 
 
 BERT_SIZES = {
@@ -66,6 +66,22 @@ def bert_config(spec: str):
     if not Path(spec).exists():
         raise ValueError(f"--model must be one of {sorted(BERT_SIZES)} or a path to a config.json, got {spec!r}")
     return BertConfig.from_pretrained(spec)
+
+
+def checked_model_and_device(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """(``bert_config(args.model)``, the resolved ``args.device``), or the parser's usage error
+    (exit 2, one line) for either: the checks that need transformers and torch, before any work."""
+    from slimformer.kernels.dispatch import resolve_device
+
+    try:
+        config = bert_config(args.model)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        parser.error(f"argument --device: {error}")
+    return config, device
 
 
 def build_bert(config, *, max_seq: int, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -169,7 +185,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
     from rich.console import Console
 
-    from slimformer.kernels.dispatch import resolve_device
     from slimformer.memory.report import (
         MemoryReport,
         activation_sweep,
@@ -180,14 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweep_title,
     )
 
-    try:
-        config = bert_config(args.model)
-    except (ValueError, OSError) as error:
-        parser.error(str(error))
-    try:
-        device = resolve_device(args.device)
-    except ValueError as error:
-        parser.error(f"argument --device: {error}")
+    config, device = checked_model_and_device(parser, args)
     dtype = getattr(torch, DTYPES[args.dtype])
     policies = list(POLICIES) if "all" in args.recompute else list(dict.fromkeys(args.recompute))
     baselines = list(dict.fromkeys(args.baseline))

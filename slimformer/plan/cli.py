@@ -98,8 +98,7 @@ def main(argv=None) -> int:
     import torch
     from rich.console import Console
 
-    from slimformer.kernels.dispatch import resolve_device
-    from slimformer.memory.cli import bert_config
+    from slimformer.memory.cli import checked_model_and_device
     from slimformer.memory.measure import format_bytes
     from slimformer.plan.planner import choose, largest_batch, parse_budget, profile, synthetic_batch
 
@@ -107,14 +106,7 @@ def main(argv=None) -> int:
         budget = parse_budget(args.budget)
     except (TypeError, ValueError) as error:
         parser.error(f"argument --budget: {error}")
-    try:
-        config = bert_config(args.model)
-    except (ValueError, OSError) as error:
-        parser.error(str(error))
-    try:
-        device = resolve_device(args.device)
-    except ValueError as error:
-        parser.error(f"argument --device: {error}")
+    config, device = checked_model_and_device(parser, args)
     autocast = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
 
     console = Console()

@@ -159,3 +159,10 @@ def test_the_real_products_agree_with_the_choice_on_this_cpu():
     assert choice.product in int8_cpu.exact_products()
     got = int8_cpu.PRODUCTS[choice.product](q, weight)
     assert torch.equal(got.long(), _exact(q, weight))
+
+
+def test_a_race_whose_every_product_is_far_slower_than_fp32_still_chooses_one(fake_products):
+    # the cutoff drops products far slower than the fastest product, not than fp32
+    fake_products({"sgemm": 2e-9})
+    weight = torch.randint(-127, 128, (384, 384), dtype=torch.int8)
+    assert int8_cpu.choose_product(128, weight).product == "sgemm"
