@@ -555,11 +555,12 @@ def _split_gemm_reference(q, weight, x_scale, w_scale, bias):
 
 
 def _weight_only_cpu(x, weight, w_scale, bias, fused):
-    """CPU W8A16 on fp32 x (M, K) -> fp32 (M, N): where int8 GEMMs are fast here
-    (``int8_cpu.int8_gemm_is_fast``) and K <= MAX_SPLIT_IN_FEATURES, x's rows as 16-bit fixed point (``_quantize_rows_split_reference``)
-    with both halves in one int8 GEMM, on the compiled path a view of the first M rows of the (2M, N)
-    accumulator (a fresh buffer costs its page faults); else the fp32 GEMM on the weight's integers.
-    ``fused``: the compiled loops, or None for the PyTorch statement of either."""
+    """CPU W8A16 on fp32 x (M, K) -> fp32 (M, N). Where int8 GEMMs are fast here
+    (``int8_cpu.int8_gemm_is_fast``) and K <= MAX_SPLIT_IN_FEATURES: x's rows as 16-bit fixed
+    point (``_quantize_rows_split_reference``), both halves in one int8 GEMM, on the compiled
+    path a view of the first M rows of the (2M, N) accumulator (a fresh buffer costs its page
+    faults); else the fp32 GEMM on the weight's integers. ``fused``: the compiled loops, or
+    None for the PyTorch statement of either."""
     bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     M, K = x.shape
     if 0 < K <= MAX_SPLIT_IN_FEATURES and 0 not in (M, weight.shape[0]) and int8_cpu.int8_gemm_is_fast():
