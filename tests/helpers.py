@@ -1,4 +1,11 @@
-"""Shared test helpers: the one assertion that bounds a kernel's error by PyTorch's own."""
+"""Shared test helpers: the one assertion that bounds a kernel's error by PyTorch's own,
+and the set-up and teardown of one spawned gloo rank."""
+
+import contextlib
+import faulthandler
+import gc
+import os
+import sys
 
 import torch
 
@@ -68,3 +75,27 @@ def norm_rebuild_error_scales(h, dy, weight, bias, is_rms, eps):
     dx_scale = (rstd * (dy * w).abs()).max().item()
     dw_scale = (dy.abs() * ((centered * rstd).abs() + ratio)).sum(0).max().item()
     return max(1.0, dx_scale), max(1.0, dw_scale)
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world_size: int, init_file):
+    """Run the body as ``rank`` of a gloo process group of ``world_size`` spawned ranks.
+
+    On success the rank leaves through ``os._exit(0)`` once every rank has reached the
+    end: a rank that returns normally frees FSDP/DDP state left in reference cycles
+    during interpreter finalization, while gloo's threads still run, and that can abort
+    the process (``terminate called without an active exception``, pytorch#179291).
+    The body's results must be written (and closed) before it ends. An exception leaves
+    the normal way, so ``mp.spawn`` reports its traceback; a crash prints every thread's
+    Python stack (faulthandler)."""
+    import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    yield
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -11,7 +11,6 @@ import pickle
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from transformers import (
@@ -32,7 +31,7 @@ from slimformer.memory import measure_activation_memory
 from slimformer.patch import patch, patch_summary, unpatch
 from slimformer.quantize import quantized_modules
 from slimformer.recompute import POLICIES
-from tests.helpers import BRANCH_COVERING_POLICIES, TINY_BERT as TINY
+from tests.helpers import BRANCH_COVERING_POLICIES, TINY_BERT as TINY, gloo_rank
 
 MODELS = {
     "BertModel": (BertConfig, BertModel),
@@ -795,11 +794,9 @@ DATA_PARALLEL = {"ddp": _ddp_grads, "fsdp2": _fsdp2_grads}
 
 def _data_parallel_worker(rank, world_size, init_file, state, ids, mask, results):
     # One process group for every wrapper (spawning two processes costs more than the checks)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    for name, grads in DATA_PARALLEL.items():
-        torch.save(grads(rank, world_size, state, ids, mask), f"{results}{name}{rank}.pt")
-    # destroy_process_group frees the group through a binding that releases the GIL first
-    dist.destroy_process_group()
+    with gloo_rank(rank, world_size, init_file):
+        for name, grads in DATA_PARALLEL.items():
+            torch.save(grads(rank, world_size, state, ids, mask), f"{results}{name}{rank}.pt")
 
 
 def test_two_gloo_processes_match_one(torch_path, tmp_path):

@@ -32,7 +32,7 @@ from slimformer.memory import measure_activation_memory
 from slimformer.quantize import quantized_modules
 from slimformer.recompute import POLICIES
 from slimformer.unpad import PackedSequences, UnpaddedEncoderModel, pack_padding_mask
-from tests.helpers import TINY_BERT as TINY
+from tests.helpers import TINY_BERT as TINY, gloo_rank
 
 MODELS = {
     "BertModel": (BertConfig, BertModel),
@@ -410,17 +410,14 @@ def test_packing():
 
 
 def _ddp_worker(rank, world_size, init_file, state, ids, mask, results):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    model = _model("BertForMaskedLM")
-    model.load_state_dict(state)
-    ddp = nn.parallel.DistributedDataParallel(sf.patch(model, "qkv+mlp", unpad=True))
-    ids, mask = ids.chunk(world_size)[rank], mask.chunk(world_size)[rank]
-    ddp(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
-    torch.save({name: p.grad for name, p in model.named_parameters()}, f"{results}{rank}.pt")
-    del ddp  # before the process group: see tests/test_patch.py
-    dist.destroy_process_group()
+    with gloo_rank(rank, world_size, init_file):
+        model = _model("BertForMaskedLM")
+        model.load_state_dict(state)
+        ddp = nn.parallel.DistributedDataParallel(sf.patch(model, "qkv+mlp", unpad=True))
+        ids, mask = ids.chunk(world_size)[rank], mask.chunk(world_size)[rank]
+        ddp(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+        torch.save({name: p.grad for name, p in model.named_parameters()}, f"{results}{rank}.pt")
+        del ddp  # while the process group lives: its reducer's teardown runs collectives
 
 
 def test_ddp_two_gloo_processes_match_one(tmp_path):

@@ -11,7 +11,7 @@ from torch import nn
 import slimformer as sf
 from slimformer.layers import memory_modes
 from slimformer.memory import measure_activation_memory
-from tests.helpers import assert_within_reference_error, norm_rebuild_error_scales
+from tests.helpers import assert_within_reference_error, gloo_rank, norm_rebuild_error_scales
 
 LAYER_PAIRS = [(nn.LayerNorm, sf.LayerNorm), (nn.RMSNorm, sf.RMSNorm)]
 CONSTRUCTOR_ARGS = [
@@ -289,15 +289,14 @@ def test_bad_arguments_name_the_argument(build, error, message):
 def _fsdp2_worker(rank, world_size, init_file, failures, checks):
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    for check in checks:
-        try:
-            for torch_class, sf_class in LAYER_PAIRS:
-                check(fully_shard, torch_class, sf_class)
-        except AssertionError as error:
-            with open(f"{failures}{rank}-{check.__name__}.txt", "w") as file:
-                file.write(f"{check.__name__}: {error}")
-    dist.destroy_process_group()
+    with gloo_rank(rank, world_size, init_file):
+        for check in checks:
+            try:
+                for torch_class, sf_class in LAYER_PAIRS:
+                    check(fully_shard, torch_class, sf_class)
+            except AssertionError as error:
+                with open(f"{failures}{rank}-{check.__name__}.txt", "w") as file:
+                    file.write(f"{check.__name__}: {error}")
 
 
 def _train_to_zero_weight_under_fsdp2(fully_shard, torch_class, sf_class):
