@@ -5,6 +5,9 @@ each call takes before it returns, not when the device finishes. This measures t
 host time of a call queued without a device sync (CUDA), or of the whole call (CPU, where
 the op's PyTorch reference runs). Shapes are small by default so that the fixed cost of a
 call, not its compute, is what shows; pass ``--large`` for BERT-base-sized tensors.
+Without a GPU, ``--emulate sm90`` times slimformer's CUDA path on CPU tensors with every
+Triton launch stubbed out (``tools.compile_report.capture.stub_launches``): the host side
+of a call up to its launches, which ``tests/test_launch_budgets.py`` counts.
 
 Every measurement alternates with the others of its group in the same process (rounds of
 ``--calls`` calls each), one thread, so that the medians compare like with like; the
@@ -13,9 +16,11 @@ table gives the median and the min–max over the rounds, in µs per call.
     python -m bench.host_overhead                # CUDA if available, else CPU
     python -m bench.host_overhead --device cpu --rounds 30 --calls 100
     python -m bench.host_overhead --large --dtype bfloat16   # on a GPU
+    env -u TRITON_INTERPRET python -m bench.host_overhead --emulate sm90   # no GPU needed
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -41,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
         "-k", dest="only", action="append", help="run only the groups whose title contains this (repeatable)"
     )
     parser.add_argument("--threads", type=positive_int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument(
+        "--emulate",
+        choices=("sm90", "sm80", "sm86"),
+        help="CPU tensors take the CUDA path of that GPU, every Triton launch stubbed out (no GPU needed): "
+        "slimformer's host side per call (torch's rows stay CPU calls of the same tiny shapes)",
+    )
     return parser
 
 
@@ -209,14 +220,36 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.emulate and (interpreted or args.device not in (None, "cpu")):
+        parser.error(
+            "--emulate runs CPU tensors through compiled Triton's launchers: unset TRITON_INTERPRET, no --device"
+        )
+    if args.emulate and args.large:
+        parser.error("--emulate times the host side: --large would time the CPU's memsets and GEMMs around it")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.emulate else "cpu"))
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" or args.emulate else "float32"))
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (PyTorch references)"
     if interpreted and device.type == "cpu":
         name = "CPU (Triton interpreter)"
+    with contextlib.ExitStack() as stack:
+        if args.emulate:
+            from tools.compile_report.capture import DEVICES, stub_launches
+
+            stack.enter_context(stub_launches(DEVICES[args.emulate]))
+            name = f"the CUDA path of {DEVICES[args.emulate].name} emulated on a CPU, launches stubbed"
+        rows = _measure(args, device, dtype)
+    sync = "host time, no sync" if device.type == "cuda" else "whole call"
+    _table(
+        f"host time per call: {name}, {dtype}, torch {torch.__version__}, {args.threads} thread(s), "
+        f"{args.rounds} rounds x {args.calls} calls ({sync})",
+        rows,
+    )
+
+
+def _measure(args, device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, str, str]]:
     rows = []
     for title, steps in _groups(device, dtype, args.large).items():
         if args.only and not any(part in title for part in args.only):
@@ -225,12 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         for index, (step, values) in enumerate(times.items()):
             spread = f"{min(values):.1f}–{max(values):.1f}"
             rows.append((title if index == 0 else "", step, f"{statistics.median(values):.1f}", spread))
-    sync = "host time, no sync" if device.type == "cuda" else "whole call"
-    _table(
-        f"host time per call: {name}, {dtype}, torch {torch.__version__}, {args.threads} thread(s), "
-        f"{args.rounds} rounds x {args.calls} calls ({sync})",
-        rows,
-    )
+    return rows
 
 
 if __name__ == "__main__":

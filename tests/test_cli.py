@@ -200,6 +200,8 @@ BAD_VALUES = [
     ("bench.disentangled_tiles", ["--out", "unused", "--budget", "0"], "argument --budget: expected a number > 0"),
     ("bench.families", ["--rounds", "0"], "argument --rounds: expected an integer >= 1"),
     ("bench.host_overhead", ["--calls", "0"], "argument --calls: expected an integer >= 1"),
+    ("bench.host_overhead", ["--emulate", "sm70"], "argument --emulate: invalid choice: 'sm70'"),
+    ("bench.host_overhead", ["--emulate", "sm90", "--large"], "--emulate times the host side"),
     ("bench.mlm_memory", ["--masked", "1.5"], "argument --masked: expected a number > 0 and <= 1, got '1.5'"),
     ("bench.plan", ["--budgets", "0"], "argument --budgets: expected an integer >= 1"),
     ("bench.quantized_load", ["--hidden", "0"], "argument --hidden: expected an integer >= 1"),

@@ -324,6 +324,19 @@ def emulate_cuda(device: Device, sink: Callable[[Launch], None]) -> Iterator[Non
         yield
 
 
+@contextlib.contextmanager
+def stub_launches(device: Device) -> Iterator[None]:
+    """As ``emulate_cuda``, but every kernel launch returns at once, unrecorded: what is left
+    of a call is its host side up to the launch (the launch itself, Triton's cached
+    ``CompiledKernel.run`` and the driver's few µs, is not counted)."""
+
+    def skip(self, *args, **kwargs):
+        return None
+
+    with _patched(JITFunction, "run", skip), _patched(Autotuner, "run", skip), emulated_device(device):
+        yield
+
+
 class TorchTraffic(TorchDispatchMode):
     """Bytes the PyTorch ops slimformer itself runs read and write (the memsets, reductions
     and casts around its kernels); ops of the caller and of autograd are not counted."""
