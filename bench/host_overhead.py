@@ -221,12 +221,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if args.emulate and args.large:
+        parser.error("--emulate times the host side: --large would time the CPU's memsets and GEMMs around it")
     if args.emulate and (interpreted or args.device not in (None, "cpu")):
         parser.error(
             "--emulate runs CPU tensors through compiled Triton's launchers: unset TRITON_INTERPRET, no --device"
         )
-    if args.emulate and args.large:
-        parser.error("--emulate times the host side: --large would time the CPU's memsets and GEMMs around it")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.emulate else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" or args.emulate else "float32"))
     torch.set_num_threads(args.threads)
