@@ -85,13 +85,6 @@ def _attention_decoder():
     return lambda: sf.attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
-def _varlen_attention():
-    cu_seqlens = torch.tensor([0, 100, 228, 256], dtype=torch.int32)
-    qkv = torch.zeros(256, 36, 64, dtype=torch.bfloat16, requires_grad=True)
-    q, k, v = qkv.split(12, dim=1)
-    return lambda: sf.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, 128, 128, 0.1)
-
-
 def _disentangled_attention():
     """DeBERTa-v3-base's layer: c2p + p2c, 256 buckets, padding, dropout."""
     q, k, v = (torch.zeros(2, 128, 12, 64, dtype=torch.bfloat16, requires_grad=True).transpose(1, 2) for _ in range(3))
@@ -170,7 +163,6 @@ def _inference_linear():
 CALLS: dict[str, Callable[[], Callable]] = {
     "attention bert (2x12x128x64 bf16, fused qkv, key padding, dropout)": _attention_bert,
     "attention decoder (1x32/8x256x128 bf16, gqa, causal)": _attention_decoder,
-    "varlen_attention (3 sequences, 12 heads, d64 bf16, dropout)": _varlen_attention,
     "disentangled_attention (2x12x128x64 bf16, c2p+p2c, padding, dropout)": _disentangled_attention,
     "layer_norm bert (256x768 bf16, residual, dropout)": _layer_norm_bert,
     "layer_norm memory_efficient (256x768 bf16, residual, dropout)": _layer_norm_memory_efficient,
