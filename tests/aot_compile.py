@@ -21,6 +21,14 @@ from tools.compile_report.cases import all_cases
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def compiled_triton_env() -> dict[str, str]:
+    """This process's environment without TRITON_INTERPRET, with the repository importable:
+    for a subprocess whose ``triton.jit`` kernels are compiled, not interpreted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
 def ci_cases(family: str) -> tuple[str, ...]:
     """The names of the family's CI cases (``tools.compile_report.cases``, ``ci=True``)."""
     return tuple(case.name for case in all_cases() if case.ci and case.family == family)
@@ -55,10 +63,8 @@ def compile_selections(selections: list[Selection]) -> dict[Selection, CompileRe
 
     Raises AssertionError with the subprocess's output when it fails.
     """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     command = [sys.executable, "-m", "tests.aot_compile", json.dumps(selections)]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=ROOT, env=compiled_triton_env(), capture_output=True, text=True)
     assert result.returncode == 0, f"compiling {selections} failed:\n{result.stderr[-4000:]}"
     results = json.loads(result.stdout.splitlines()[-1])
     return {selection: CompileResult(*found) for selection, found in zip(selections, results)}

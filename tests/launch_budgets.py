@@ -58,12 +58,12 @@ _NO_KERNEL = {
 
 
 def _runs_a_kernel(event) -> bool:
-    """Whether the profiled aten op ``event`` launched a device kernel: itself, where it
-    dispatched no aten op below it, else one of those below."""
-    children = [child for child in event.cpu_children if child.name.startswith("aten::")]
-    if not children:
-        return event.name.removeprefix("aten::") not in _NO_KERNEL
-    return any(_runs_a_kernel(child) for child in children)
+    """Whether the profiled aten op ``event`` launched a device kernel: itself (any op not in
+    ``_NO_KERNEL``, whatever it allocates below it: ``cat`` does its copy itself) or an aten
+    op below it (a ``to`` that copies)."""
+    if event.name.removeprefix("aten::") not in _NO_KERNEL:
+        return True
+    return any(_runs_a_kernel(child) for child in event.cpu_children if child.name.startswith("aten::"))
 
 
 def _bert_qkv(batch=2, seq=128, heads=12, head_dim=64):
@@ -83,6 +83,13 @@ def _attention_decoder():
     q = torch.zeros(1, 256, 32, 128, dtype=torch.bfloat16, requires_grad=True).transpose(1, 2)
     k, v = (torch.zeros(1, 256, 8, 128, dtype=torch.bfloat16, requires_grad=True).transpose(1, 2) for _ in range(2))
     return lambda: sf.attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def _varlen_attention():
+    cu_seqlens = torch.tensor([0, 100, 228, 256], dtype=torch.int32)
+    qkv = torch.zeros(256, 36, 64, dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv.split(12, dim=1)
+    return lambda: sf.varlen_attention(q, k, v, cu_seqlens, cu_seqlens, 128, 128, 0.1)
 
 
 def _disentangled_attention():
@@ -163,6 +170,7 @@ def _inference_linear():
 CALLS: dict[str, Callable[[], Callable]] = {
     "attention bert (2x12x128x64 bf16, fused qkv, key padding, dropout)": _attention_bert,
     "attention decoder (1x32/8x256x128 bf16, gqa, causal)": _attention_decoder,
+    "varlen_attention (3 sequences, 12 heads, d64 bf16, dropout)": _varlen_attention,
     "disentangled_attention (2x12x128x64 bf16, c2p+p2c, padding, dropout)": _disentangled_attention,
     "layer_norm bert (256x768 bf16, residual, dropout)": _layer_norm_bert,
     "layer_norm memory_efficient (256x768 bf16, residual, dropout)": _layer_norm_memory_efficient,

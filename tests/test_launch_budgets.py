@@ -4,13 +4,12 @@ counted on a CPU (``tests.launch_budgets``). A regression in host overhead fails
 without a GPU; a deliberate change renews the file."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.aot_compile import ROOT
+from tests.aot_compile import ROOT, compiled_triton_env
 from tests.launch_budgets import BUDGETS, CALLS
 
 RENEW = "env -u TRITON_INTERPRET python -m tests.launch_budgets --write"
@@ -18,10 +17,13 @@ RENEW = "env -u TRITON_INTERPRET python -m tests.launch_budgets --write"
 
 @pytest.fixture(scope="module")
 def measured() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     result = subprocess.run(
-        [sys.executable, "-m", "tests.launch_budgets"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tests.launch_budgets"],
+        cwd=ROOT,
+        env=compiled_triton_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout[result.stdout.index("{") :])
@@ -51,8 +53,6 @@ def test_call_dispatches_its_budget(measured, call):
 
 def test_counts_see_a_torch_op_added_around_a_launch():
     # The counter must see what a regression adds: a memset and a host sync beside a kernel launch.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     script = """
 import json, torch
 import slimformer as sf
@@ -66,7 +66,7 @@ def regressed():
 print(json.dumps([_counted(lambda: sf.rms_norm(x, (32,), w))[1], _counted(regressed)[1]]))
 """
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", script], cwd=ROOT, env=compiled_triton_env(), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-4000:]
     plain, regressed = json.loads(result.stdout[result.stdout.index("[") :])
