@@ -210,12 +210,10 @@ def _counted(run: Callable) -> tuple[object, dict]:
     return result, {**counts, "ops": dict(sorted(ops.items()))}
 
 
-def measure(names=None) -> dict[str, dict[str, dict]]:
+def measure() -> dict[str, dict[str, dict]]:
     """{call: {"forward": counts, "backward": counts (where the call has one)}} for ``CALLS``."""
     budgets = {}
     for name, setup in CALLS.items():
-        if names is not None and name not in names:
-            continue
         call = setup()
         out, forward = _counted(call)
         budgets[name] = {"forward": forward}
