@@ -36,6 +36,7 @@ from slimformer.kernels.dispatch import (
     FLOAT_DTYPES,
     absent_output,
     check_linear,
+    direct,
     eager_autograd,
     reference_row_blocks,
     use_triton,
@@ -461,7 +462,7 @@ def _mlp_backward(ctx, dout, _dh):
     # keeps a dead buffer for its next allocation of that size, and sees none inside a
     # custom op: with dx allocated in the op, that dead buffer outlives the op).
     dx = torch.empty_like(x)
-    dw1, db1, dw2, db2 = _mlp_backward_op(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2, dx)
+    dw1, db1, dw2, db2 = direct(_mlp_backward_op)(dout, x, w1, b1, w2, h, seed, activation, dropout_p, has_b2, dx)
     return dx, dw1, db1 if b1 is not None else None, dw2, db2 if has_b2 else None, None, None, None, None
 
 

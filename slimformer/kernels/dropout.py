@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, eager_autograd, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, direct, eager_autograd, reference_row_blocks, use_triton
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -143,7 +143,7 @@ def _dropout_add_setup_context(ctx, inputs, output):
 
 def _dropout_add_backward(ctx, dout):
     (seed,) = ctx.saved_tensors
-    dx = _dropout_add_backward_op(dout, seed, ctx.dropout_p, ctx.x_dtype)
+    dx = direct(_dropout_add_backward_op)(dout, seed, ctx.dropout_p, ctx.x_dtype)
     return dx, dout.to(ctx.residual_dtype), None, None
 
 

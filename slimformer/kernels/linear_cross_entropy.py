@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, eager_autograd, use_triton
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, direct, eager_autograd, use_triton
 
 # One chunk of logits holds at most this many elements (16 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -330,7 +330,7 @@ def _linear_cross_entropy_grad(ctx, grad_loss, _grad_lse):
         return (None,) * 7
     x, weight, bias, labels, lse = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
-    grads = _linear_cross_entropy_backward_op(
+    grads = direct(_linear_cross_entropy_backward_op)(
         grad_loss, x, weight, bias, labels, lse, ctx.ignore_index, ctx.label_smoothing, ctx.reduction, needs
     )
     return *(grad if need else None for grad, need in zip(grads, needs)), None, None, None, None

@@ -45,6 +45,7 @@ import triton.language as tl
 
 from slimformer.kernels.dispatch import (
     absent_output,
+    direct,
     eager_autograd,
     multiprocessor_count,
     reference_row_blocks,
@@ -1201,7 +1202,7 @@ def _norm_backward(ctx, dy, dh_out, _dmean, _drstd):
         return (None,) * 13
     if dy is None:  # only h was used
         dy = torch.zeros(saved.shape, dtype=spec.out_dtype, device=saved.device)
-    dx, dresidual, dw, db = _norm_backward_op(
+    dx, dresidual, dw, db = direct(_norm_backward_op)(
         dy,
         dh_out if ctx.has_h else None,
         saved,

@@ -15,7 +15,7 @@ The GEMMs are PyTorch's (cuBLAS on CUDA): there is no kernel of our own to run.
 
 import torch
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, check_linear, eager_autograd
+from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, check_linear, direct, eager_autograd
 
 # The differentiable op: forward and backward ``torch.library`` ops joined by
 # ``register_autograd``, so that torch.compile keeps x and the weights and cannot re-plan
@@ -85,7 +85,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy0, dy1, dy2):
     x, w0, w1, w2 = ctx.saved_tensors
     dx = torch.empty_like(x)  # here, not inside the op: see the module docstring
-    dw0, db0, dw1, db1, dw2, db2 = _projections_backward_op(dy0, dy1, dy2, x, w0, w1, w2, ctx.has_bias, dx)
+    dw0, db0, dw1, db1, dw2, db2 = direct(_projections_backward_op)(dy0, dy1, dy2, x, w0, w1, w2, ctx.has_bias, dx)
     b0, b1, b2 = ctx.has_bias
     return dx, dw0, db0 if b0 else None, dw1, db1 if b1 else None, dw2, db2 if b2 else None
 

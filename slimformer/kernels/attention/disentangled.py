@@ -64,7 +64,7 @@ from slimformer.kernels.attention.tiles import (
     store_rows,
     tile_ids,
 )
-from slimformer.kernels.dispatch import eager_autograd, reference_row_blocks
+from slimformer.kernels.dispatch import direct, eager_autograd, reference_row_blocks
 from slimformer.kernels.philox import (
     dropout_keep_mma_block,
     dropout_mma_apply,
@@ -1127,7 +1127,7 @@ def _grad(ctx, grad_out, _grad_lse):
     q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed, cu_seqlens = (
         ctx.saved_tensors
     )
-    dq, dk, dv, dpk, dpq = disentangled_attention_backward_op(
+    dq, dk, dv, dpk, dpq = direct(disentangled_attention_backward_op)(
         grad_out, q, k, v, pos_key, pos_query, index, out, lse, key_padding_mask, query_padding_mask, seed,
         ctx.dropout_p, ctx.scale, cu_seqlens, ctx.max_seqlen,
     )  # fmt: skip

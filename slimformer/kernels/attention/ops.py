@@ -18,7 +18,7 @@ from slimformer.kernels.attention.reference import (
     varlen_backward_reference,
     varlen_forward_reference,
 )
-from slimformer.kernels.dispatch import absent_output, eager_autograd, use_triton
+from slimformer.kernels.dispatch import absent_output, direct, eager_autograd, use_triton
 
 
 def runs_kernels(q: torch.Tensor) -> bool:
@@ -169,7 +169,7 @@ def _attention_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
         return (None,) * 12
     q, k, v, out, lse, seed, attn_mask, key_padding_mask, relative_bias = ctx.saved_tensors
-    dq, dk, dv, dbias = attention_backward_op(
+    dq, dk, dv, dbias = direct(attention_backward_op)(
         grad_out,
         q,
         k,
@@ -321,7 +321,7 @@ def _self_attention_grad(ctx, grad_out, _grad_lse):
         return (None,) * 12
     x, weight, bias, out, lse, seed, attn_mask, key_padding_mask = ctx.saved_tensors
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]]
-    dx, dweight, dbias = self_attention_backward_op(
+    dx, dweight, dbias = direct(self_attention_backward_op)(
         grad_out,
         x,
         weight,
@@ -449,7 +449,7 @@ def _varlen_grad(ctx, grad_out, _grad_lse):
     if grad_out is None:  # the output got no gradient
         return (None,) * 14
     q, k, v, out, lse, seed, cu_q, cu_k, relative_bias = ctx.saved_tensors
-    dq, dk, dv, dbias = varlen_attention_backward_op(
+    dq, dk, dv, dbias = direct(varlen_attention_backward_op)(
         grad_out, q, k, v, out, lse, seed, cu_q, cu_k, *ctx.args, relative_bias, ctx.window
     )
     return dq, dk, dv, *(None,) * 9, _bias_grad_or_none(dbias, relative_bias), None
