@@ -155,6 +155,56 @@ def test_bad_labels(labels, error, match):
         model(input_ids=ids, labels=labels(good))
 
 
+@pytest.mark.parametrize("max_labelled_tokens", [16, 51])
+def test_fixed_shape_loss_matches_hf(max_labelled_tokens):
+    """``max_labelled_tokens``: that many rows gathered (no host sync), the extra ones
+    ignored; the loss and gradients are HF's, with padding and with every position."""
+    reference = _model()
+    model = sf.patch(copy.deepcopy(reference))
+    model.max_labelled_tokens = max_labelled_tokens
+    ids, labels = _batch()
+    assert (labels != -100).sum() <= 16
+    out, grads = _loss_and_grads(model, ids, labels)
+    expected, expected_grads = _loss_and_grads(reference, ids, labels)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-6, atol=1e-6)
+    _assert_same_grads(grads, expected_grads)
+
+
+def test_fixed_shape_gathers_without_a_sync_and_refuses_too_small_a_bound(monkeypatch):
+    from slimformer.layers import mlm_head
+
+    hidden = torch.randn(2, 5, 4)
+    labels = torch.tensor([[-100, 3, -100, 7, 1], [-100] * 5])
+    rows, row_labels = mlm_head._fixed_labelled_rows(hidden.view(10, 4), labels.view(10), -100, 5)
+    assert row_labels.tolist() == [3, 7, 1, -100, -100]
+    assert torch.equal(rows[:3], hidden.view(10, 4)[[1, 3, 4]])
+    with pytest.raises(ValueError, match="max_labelled_tokens=2 is less than the batch's labelled positions, 3"):
+        mlm_head._fixed_labelled_rows(hidden.view(10, 4), labels.view(10), -100, 2)
+    with pytest.raises(TypeError, match="max_labelled_tokens must be an int or None, got float"):
+        mlm_head.masked_token_loss(hidden, labels, lambda r: r, torch.ones(9, 4), None, max_labelled_tokens=2.0)
+    with pytest.raises(ValueError, match="max_labelled_tokens must be >= 1, got 0"):
+        mlm_head.masked_token_loss(hidden, labels, lambda r: r, torch.ones(9, 4), None, max_labelled_tokens=0)
+    asserted = []  # a GPU's path: the bound checked on the device
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch, "_assert_async", lambda flag, message: asserted.append((bool(flag), message)))
+    mlm_head._fixed_labelled_rows(hidden.view(10, 4), labels.view(10), -100, 2)
+    assert asserted == [(False, "max_labelled_tokens=2 is less than the batch's labelled positions")]
+
+
+def test_fixed_shape_loss_compiles_without_graph_breaks():
+    from slimformer.layers import mlm_head
+
+    hidden = torch.randn(2, 5, 4, requires_grad=True)
+    labels = torch.tensor([[-100, 3, -100, 7, 1], [-100] * 5])
+    weight = torch.randn(9, 4)
+
+    def loss(h):
+        return mlm_head.masked_token_loss(h, labels, torch.tanh, weight, None, max_labelled_tokens=4)
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(hidden), loss(hidden))
+
+
 def test_unpatch_summary_and_copies():
     model = _model()
     keys = list(model.state_dict())

@@ -367,9 +367,11 @@ def _check_inputs(x, weight, bias, labels, ignore_index, label_smoothing, reduct
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     vocab = weight.shape[0]
     outside = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
-    if torch.compiler.is_compiling():  # no host sync in a graph: checked on the device
+    # On a GPU (and in a graph) the range is checked on the device, as F.cross_entropy's
+    # CUDA kernel checks it: a device-side assert, no host sync in the step.
+    if labels.is_cuda or torch.compiler.is_compiling():
         torch._assert_async(~outside.any(), f"labels must be in [0, {vocab}) or ignore_index={ignore_index}")
-    elif outside.any():  # one host sync; a CUDA gather would fault instead
+    elif outside.any():
         bad = labels[outside][0].item()
         raise ValueError(f"labels must be in [0, {vocab}) or ignore_index={ignore_index}, got {bad}")
 
@@ -399,7 +401,8 @@ def linear_cross_entropy(
     Gradients flow to input, weight and bias (dW and db as whole (vocab, ...) tensors,
     accumulated by autograd into a tied Parameter's grad).
     Raises TypeError / ValueError naming the argument for bad shapes, dtypes, devices,
-    and for labels outside the vocabulary (one host sync; under torch.compile a device-side assert).
+    and on CPU for labels outside the vocabulary; on a GPU and under torch.compile those
+    trip a device-side assert instead, as in ``F.cross_entropy`` (no host sync).
     """
     _check_inputs(input, weight, bias, labels, ignore_index, label_smoothing, reduction)
     autocast = torch.is_autocast_enabled(input.device.type)

@@ -153,3 +153,16 @@ def test_bad_input(change, error, match):
     arguments = change(dict(input=x, weight=weight, bias=bias, labels=labels))
     with pytest.raises(error, match=match):
         linear_cross_entropy(**arguments)
+
+
+def test_labels_on_a_gpu_are_checked_on_the_device(monkeypatch):
+    """On a CUDA tensor the label range goes to ``torch._assert_async`` (a device-side assert,
+    as F.cross_entropy's, no host sync); on CPU its kernel raises at once, with the message."""
+    x, weight, bias, _ = _inputs(9, 16, 70, torch.float32)
+    asserted = []
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch, "_assert_async", lambda flag, message: asserted.append((flag.clone(), message)))
+    lce._check_inputs(x, weight, bias, torch.full((9,), 3), -100, 0.0, "mean")
+    lce._check_inputs(x, weight, bias, torch.full((9,), 70), -100, 0.0, "mean")
+    assert [flag.item() for flag, _ in asserted] == [True, False]
+    assert asserted[1][1] == "labels must be in [0, 70) or ignore_index=-100"

@@ -15,6 +15,8 @@ Liger-Kernel's fused linear cross-entropy does; ``BertForPreTraining``: its outp
 tokens, ignore_index -100, NaN when no token is labelled) and so are the gradients.
 Every other call (eval, no labels, ``torch.no_grad``, ``return_dict=False``,
 ``model.fused_loss = False`` to get training logits) runs the model's own forward.
+``model.max_labelled_tokens = K`` (an upper bound on a batch's labelled tokens) gathers
+K rows for the loss instead of as many as are labelled: no host sync in the step.
 Hooks on the head's decoder do not fire on the fused path (the decoder is not called);
 hooks on the transform's modules do.
 """
@@ -122,9 +124,13 @@ class FusedMaskedLM(RuntimeMixin):
     """Forward of a patched ``*ForMaskedLM`` model, mixed before the model's own class
     (see the module docstring); it takes the model's own arguments, and
     ``inspect.signature`` of it is the model's (transformers' Trainer keeps the dataset
-    columns it names). ``fused_loss`` (default True) switches the fused loss off."""
+    columns it names). ``fused_loss`` (default True) switches the fused loss off;
+    ``max_labelled_tokens`` (default None) set to an upper bound on a batch's labelled
+    tokens makes the loss gather that many rows, with no host sync
+    (``masked_token_loss``'s fixed-shape path)."""
 
     fused_loss = True
+    max_labelled_tokens = None
 
     def forward(self, *args, **kwargs):
         bound = self._forward_signature.bind(self, *args, **kwargs)
@@ -143,7 +149,13 @@ class FusedMaskedLM(RuntimeMixin):
         arguments.pop("self")
         outputs = getattr(self, self.base_model_prefix)(**arguments, **extra, return_dict=True)
         transform = _head(self)[0]
-        loss = masked_token_loss(outputs[0], labels, transform, *_decoder_weight_and_bias(self))
+        loss = masked_token_loss(
+            outputs[0],
+            labels,
+            transform,
+            *_decoder_weight_and_bias(self),
+            max_labelled_tokens=self.max_labelled_tokens,
+        )
         common = dict(hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         if not pretraining:
             return self._output_class(loss=loss, logits=None, **common)
