@@ -69,7 +69,7 @@ def test_dry_run_goes_through_every_phase(dry_run):
     assert all(r["cosine_vs_fp16"] > 0.99 for r in state["model"]["infer"].values())
     plan_rows = state["model"]["plan"]["sf.plan"]["rows"]
     assert len(plan_rows) == 3 and all(abs(r["error"]) < 0.01 for r in plan_rows.values()), plan_rows
-    assert len(state["targets"]) == 17
+    assert len(state["targets"]) == 22
     markdown = (out / "gpu-dry-run-cpu.md").read_text()
     for heading in (
         "**Dry run**",

@@ -24,8 +24,10 @@ sequence's ``last_hidden_state`` to the fp16 model's.
 """
 
 import copy
+import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -45,7 +47,7 @@ FULL = dict(
     seq=512,
     infer_batch=32,
     infer_seq=128,
-    steps=4,
+    steps=10,
     infer_calls=10,
 )
 DRY = dict(
@@ -73,8 +75,14 @@ TRAIN_COLUMNS = {
     "HF SDPA + checkpointing": dict(attn="sdpa", checkpointing=True),
     "HF SDPA, 50% padding": dict(attn="sdpa", padded=True),
     "slimformer unpad=True, 50% padding": dict(attn="sdpa", policy="none", unpad=True, padded=True),
-    "torch.compile(HF SDPA)": dict(attn="sdpa", compiled=True),
+    "torch.compile(HF SDPA)": dict(attn="sdpa", compiled="default"),
+    "torch.compile(slimformer none)": dict(attn="sdpa", policy="none", compiled="default"),
+    "torch.compile(slimformer qkv+mlp)": dict(attn="sdpa", policy="qkv+mlp", compiled="default"),
+    "reduce-overhead(HF SDPA)": dict(attn="sdpa", compiled="reduce-overhead"),
+    "reduce-overhead(slimformer none)": dict(attn="sdpa", policy="none", compiled="reduce-overhead"),
 }
+# the compiled columns run after the inference ones (their compiles are the longest work)
+COMPILED_COLUMNS = tuple(name for name, spec in TRAIN_COLUMNS.items() if "compiled" in spec)
 INFER_COLUMNS = ("HF SDPA fp16", "slimformer int8", "slimformer int8-weight-only")
 
 
@@ -104,7 +112,7 @@ def training_batch(config, batch: int, seq: int, padded: bool, device) -> tuple[
     return {name: t.to(device) for name, t in inputs.items()}, int(real.sum())
 
 
-def _train_model(base, spec: dict, device, dry_run: bool):
+def _train_model(base, spec: dict, tokens: int, device, dry_run: bool):
     model = copy.deepcopy(base).to(device).train()
     model.set_attn_implementation(spec["attn"])
     if spec.get("checkpointing"):
@@ -112,16 +120,30 @@ def _train_model(base, spec: dict, device, dry_run: bool):
     if "policy" in spec:
         sf.patch(model, recompute=spec["policy"], unpad=spec.get("unpad", False))
         model.set_attn_implementation("slimformer")  # the fused layers get the (batch, seq) padding mask
+        model.max_labelled_tokens = labelled_bound(tokens)  # the head's fixed-shape gather: no host sync
     forward = model
     if spec.get("compiled"):
-        forward = torch.compile(model, backend="eager" if dry_run else "inductor")
+        mode = None if spec["compiled"] == "default" else spec["compiled"]
+        forward = torch.compile(model, backend="eager" if dry_run else "inductor", mode=None if dry_run else mode)
     return model, forward
 
 
-def training_step(forward, optimizer, inputs: dict, device) -> Callable[[], torch.Tensor]:
-    """One step of every training column: bf16 autocast forward, backward, AdamW, zero_grad; returns the loss."""
+def labelled_bound(tokens: int) -> int:
+    """An upper bound on a batch's labelled tokens when each of ``tokens`` is labelled with
+    probability ``LABELLED``: the mean plus 6 standard deviations (as a user sets
+    ``max_labelled_tokens`` from the collator's masking rate)."""
+    mean = tokens * LABELLED
+    return math.ceil(mean + 6 * math.sqrt(mean * (1 - LABELLED)))
+
+
+def training_step(forward, optimizer, inputs: dict, device, graphs: bool = False) -> Callable[[], torch.Tensor]:
+    """One step of every training column: bf16 autocast forward, backward, AdamW, zero_grad;
+    returns the loss. ``graphs``: the forward replays CUDA graphs (``mode="reduce-overhead"``),
+    so each step is marked as a new iteration for them."""
 
     def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = forward(**inputs).loss
         loss.backward()
@@ -135,9 +157,10 @@ def training_step(forward, optimizer, inputs: dict, device) -> Callable[[], torc
 def train_column(name: str, base, sizes: dict, device, dry_run: bool, steps: int) -> dict:
     """One training column (see the module docstring): tokens/s, step time, peak memory."""
     spec = TRAIN_COLUMNS[name]
-    model, forward = _train_model(base, spec, device, dry_run)
     inputs, tokens = training_batch(base.config, sizes["batch"], sizes["seq"], spec.get("padded", False), device)
-    step = training_step(forward, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device)
+    model, forward = _train_model(base, spec, tokens, device, dry_run)
+    graphs = spec.get("compiled") == "reduce-overhead" and not dry_run
+    step = training_step(forward, torch.optim.AdamW(model.parameters(), lr=1e-4), inputs, device, graphs)
     start = time.perf_counter()
     first_loss = float(step())
     _sync(device)
@@ -156,6 +179,7 @@ def train_column(name: str, base, sizes: dict, device, dry_run: bool, steps: int
         peaks.append(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None)
     median = statistics.median(times)
     return {
+        "syncs_per_step": host_syncs(step, device),
         "tokens": tokens,
         "tokens_per_s": tokens / median,
         "step_ms": {"median": median * 1e3, "min": min(times) * 1e3, "max": max(times) * 1e3},
@@ -164,6 +188,22 @@ def train_column(name: str, base, sizes: dict, device, dry_run: bool, steps: int
         "losses": [first_loss, *losses],
         "steps": steps,
     }
+
+
+def host_syncs(step: Callable, device) -> int | None:
+    """The host syncs of one more ``step()``, as ``torch.cuda.set_sync_debug_mode`` warns of
+    them (None off CUDA, where nothing syncs)."""
+    if device.type != "cuda":
+        return None
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(warning.message) for warning in caught)
 
 
 def plan_rows(base, sizes: dict, device, dry_run: bool) -> dict:
@@ -278,8 +318,9 @@ def run(
     result (or ``{"error": ...}`` / ``{"skipped": ...}``) goes to ``on_result(kind, name, result)``."""
     sizes = DRY if dry_run else FULL
     mlm, encoder = base_models(dry_run)
-    work = [("train", name) for name in TRAIN_COLUMNS if name != "torch.compile(HF SDPA)"]
-    work += [("infer", name) for name in INFER_COLUMNS] + [("train", "torch.compile(HF SDPA)"), ("plan", "sf.plan")]
+    work = [("train", name) for name in TRAIN_COLUMNS if name not in COMPILED_COLUMNS]
+    work += [("infer", name) for name in INFER_COLUMNS] + [("train", name) for name in COMPILED_COLUMNS]
+    work += [("plan", "sf.plan")]
     fp16_output = None
     for kind, name in work:
         if columns is not None and name not in columns:
@@ -305,14 +346,18 @@ def run(
         free_memory(device)
 
 
-def warm_compiled(device, dry_run: bool) -> dict:
-    """A precompile worker's share of this phase: one step of the torch.compile column, so
-    its Inductor code lands in the on-disk caches before the phase runs."""
+def warm_compiled(device, dry_run: bool) -> list[dict]:
+    """A precompile worker's share of this phase: one step of each compiled column, so that
+    their Inductor code lands in the on-disk caches before the phase runs."""
     mlm, _ = base_models(dry_run)
     sizes = DRY if dry_run else FULL
-    start = time.perf_counter()
-    try:
-        train_column("torch.compile(HF SDPA)", mlm, sizes, device, dry_run, steps=1)
-        return {"case": "model torch.compile(HF SDPA)", "seconds": round(time.perf_counter() - start, 2)}
-    except Exception as error:
-        return {"case": "model torch.compile(HF SDPA)", "error": brief(error)}
+    records = []
+    for name in COMPILED_COLUMNS:
+        start = time.perf_counter()
+        try:
+            train_column(name, mlm, sizes, device, dry_run, steps=1)
+            records.append({"case": f"model {name}", "seconds": round(time.perf_counter() - start, 2)})
+        except Exception as error:
+            records.append({"case": f"model {name}", "error": brief(error)})
+        free_memory(device)
+    return records

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.gpu_check import ROOT
 
-MODEL_KEY = "model torch.compile(HF SDPA)"
+MODEL_KEY = "model: the compiled columns"
 
 
 class Precompiler:
@@ -90,6 +90,6 @@ def worker(keys_file: str, dry_run: bool) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cases = {case.key: case for case in all_cases(dry_run, device, copies=1)}
     for key in json.loads(Path(keys_file).read_text()):
-        records = [model.warm_compiled(device, dry_run)] if key == MODEL_KEY else warm(cases[key], sync)
+        records = model.warm_compiled(device, dry_run) if key == MODEL_KEY else warm(cases[key], sync)
         for record in records:
             print(json.dumps(record), flush=True)
