@@ -727,12 +727,16 @@ def test_convergence_matches_unpatched(torch_path, reference_training, policy):
     torch.testing.assert_close(losses, reference_training["none", 0.1][0], rtol=1e-4, atol=1e-5)
 
 
-def test_torch_compile_fullgraph_forward_and_backward(torch_path):
+@pytest.mark.parametrize("fixed_shape_head", [False, True])
+def test_torch_compile_fullgraph_forward_and_backward(torch_path, fixed_shape_head):
     # aot_eager traces forward and backward as inductor does, without its C++ build
     # (inductor also passes, in about a minute on this CPU). One layer: dynamo traces
-    # every layer of the loop anew, and the layers run the same code.
+    # every layer of the loop anew, and the layers run the same code. The fixed-shape
+    # masked-LM gather (max_labelled_tokens) is traced too.
     model = patch(_model("BertForMaskedLM", dropout=0.0, num_hidden_layers=1), recompute="qkv+mlp").train()
     ids, mask = _batch(model.config)
+    if fixed_shape_head:
+        model.max_labelled_tokens = ids.numel() + 3
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     loss = compiled(ids, attention_mask=mask, labels=ids).loss
     loss.backward()
