@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from slimformer.kernels import dispatch
 from slimformer.kernels.attention import attention, backward, configs, forward, launch, ops, self_attention
@@ -311,8 +312,18 @@ def test_tma_only_where_the_copy_engine_can_read_the_tensors(monkeypatch):
     monkeypatch.setattr(launch, "tma_supported", lambda x: True)
     qkv = torch.zeros(2, 17, 3 * 4 * 40, dtype=torch.bfloat16)
     fused = ops.split_heads(qkv, 4)
-    assert launch.tma_descriptors(fused, (128, 64, 64), 64) is not None
+    descriptors = launch.tma_descriptors(fused, (128, 64, 64), 64)
+    for descriptor, x, rows in zip(
+        descriptors, fused, (128, 64, 64), strict=True
+    ):  # as Triton's constructor makes them
+        made = TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, 64])
+        assert descriptor.base is x and type(descriptor) is TensorDescriptor
+        assert {k: v for k, v in vars(descriptor).items() if k != "base"} == {
+            k: v for k, v in vars(made).items() if k != "base"
+        }
     assert launch.tma_descriptors([x.float() for x in fused], (32, 32, 32), 64) is None
+    misaligned = torch.zeros(2 * 17 * 3 * 160 + 1, dtype=torch.bfloat16)[1:].view(2, 17, 480)
+    assert launch.tma_descriptors(ops.split_heads(misaligned, 4), (128, 64, 64), 64) is None
     odd_rows = torch.zeros(2, 4, 17, 36, dtype=torch.bfloat16)  # 72-byte rows
     assert launch.tma_descriptors([odd_rows], (64,), 64) is None
     broadcast = torch.zeros(2, 1, 17, 64, dtype=torch.bfloat16).expand(2, 4, 17, 64)

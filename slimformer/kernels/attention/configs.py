@@ -12,6 +12,7 @@ device's limit, and no register spills where some config avoids them (unless the
 lies outside the loops and the spill-free tile costs more per tile).
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -167,8 +168,14 @@ def block_config(
     dK/dV launch with fewer kv heads than query heads (GQA); ``varlen``: packed sequences.
 
     BLOCK_D is the head dim padded to a power of two >= 16, as ``tl.dot`` and ``tl.arange``
-    need; the padding lanes load as zeros.
+    need; the padding lanes load as zeros. A new dict each call, looked up once per
+    distinct argument tuple (every launch asks).
     """
+    return dict(_block_config(head_dim, dtype, kernel, kind, arch, shared_bytes, grouped, varlen))
+
+
+@functools.cache
+def _block_config(head_dim, dtype, kernel, kind, arch, shared_bytes, grouped, varlen) -> dict:
     block_d = max(16, triton.next_power_of_2(head_dim))
     table = config_table(arch, shared_bytes)
     if dtype == torch.float32:

@@ -1,7 +1,9 @@
 """Host-side pieces every attention launcher shares: grids, the kernels' flags and stride
 arguments, mask arguments, TMA descriptors and output allocation."""
 
+import functools
 import math
+import types
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -135,16 +137,54 @@ def tma_supported(x: torch.Tensor) -> bool:
 
 
 def tma_descriptors(tensors, rows: tuple[int, ...], block_d: int) -> list[TensorDescriptor] | None:
-    """Host-side TMA descriptors of (batch, heads, seq, head_dim) tensors, each loading
-    (1, 1, rows, block_d) boxes, or None where the kernels must use pointers: no TMA on
-    the device, fp32 (its small tiles run on CUDA cores), or a base or a stride the copy
-    engine cannot take (it needs both 16-byte aligned; broadcast dims, stride 0, are left
-    to pointers too)."""
-    if not all(tma_supported(x) and x.dtype != torch.float32 for x in tensors):
+    """Host-side TMA descriptors of (batch, heads, seq, head_dim) tensors of one dtype, each
+    loading (1, 1, rows, block_d) boxes, or None where the kernels must use pointers: no
+    TMA on the device, fp32 (its small tiles run on CUDA cores), or a base or a stride the
+    copy engine cannot take (it needs both 16-byte aligned; broadcast dims, stride 0, are
+    left to pointers too)."""
+    first = tensors[0]
+    if first.dtype == torch.float32 or not tma_supported(first):
         return None
-    if any(x.data_ptr() % 16 or any(s <= 0 or s * x.element_size() % 16 for s in x.stride()[:-1]) for x in tensors):
+    if any(x.data_ptr() % 16 for x in tensors):
         return None
-    return [TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, n, block_d]) for x, n in zip(tensors, rows)]
+    layouts = tuple((tuple(x.shape), x.stride()) for x in tensors)
+    if not _tma_layouts(layouts, first.element_size(), rows, block_d):
+        return None
+    return [
+        _descriptor(x, shape, strides, [1, 1, n, block_d]) for x, (shape, strides), n in zip(tensors, layouts, rows)
+    ]
+
+
+@functools.cache
+def _tma_layouts(layouts: tuple, element_size: int, rows: tuple[int, ...], block_d: int) -> bool:
+    """Whether every (shape, strides) of ``layouts`` can back a TMA descriptor loading
+    (1, 1, n, block_d) boxes (n of ``rows``): ``TensorDescriptor``'s own checks, bar the
+    base's alignment, made once per layout."""
+    if any(s <= 0 or s * element_size % 16 for _, strides in layouts for s in strides[:-1]):
+        return False
+    for (shape, strides), n in zip(layouts, rows):
+        TensorDescriptor(_Aligned(element_size), list(shape), list(strides), [1, 1, n, block_d])
+    return True
+
+
+class _Aligned:
+    """A stand-in base for ``_tma_layouts``' check: 16-byte aligned, of ``element_size`` bytes."""
+
+    def __init__(self, element_size: int):
+        self.dtype = types.SimpleNamespace(itemsize=element_size, is_floating_point=True)
+
+    def data_ptr(self) -> int:
+        return 0
+
+
+def _descriptor(base: torch.Tensor, shape, strides, block_shape: list[int]) -> TensorDescriptor:
+    # TensorDescriptor's __post_init__ re-checks, each call, what _tma_layouts has checked
+    # once for this layout and tma_descriptors for this base: a few µs per descriptor.
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(
+        base=base, shape=list(shape), strides=list(strides), block_shape=block_shape, padding="zero"
+    )
+    return descriptor
 
 
 def reference_dtype(q: torch.Tensor) -> torch.dtype:
