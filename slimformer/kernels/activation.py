@@ -35,9 +35,11 @@ from einops import rearrange
 from slimformer.kernels.dispatch import (
     FLOAT_DTYPES,
     absent_output,
+    cdiv,
     check_linear,
     direct,
     eager_autograd,
+    next_power_of_2,
     reference_row_blocks,
     use_triton,
 )
@@ -193,9 +195,9 @@ def _activation_bwd_kernel(
 def _grid(M: int, N: int) -> tuple[tuple[int], int, int]:
     """2-D tiles of 8192 elements (64 per thread: the per-program set-up and the Philox key
     schedule amortised), wide along the contiguous columns, on one grid axis."""
-    block_n = min(1024, max(DECISIONS_PER_CALL, triton.next_power_of_2(N)))
+    block_n = min(1024, max(DECISIONS_PER_CALL, next_power_of_2(N)))
     block_m = 8192 // block_n
-    return (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),), block_m, block_n
+    return (cdiv(M, block_m) * cdiv(N, block_n),), block_m, block_n
 
 
 def _out_features(h: torch.Tensor, activation: str) -> int:

@@ -14,7 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, direct, eager_autograd, reference_row_blocks, use_triton
+from slimformer.kernels.dispatch import (
+    FLOAT_DTYPES,
+    cdiv,
+    direct,
+    eager_autograd,
+    next_power_of_2,
+    reference_row_blocks,
+    use_triton,
+)
 from slimformer.kernels.philox import (
     DECISIONS_PER_CALL,
     dropout_keep_block,
@@ -69,9 +77,9 @@ def _matrix_shape(x: torch.Tensor) -> tuple[int, int]:
 
 def _tiles(M: int, N: int) -> tuple[tuple[int], int, int]:
     """Grid and (BLOCK_M, BLOCK_N): tiles of 4096 elements, as wide as the rows allow."""
-    block_n = min(1024, max(DECISIONS_PER_CALL, triton.next_power_of_2(N)))
+    block_n = min(1024, max(DECISIONS_PER_CALL, next_power_of_2(N)))
     block_m = _TILE_ELEMENTS // block_n
-    return (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),), block_m, block_n
+    return (cdiv(M, block_m) * cdiv(N, block_n),), block_m, block_n
 
 
 def _dropout_scale(x, residual, seed, dropout_p, out_dtype):

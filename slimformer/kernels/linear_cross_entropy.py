@@ -26,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from slimformer.kernels.dispatch import FLOAT_DTYPES, absent_output, direct, eager_autograd, use_triton
+from slimformer.kernels.dispatch import (
+    FLOAT_DTYPES,
+    absent_output,
+    cdiv,
+    direct,
+    eager_autograd,
+    next_power_of_2,
+    use_triton,
+)
 
 # One chunk of logits holds at most this many elements (16 MiB in fp32).
 _CHUNK_ELEMENTS = 1 << 22
@@ -107,7 +115,7 @@ def _chunk_logits_grad_kernel(
 
 
 def _block_v(chunk: int, largest: int) -> int:
-    return min(largest, triton.next_power_of_2(max(chunk, 16)))
+    return min(largest, next_power_of_2(max(chunk, 16)))
 
 
 def _chunk_width(rows: int, vocab: int) -> int:
@@ -117,7 +125,7 @@ def _chunk_width(rows: int, vocab: int) -> int:
 
 
 def _padded(width: int) -> int:
-    return triton.cdiv(width, 16) * 16
+    return cdiv(width, 16) * 16
 
 
 def _chunk_buffer(x, width: int) -> torch.Tensor:
@@ -185,7 +193,7 @@ def _logits_grad(logits, labels, lse, row_grad, start, vocab, label_smoothing, t
     if triton_kernel:
         padded = _padded(logits.shape[1])
         block_v = _block_v(padded, 4096)
-        _chunk_logits_grad_kernel[(logits.shape[0], triton.cdiv(padded, block_v))](
+        _chunk_logits_grad_kernel[(logits.shape[0], cdiv(padded, block_v))](
             logits,
             labels,
             lse,

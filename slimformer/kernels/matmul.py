@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from slimformer.kernels import int8_cpu
-from slimformer.kernels.dispatch import use_triton
+from slimformer.kernels.dispatch import cdiv, next_power_of_2, use_triton
 
 ACTIVATIONS = (None, "gelu", "relu")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -294,7 +294,7 @@ _TUNED_GEMMS = {kind: _tuned_gemm(kind) for kind in GPU_CONFIGS}
 
 
 def _m_bucket(m: int) -> int:
-    return min(max(16, triton.next_power_of_2(m)), 8192)
+    return min(max(16, next_power_of_2(m)), 8192)
 
 
 def _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
@@ -312,7 +312,7 @@ def _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
         kind = "float32" if x.dtype == torch.float32 else "float"
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
     _TUNED_GEMMS[kind][grid](
         x,
@@ -333,7 +333,7 @@ def _gemm(x, weight, x_scale, w_scale, bias, activation, out_dtype):
 
 def _quantize_block(n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M rows, BLOCK_K columns, num_warps) for ``_quantize_rows_kernel``."""
-    block_k = min(triton.next_power_of_2(max(n_cols, 1)), _QUANTIZE_BLOCK_ELEMENTS)
+    block_k = min(next_power_of_2(max(n_cols, 1)), _QUANTIZE_BLOCK_ELEMENTS)
     block_m = max(1, min(16, _QUANTIZE_BLOCK_ELEMENTS // block_k))
     return block_m, block_k, 4 if block_m * block_k <= 1024 else 8
 
@@ -346,7 +346,7 @@ def _quantize_rows(x, smooth):
     if M == 0:
         return q, scale
     block_m, block_k, num_warps = _quantize_block(K)
-    _quantize_rows_kernel[(triton.cdiv(M, block_m),)](
+    _quantize_rows_kernel[(cdiv(M, block_m),)](
         x,
         smooth,
         q,

@@ -45,9 +45,11 @@ import triton.language as tl
 
 from slimformer.kernels.dispatch import (
     absent_output,
+    cdiv,
     direct,
     eager_autograd,
     multiprocessor_count,
+    next_power_of_2,
     reference_row_blocks,
     use_triton,
 )
@@ -722,7 +724,7 @@ def _block_config(n_cols: int, forward: bool = False) -> tuple[int, int, int, bo
     Wider rows go in 4096-column blocks (``wide``)."""
     if n_cols > (_MAX_WHOLE_ROW_FORWARD if forward else _MAX_WHOLE_ROW):
         return 1, _WIDE_BLOCK_N, _WIDE_BLOCK_N // 512, True
-    block_n = max(DECISIONS_PER_CALL, triton.next_power_of_2(n_cols))
+    block_n = max(DECISIONS_PER_CALL, next_power_of_2(n_cols))
     block_m = max(1, min(16, 2048 // block_n))
     num_warps = max(4, block_m * block_n // 512)
     return block_m, block_n, max(1, num_warps // 2) if forward else num_warps, False
@@ -735,10 +737,10 @@ def _row_split(n_cols: int, block_m: int, block_n: int, num_warps: int) -> tuple
     row keeps at most 48 values per thread (the rule's 32 to 64 for whole blocks) by halving
     the warps, whose row sums then cost fewer shuffles and shared-memory round trips."""
     head = block_n // 2
-    tail = max(DECISIONS_PER_CALL, triton.next_power_of_2(max(n_cols - head, 1)))
+    tail = max(DECISIONS_PER_CALL, next_power_of_2(max(n_cols - head, 1)))
     if n_cols <= head or tail >= head:
         return block_n, 0, num_warps
-    return head, tail, triton.next_power_of_2(triton.cdiv(block_m * (head + tail), 32 * 48))
+    return head, tail, next_power_of_2(cdiv(block_m * (head + tail), 32 * 48))
 
 
 def _row_alignment(n_cols: int) -> int:
@@ -783,7 +785,7 @@ def _norm_fwd(x, residual, weight, bias, seed, spec: _NormSpec, shape: torch.Siz
         _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flags, block_n, num_warps)
     else:
         head, tail, num_warps = _row_split(N, block_m, block_n, num_warps)
-        _norm_fwd_kernel[(triton.cdiv(M, block_m),)](
+        _norm_fwd_kernel[(cdiv(M, block_m),)](
             *args, **flags, BLOCK_M=block_m, BLOCK_N=head, TAIL_N=tail, num_warps=num_warps
         )
     return y, h, mean, rstd
@@ -793,9 +795,9 @@ def _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flag
     """The two passes over rows wider than registers hold. With fewer rows than SMs, each row
     is split into S segments of whole column blocks (grid (M, S)) so that every SM works."""
     M, N = x.shape
-    blocks = triton.cdiv(N, block_n)
-    segment_cols = triton.cdiv(blocks, max(1, min(blocks, multiprocessor_count(x.device) // M))) * block_n
-    segments = triton.cdiv(N, segment_cols)
+    blocks = cdiv(N, block_n)
+    segment_cols = cdiv(blocks, max(1, min(blocks, multiprocessor_count(x.device) // M))) * block_n
+    segments = cdiv(N, segment_cols)
     stats = torch.empty((M, segments, 2), dtype=torch.float32, device=x.device)
     _norm_fwd_wide_stats_kernel[(M, segments)](
         x, residual, h, seed, stats, N, spec.dropout_p, segment_cols, **flags, BLOCK_N=block_n, num_warps=num_warps
@@ -817,7 +819,7 @@ def _norm_fwd_wide(x, residual, weight, bias, y, h, mean, rstd, seed, spec, flag
         spec.dropout_p,
         segment_cols,
         **{k: v for k, v in flags.items() if k != "STORE_H"},
-        SEGMENTS=triton.next_power_of_2(segments),
+        SEGMENTS=next_power_of_2(segments),
         BLOCK_N=block_n,
         num_warps=num_warps,
     )
@@ -833,9 +835,9 @@ def _norm_bwd(dy, dh_out, saved, weight, bias, mean, rstd, seed, x_dtype, residu
     # One fp32 partial row of dw (and db) per program, at most one program per SM, each with
     # at least one row: every partial row is written, so nothing is zero-filled first. The
     # whole-row kernel sums them itself (``_sum_partial_rows``), into dw and db in their dtypes.
-    programs = max(1, min(triton.cdiv(M, block_m), multiprocessor_count(dy.device)))
-    rows_per_program = max(1, triton.cdiv(triton.cdiv(M, programs), block_m)) * block_m
-    programs = max(1, triton.cdiv(M, rows_per_program))
+    programs = max(1, min(cdiv(M, block_m), multiprocessor_count(dy.device)))
+    rows_per_program = max(1, cdiv(cdiv(M, programs), block_m)) * block_m
+    programs = max(1, cdiv(M, rows_per_program))
     partial_shape = (programs, N)
     allocate = torch.empty if M > 0 else torch.zeros
     dw_partial = None if weight is None else allocate(partial_shape, dtype=torch.float32, device=dy.device)

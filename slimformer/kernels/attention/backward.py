@@ -35,6 +35,7 @@ from slimformer.kernels.attention.tiles import (
     tile_ids,
     without_padding,
 )
+from slimformer.kernels.dispatch import cdiv
 from slimformer.kernels.philox import dropout_mma_apply, dropout_threshold_and_scale
 
 
@@ -1079,7 +1080,7 @@ def _launch(
         # a relative bias's tile is read through negative strides, whose offsets the masked
         # config's 64-key tiles spill on sm_90 (compile report): half the keys per tile
         dq_config = dict(dq_config, BLOCK_N=min(dq_config["BLOCK_N"], 32))
-    q_blocks = triton.cdiv(seq_q, dq_config["BLOCK_M"])
+    q_blocks = cdiv(seq_q, dq_config["BLOCK_M"])
     unit = stride_unit(q, k, v, out, grad_out, dq, dk, dv)
     _attention_bwd_preprocess_kernel[grid(q_blocks, heads, batch)](
         out,
@@ -1117,7 +1118,7 @@ def _launch(
     # GQA's loop over the group's heads keeps more live, so its dK/dV tiles draw without
     # lane-paired Philox calls (HAS_DROPOUT 1), which would need the registers
     dkdv_flags = dict(flags, HAS_DROPOUT=min(flags["HAS_DROPOUT"], 1)) if heads != kv_heads else flags
-    _attention_bwd_dkdv_kernel[grid(triton.cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
+    _attention_bwd_dkdv_kernel[grid(cdiv(seq_k, dkdv_config["BLOCK_N"]), kv_heads, batch)](
         q,
         k,
         v,

@@ -16,9 +16,8 @@ import functools
 from typing import NamedTuple
 
 import torch
-import triton
 
-from slimformer.kernels.dispatch import INTERPRETED_TARGET
+from slimformer.kernels.dispatch import INTERPRETED_TARGET, next_power_of_2
 
 KERNELS = ("fwd", "dkdv", "dkdv_dq", "dq")  # "dkdv_dq": dK/dV adding dQ with atomics
 CONFIG_KINDS = ("plain", "masked", "dropout")
@@ -176,7 +175,7 @@ def block_config(
 
 @functools.cache
 def _block_config(head_dim, dtype, kernel, kind, arch, shared_bytes, grouped, varlen) -> dict:
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     table = config_table(arch, shared_bytes)
     if dtype == torch.float32:
         _, config = next(row for row in table.fp32 if block_d <= row[0])

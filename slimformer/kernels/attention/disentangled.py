@@ -64,7 +64,7 @@ from slimformer.kernels.attention.tiles import (
     store_rows,
     tile_ids,
 )
-from slimformer.kernels.dispatch import direct, eager_autograd, reference_row_blocks
+from slimformer.kernels.dispatch import cdiv, direct, eager_autograd, next_power_of_2, reference_row_blocks
 from slimformer.kernels.philox import (
     dropout_keep_mma_block,
     dropout_mma_apply,
@@ -706,7 +706,7 @@ def _flags(q, pos_key, pos_query, key_padding_mask, query_padding_mask, dropout_
         HAS_QPM=query_padding_mask is not None,
         HAS_DROPOUT=dropout_p > 0.0,
         HEAD_DIM=q.shape[-1],
-        BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])),
+        BLOCK_D=max(16, next_power_of_2(q.shape[-1])),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=q.dtype == torch.bfloat16 and not q.is_cuda,
     )
@@ -749,7 +749,7 @@ def disentangled_forward(
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     block, warps, stages = _blocks(q, backward=False)
     (pk, pq, kpm, qpm), strides = _pointer_args(q, pos_key, pos_query, key_padding_mask, query_padding_mask)
-    grid = (triton.cdiv(seq_q, block) * heads * batch,)
+    grid = (cdiv(seq_q, block) * heads * batch,)
     _disentangled_fwd_kernel[grid](
         q, k, v, pk, pq, index, out, lse, kpm, qpm, q if seed is None else seed, q if cu_seqlens is None else cu_seqlens,
         *head_strides(1, q, k, v, out), *strides,
@@ -783,7 +783,7 @@ def disentangled_backward(
     inputs = (q, k, v, grad_out)
 
     def launch(kernel, rows, grads, position_grad):
-        kernel[(triton.cdiv(rows, block) * heads * batch,)](
+        kernel[(cdiv(rows, block) * heads * batch,)](
             q, k, v, pk, pq, index, grad_out, lse, delta, kpm, qpm, q if seed is None else seed,
             q if cu_seqlens is None else cu_seqlens, *grads, q if position_grad is None else position_grad,
             *head_strides(1, *inputs, grads[0]),

@@ -35,6 +35,7 @@ from slimformer.kernels.attention.tiles import (
     tile_ids,
     without_padding,
 )
+from slimformer.kernels.dispatch import cdiv
 from slimformer.kernels.philox import dropout_mma_apply, dropout_threshold_and_scale
 
 
@@ -462,7 +463,7 @@ def attention_forward(
     if kind != "masked":
         rows = (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_N"])
         inputs = tma_descriptors((q, k, v), rows, config["BLOCK_D"])
-    _attention_fwd_kernel[grid(triton.cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
+    _attention_fwd_kernel[grid(cdiv(seq_q, config["BLOCK_M"]), heads, batch)](
         *(inputs or (q, k, v)),
         out,
         lse,
@@ -510,7 +511,7 @@ def varlen_forward(
     config = block_config(head_dim, q.dtype, "fwd", kind, *dispatch.device_target(q), varlen=True)
     unit = stride_unit(q, k, v, out)
     masks, mask_strides, mask_flags = varlen_mask_args(relative_bias, max_q)
-    _attention_fwd_kernel[grid(triton.cdiv(max_q, config["BLOCK_M"]), heads, batch)](
+    _attention_fwd_kernel[grid(cdiv(max_q, config["BLOCK_M"]), heads, batch)](
         q,
         k,
         v,
