@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from slimformer.kernels import dispatch
-from slimformer.kernels.attention import attention, configs, varlen_attention
+from slimformer.kernels.attention import attention, configs, ops, varlen_attention
 from slimformer.kernels.philox import dropout_keep_mma_block, dropout_threshold
 from tests.helpers import assert_within_reference_error
 
@@ -300,6 +300,24 @@ def _good():
 def test_bad_input(change, error, message):
     with pytest.raises(error, match=message):
         varlen_attention(**{**_good(), **change})
+
+
+def test_cu_seqlens_are_checked_once_until_written(monkeypatch):
+    """Every layer of a packed batch passes the same cu_seqlens: checked on its first call
+    (each check is several launches on a GPU), again after an in-place write or for other rows."""
+    checks = []
+    monkeypatch.setattr(ops, "_check_cu_seqlens", lambda name, *args: checks.append(name))
+    good = _good()
+    cu = good["cu_seqlens_q"].clone()
+    good.update(cu_seqlens_q=cu, cu_seqlens_k=cu)  # self-attention's: one tensor for both
+    for _ in range(3):
+        varlen_attention(**good)
+    assert checks == ["cu_seqlens_q"]
+    cu[0] = 0  # an in-place write moves its version
+    varlen_attention(**good)
+    assert checks == ["cu_seqlens_q"] * 2
+    ops.check_cu_seqlens("cu_seqlens_q", cu, 6, 3, "query")
+    assert checks == ["cu_seqlens_q"] * 3
 
 
 def test_bad_dropout():
