@@ -620,6 +620,45 @@ def test_hooks_on_submodules_of_a_fused_layer_fire(torch_path):
         torch.testing.assert_close(got, want)
 
 
+def _perturbed(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(0.1)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("path", "make"),
+    [
+        # the MLP's Linear, now no nn.Linear
+        ("output.dense", lambda old: nn.Sequential(nn.Linear(old.in_features, old.out_features))),
+        ("attention.output.LayerNorm", lambda old: nn.Identity()),  # a bypassed part of another type
+        ("attention.self.query", lambda old: nn.Linear(old.in_features, old.out_features)),  # another Linear
+        ("attention", lambda old: _perturbed(copy.deepcopy(old))),  # a container above the parts
+    ],
+)
+def test_a_part_swapped_after_a_fused_call_is_seen(torch_path, path, make):
+    """The fused layer judges its parts once, then re-checks each link of their paths per
+    call: a part swapped after a call is what the next call runs, fused or not, as in HF."""
+    reference = _model("BertModel", dropout=0.0).eval()
+    model = patch(copy.deepcopy(reference))
+    ids, mask = _batch(model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        holder_path, _, name = path.rpartition(".")
+        holders = [m.encoder.layer[0].get_submodule(holder_path) for m in (reference, model)]
+        torch.manual_seed(3)
+        replacement = make(getattr(holders[0], name))
+        for holder in holders:
+            setattr(holder, name, copy.deepcopy(replacement))
+        torch.testing.assert_close(
+            model(ids, attention_mask=mask).last_hidden_state,
+            reference(ids, attention_mask=mask).last_hidden_state,
+            rtol=1e-5,
+            atol=1e-5,
+        )
+
+
 def test_patch_on_the_meta_device_then_materialise(torch_path):
     reference = _model("BertModel", dropout=0.0).eval()
     with torch.device("meta"):

@@ -66,6 +66,7 @@ masked-LM loss (``slimformer.integrations.hf.masked_lm``) and unpads base models
 import inspect
 import operator
 import re
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -231,6 +232,67 @@ def _kernel_masks(attention_mask, batch: int, seq: int):
     )
 
 
+_MISSING = object()
+
+
+def _held(holder, name: str):
+    """What ``getattr(holder, name)`` finds, read from the dicts that an nn.Module keeps it
+    in (its ``__dict__``, then its submodules) where it is there: a dict lookup, not a walk
+    through ``nn.Module.__getattr__``."""
+    found = holder.__dict__.get(name, _MISSING)
+    if found is _MISSING:
+        found = holder.__dict__.get("_modules", {}).get(name, _MISSING)
+    return getattr(holder, name, _MISSING) if found is _MISSING else found
+
+
+class _LayoutParts:
+    """A fused layer's parts at its layout's paths, and why they cannot be fused (None when
+    they can), as they were when judged, with every link on the way (the object holding a
+    part, its name there, the part and its type) to re-check: a part swapped, deleted or
+    given another class anywhere on a path makes it stale. Re-checking is a dict lookup per
+    link; resolving a path walks ``nn.Module.__getattr__`` for each name, and judging the
+    parts took tens of µs per call."""
+
+    def __init__(self, layer):
+        layout = layer.layout
+        paths = (*layout.bypassed(), *layout.qkv, layout.out_proj, layout.fc1, layout.fc2)
+        self.by_path, self.path_links, links = {}, {}, {}
+        for path in paths:
+            holder, prefix, path_links = layer, "", []
+            for name in path.split("."):
+                prefix = f"{prefix}.{name}" if prefix else name
+                part = getattr(holder, name)
+                links[prefix] = (holder, name, part, type(part))
+                path_links.append(links[prefix])
+                holder = part
+            self.by_path[path], self.path_links[path] = holder, tuple(path_links)
+        self.links = tuple(links.values())
+        self.unfused, self.bypassed_modules = None, []
+        for path, types in layout.bypassed().items():
+            part = self.by_path[path]
+            if not isinstance(part, nn.Module):  # an activation that is a plain function
+                continue
+            if types is not None and type(part) not in types:
+                self.unfused = f"{path} is a {type(part).__name__}"
+                return
+            self.bypassed_modules.append((path, part))
+        # The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
+        # hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
+        # calibration's, which so see the real tokens only in an unpadded model).
+        for path in (layout.fc1, layout.fc2):
+            if type(self.by_path[path]) not in _LINEARS:
+                self.unfused = f"{path} is a {type(self.by_path[path]).__name__}"
+                return
+
+    @staticmethod
+    def current(links) -> bool:
+        return all(_held(holder, name) is part and type(part) is kind for holder, name, part, kind in links)
+
+
+# fused layer -> its parts as last judged (weak: a layer's entry goes with it)
+_LAYOUT_PARTS: "weakref.WeakKeyDictionary[nn.Module, _LayoutParts]" = weakref.WeakKeyDictionary()
+
+
 class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
     """Forward of a patched BERT-family encoder layer, mixed before the layer's own class.
 
@@ -300,24 +362,22 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
         return None
 
     def _unfused_reason(self) -> str | None:
-        """Why this call must run the original forward (see the module docstring), or None."""
-        for path, types in self.layout.bypassed().items():
-            try:
-                module = self.get_submodule(path)
-            except AttributeError:  # an activation that is a plain function
-                continue
-            if types is not None and type(module) not in types:
-                return f"{path} is a {type(module).__name__}"
+        """Why this call must run the original forward (see the module docstring), or None:
+        what the layer's parts are is judged once per set of parts (``_LayoutParts``),
+        their hooks on every call."""
+        parts = self._layout_parts()
+        if parts.unfused is not None:
+            return parts.unfused
+        for path, module in parts.bypassed_modules:
             if has_user_hooks(module):
                 return f"{path} has hooks"
-        # The MLP's Linears: read by the fused MLP kernel when they are plain nn.Linears without
-        # hooks, else called as modules (sf.quantize's layers; hooks such as SmoothQuant
-        # calibration's, which so see the real tokens only in an unpadded model).
-        for path in (self.layout.fc1, self.layout.fc2):
-            module = self.get_submodule(path)
-            if type(module) not in _LINEARS:
-                return f"{path} is a {type(module).__name__}"
         return None
+
+    def _layout_parts(self) -> "_LayoutParts":
+        parts = _LAYOUT_PARTS.get(self)
+        if parts is None or not parts.current(parts.links):
+            parts = _LAYOUT_PARTS[self] = _LayoutParts(self)
+        return parts
 
     def _attention_mlp(self, x, attn_mask, padding, policy, relative_bias=None):
         """(the MLP's output before its dropout, its input y): the layer but its last norm."""
@@ -380,7 +440,12 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
 
     def _part(self, path: str):
         """The submodule (or activation function) at ``path``, one of the layout's."""
-        return operator.attrgetter(path)(self)
+        parts = _LAYOUT_PARTS.get(self)
+        if parts is None or path not in parts.path_links or not parts.current(parts.path_links[path]):
+            parts = self._layout_parts()
+            if path not in parts.by_path:
+                return operator.attrgetter(path)(self)
+        return parts.by_path[path]
 
     def _add_norm(self, branch, residual, norm_path: str, dropout_path: str | None):
         """``norm(dropout(branch) + residual)`` (BertSelfOutput, BertOutput), one kernel."""
