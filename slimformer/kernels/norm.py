@@ -34,6 +34,7 @@ float64 inputs (``torch.autograd.gradcheck``, float64 models) always take the Py
 reference, on every device, with float64 statistics and accumulators.
 """
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -1008,6 +1009,7 @@ def _as_rows(t: torch.Tensor, spec: _NormSpec) -> torch.Tensor:
 # instead of re-planning what to save. The spec travels as its fields (schema types).
 
 
+@functools.lru_cache(maxsize=256)  # one spec per distinct call, made once: every norm asks for its own
 def _spec(
     is_rms, normalized_ndim, eps, dropout_p, rebuild_from_output, return_residual, out_dtype, dropout_after
 ) -> _NormSpec:
@@ -1266,7 +1268,11 @@ def output_rebuilds_input(weight: torch.Tensor | None, bias: torch.Tensor | None
 def check_normalized_shape(normalized_shape) -> tuple[int, ...]:
     """``normalized_shape`` (an int or a sequence of ints) as a tuple; TypeError/ValueError otherwise."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
-    if not isinstance(shape, Sequence) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+    # the common case first, without the Sequence ABC's isinstance (µs a call)
+    plain = type(shape) in (tuple, torch.Size, list) and all(type(d) is int for d in shape)
+    if not plain and (
+        not isinstance(shape, Sequence) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
+    ):
         raise TypeError(
             f"normalized_shape must be an int or a sequence of ints, got {type(normalized_shape).__name__} "
             f"{normalized_shape!r}"
@@ -1277,7 +1283,7 @@ def check_normalized_shape(normalized_shape) -> tuple[int, ...]:
 
 
 def check_eps(eps) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    if type(eps) is not float and (isinstance(eps, bool) or not isinstance(eps, numbers.Real)):
         raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps}")
