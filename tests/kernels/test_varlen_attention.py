@@ -318,6 +318,11 @@ def test_cu_seqlens_are_checked_once_until_written(monkeypatch):
     assert checks == ["cu_seqlens_q"] * 2
     ops.check_cu_seqlens("cu_seqlens_q", cu, 6, 3, "query")
     assert checks == ["cu_seqlens_q"] * 3
+    with torch.inference_mode():  # an inference tensor keeps no version: checked every call
+        frozen = cu.clone()
+        for _ in range(2):
+            varlen_attention(**{**good, "cu_seqlens_q": frozen, "cu_seqlens_k": frozen})
+    assert checks == ["cu_seqlens_q"] * 3 + ["cu_seqlens_q", "cu_seqlens_k"] * 2
 
 
 def test_bad_dropout():

@@ -470,7 +470,11 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, t
     """Value checks of one cu_seqlens: exact errors on CPU; on GPU device-side asserts,
     so that no check costs a host sync. A tensor is checked once for given ``total`` and
     ``max_seqlen`` until it is written in place (its version counter; a write through
-    ``.data`` goes unseen)."""
+    ``.data`` goes unseen). An inference tensor, which keeps no version counter, is checked
+    on every call."""
+    if cu.is_inference():
+        _check_cu_seqlens(name, cu, total, max_seqlen, tensor_name)
+        return
     passed = (cu._version, total, max_seqlen)
     entry = _CHECKED_CU_SEQLENS.get(id(cu))
     if entry is not None and entry[0]() is cu and passed in entry[1]:
