@@ -100,6 +100,12 @@ def forget_device_targets() -> None:
     _cuda_target.cache_clear()
 
 
+def capturing_graph(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a CUDA graph (no host reads then).
+    Asks CUDA only for a CUDA device: a CPU-only build has no capture state to ask."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def reference_row_blocks(rows: int, row_elements: int) -> list[tuple[int, int]]:
     """(start, stop) of the blocks of rows a PyTorch reference works in, for rows of
     ``row_elements`` elements: about ``REFERENCE_BLOCK_ELEMENTS`` per block, at least one row."""

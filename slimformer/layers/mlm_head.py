@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from slimformer.kernels.dispatch import capturing_graph
 from slimformer.kernels.linear_cross_entropy import linear_cross_entropy
 
 
@@ -69,7 +70,8 @@ def masked_token_loss(
     rows = hidden.reshape(positions, hidden.shape[-1])
     if max_labelled_tokens is not None and positions:
         rows, flat_labels = _fixed_labelled_rows(rows, flat_labels, ignore_index, max_labelled_tokens)
-    elif not (torch.compiler.is_compiling() or _capturing(hidden)):  # a graph cannot hold a data-dependent count
+    elif not (torch.compiler.is_compiling() or capturing_graph(hidden.device)):
+        # a graph cannot hold a data-dependent row count
         labelled = (flat_labels != ignore_index).nonzero()[:, 0]
         rows, flat_labels = rows.index_select(0, labelled), flat_labels.index_select(0, labelled)
     return linear_cross_entropy(
@@ -89,10 +91,6 @@ def _check_max_labelled_tokens(value) -> None:
         raise TypeError(f"max_labelled_tokens must be an int or None, got {type(value).__name__} {value!r}")
     if value < 1:
         raise ValueError(f"max_labelled_tokens must be >= 1, got {value}")
-
-
-def _capturing(hidden: torch.Tensor) -> bool:
-    return hidden.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _fixed_labelled_rows(

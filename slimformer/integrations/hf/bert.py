@@ -441,11 +441,9 @@ class FusedBertFamilyLayer(RuntimeMixin, NotScriptable):
     def _part(self, path: str):
         """The submodule (or activation function) at ``path``, one of the layout's."""
         parts = _LAYOUT_PARTS.get(self)
-        if parts is None or path not in parts.path_links or not parts.current(parts.path_links[path]):
+        if parts is None or (path in parts.path_links and not parts.current(parts.path_links[path])):
             parts = self._layout_parts()
-            if path not in parts.by_path:
-                return operator.attrgetter(path)(self)
-        return parts.by_path[path]
+        return parts.by_path[path] if path in parts.by_path else operator.attrgetter(path)(self)
 
     def _add_norm(self, branch, residual, norm_path: str, dropout_path: str | None):
         """``norm(dropout(branch) + residual)`` (BertSelfOutput, BertOutput), one kernel."""

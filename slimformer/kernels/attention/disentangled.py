@@ -64,7 +64,14 @@ from slimformer.kernels.attention.tiles import (
     store_rows,
     tile_ids,
 )
-from slimformer.kernels.dispatch import cdiv, direct, eager_autograd, next_power_of_2, reference_row_blocks
+from slimformer.kernels.dispatch import (
+    capturing_graph,
+    cdiv,
+    direct,
+    eager_autograd,
+    next_power_of_2,
+    reference_row_blocks,
+)
 from slimformer.kernels.philox import (
     dropout_keep_mma_block,
     dropout_mma_apply,
@@ -107,8 +114,7 @@ def _shared_index(
     layer of a model): read-only. A DeBERTa layer's index costs about 20 small ops, each a
     launch on a GPU. Under torch.compile it is made in the graph."""
     device = torch.device(device)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if torch.compiler.is_compiling() or capturing or torch._guards.detect_fake_mode() is not None:
+    if torch.compiler.is_compiling() or capturing_graph(device) or torch._guards.detect_fake_mode() is not None:
         # a graph's or a fake tensor mode's own tensor: never one to share with later calls
         return relative_position_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
     return _cached_index(seq_q, seq_k, span, position_buckets, max_relative_positions, device)
