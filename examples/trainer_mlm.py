@@ -22,6 +22,7 @@ which the patched model's forward keeps from HF's.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -161,6 +162,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.losses is not None:
             args.losses.write_text(json.dumps({"world_size": world, "losses": losses}))
             print(f"losses written to {args.losses}")
+    if torch.distributed.is_initialized():
+        # Leave the process group before the interpreter's exit frees DDP's state: freed
+        # then, while gloo's threads still run, it can abort the process (pytorch#179291).
+        del trainer, model
+        gc.collect()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
